@@ -1,0 +1,1 @@
+"""netweave.emu (work in progress)."""

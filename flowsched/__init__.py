@@ -1,0 +1,1 @@
+"""netweave.flowsched (work in progress)."""

@@ -1,0 +1,1 @@
+"""The netweave command line, demo and benchmark runner (the top of the stack)."""

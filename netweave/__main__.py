@@ -1,0 +1,5 @@
+import sys
+
+from netweave.cli import main
+
+sys.exit(main())

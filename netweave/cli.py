@@ -1,0 +1,58 @@
+"""The ``netweave`` command line: one sub-command per package.
+
+Each package contributes its sub-commands through a ``register(subparsers)``
+function in its own ``cli`` module; this file only assembles them and turns
+bad input (:class:`topology.errors.InputError`) into one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from topology.errors import InputError
+
+# (module, attribute) pairs; a package whose CLI is not written yet is skipped.
+_COMMAND_MODULES = ["topology.cli", "placement.cli", "pipesched.cli", "flowsched.cli", "emu.cli", "netweave.bench", "netweave.demo"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="netweave",
+        description="Network-aware communication and pipeline scheduling for distributed training.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        register = getattr(module, "register", None)
+        if register is not None:
+            register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        result = args.func(args)
+    except InputError as exc:
+        print(f"netweave: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("netweave: interrupted", file=sys.stderr)
+        return 130
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

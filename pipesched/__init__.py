@@ -1,0 +1,1 @@
+"""netweave.pipesched (work in progress)."""

@@ -1,0 +1,1 @@
+"""netweave.placement (work in progress)."""

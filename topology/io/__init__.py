@@ -1,0 +1,106 @@
+"""Reading and writing topology files.
+
+Formats: ``json`` (netweave's own, lossless), ``nvidia-smi`` (``nvidia-smi topo -m``
+text, import only), ``nccl-xml`` (NCCL's topology XML, as written to
+``NCCL_TOPO_DUMP_FILE`` and read from ``NCCL_TOPO_FILE``), ``slurm``
+(``topology.conf`` of Slurm's topology/tree plugin). See ``docs/topology.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from ..errors import TopologyError
+from ..model import Topology
+
+IMPORT_FORMATS = ("json", "nvidia-smi", "nccl-xml", "slurm")
+EXPORT_FORMATS = ("json", "nccl-xml", "slurm")
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half of one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def guess_format(path: str | os.PathLike[str], text: str) -> str:
+    """Pick a format from the file's name and first characters."""
+    name = str(path).lower()
+    head = text.lstrip()[:200]
+    if name.endswith(".json") or head.startswith("{"):
+        return "json"
+    if name.endswith(".xml") or head.startswith("<"):
+        return "nccl-xml"
+    if "SwitchName" in text:
+        return "slurm"
+    if "GPU0" in text and ("Legend" in text or "X " in text):
+        return "nvidia-smi"
+    raise TopologyError("cannot tell the format; pass --format json|nvidia-smi|nccl-xml|slurm", source=str(path))
+
+
+def loads(text: str, format: str, *, source: str | None = None) -> Topology:
+    """Parse topology ``text`` in ``format``."""
+    if format == "json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise TopologyError(f"invalid JSON ({exc.msg})", source=source, where=exc.lineno) from None
+        return Topology.from_dict(data, source=source)
+    if format == "nvidia-smi":
+        from .nvsmi import parse_nvidia_smi
+
+        return parse_nvidia_smi(text, source=source)
+    if format == "nccl-xml":
+        from .ncclxml import parse_nccl_xml
+
+        return parse_nccl_xml(text, source=source)
+    if format == "slurm":
+        from .slurm import parse_slurm_topology
+
+        return parse_slurm_topology(text, source=source)
+    raise TopologyError(f"unknown format {format!r}; expected one of {', '.join(IMPORT_FORMATS)}")
+
+
+def dumps(topo: Topology, format: str = "json") -> str:
+    """Serialise ``topo`` in ``format``."""
+    if format == "json":
+        return json.dumps(topo.to_dict(), indent=1) + "\n"
+    if format == "nccl-xml":
+        from .ncclxml import to_nccl_xml
+
+        return to_nccl_xml(topo)
+    if format == "slurm":
+        from .slurm import to_slurm_topology
+
+        return to_slurm_topology(topo)
+    raise TopologyError(f"cannot export format {format!r}; expected one of {', '.join(EXPORT_FORMATS)}")
+
+
+def read_topology(path: str | os.PathLike[str], format: str | None = None) -> Topology:
+    """Read a topology file; ``format`` is guessed from the name and content when omitted."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise TopologyError(f"cannot read file ({exc.strerror})", source=str(path)) from None
+    return loads(text, format or guess_format(path, text), source=str(path))
+
+
+def write_topology(topo: Topology, path: str | os.PathLike[str], format: str = "json") -> None:
+    """Write ``topo`` to ``path`` atomically."""
+    atomic_write_text(path, dumps(topo, format))
+
+
+__all__ = ["EXPORT_FORMATS", "IMPORT_FORMATS", "atomic_write_text", "dumps", "guess_format", "loads", "read_topology", "write_topology"]

@@ -1,0 +1,289 @@
+"""The ``Topology``: a typed view over a networkx ``MultiDiGraph``.
+
+Nodes are hardware devices (GPUs, NVSwitches, PCIe switches, CPU/NUMA nodes,
+NICs, network switches); edges are *directed* links with a per-direction
+bandwidth, so a full-duplex cable is two edges. Parallel links between the same
+pair (ECMP trunks, bonded NVLinks modelled separately) are distinct keys of the
+multigraph.
+
+Every planner, the simulator and the emulator read this one object. Its graph
+is public (``topo.graph``) so that any networkx algorithm applies directly; the
+helper methods only add the typing that networkx does not have.
+
+Node attributes
+    ``kind`` (:class:`NodeKind`), ``host`` (server name, ``None`` for fabric
+    switches), and per kind: ``index`` (GPU/NIC/NVSwitch number inside the
+    host), ``model``, ``memory_gib``, ``tflops``, ``numa``, ``rail``,
+    ``tier`` (:class:`SwitchTier`), ``domain`` (NVLink domain), ``name``.
+Link attributes
+    ``kind`` (:class:`LinkKind`), ``bw`` (GB/s per direction), ``latency_us``,
+    optional ``count`` (NVLink lanes), ``gen`` (PCIe), ``rail``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from enum import StrEnum
+from typing import Any
+
+import networkx as nx
+
+from .errors import TopologyError
+
+FORMAT_NAME = "netweave-topology"
+FORMAT_VERSION = 1
+
+
+class NodeKind(StrEnum):
+    GPU = "gpu"
+    NVSWITCH = "nvswitch"
+    PCIE_SWITCH = "pcie_switch"
+    CPU = "cpu"
+    NIC = "nic"
+    SWITCH = "switch"  # a network switch; its ``tier`` says which
+
+
+class SwitchTier(StrEnum):
+    LEAF = "leaf"  # ToR / leaf / rail switch
+    SPINE = "spine"
+    CORE = "core"
+
+
+class LinkKind(StrEnum):
+    NVLINK = "nvlink"
+    PCIE = "pcie"
+    CPU = "cpu"  # SMP interconnect between sockets (QPI/UPI/xGMI)
+    NETWORK = "network"  # InfiniBand or Ethernet cable
+
+
+_ENUM_ATTRS = {"kind": None, "tier": SwitchTier}
+
+
+class Topology:
+    """A hardware topology: typed nodes and directed, bandwidth-annotated links.
+
+    >>> t = Topology("two-gpus")
+    >>> t.add_node("h0/gpu0", NodeKind.GPU, host="h0", index=0)
+    'h0/gpu0'
+    >>> t.add_node("h0/gpu1", NodeKind.GPU, host="h0", index=1)
+    'h0/gpu1'
+    >>> t.add_link("h0/gpu0", "h0/gpu1", LinkKind.NVLINK, bw=25.0)
+    >>> t.gpus(), t.graph.number_of_edges()
+    (['h0/gpu0', 'h0/gpu1'], 2)
+    """
+
+    def __init__(self, name: str = "topology", graph: nx.MultiDiGraph | None = None, **meta: Any):
+        self.graph: nx.MultiDiGraph = graph if graph is not None else nx.MultiDiGraph()
+        self.graph.graph.setdefault("name", name)
+        self.graph.graph.update(meta)
+
+    # -- construction -----------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self.graph.graph["name"]
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.graph.graph
+
+    def add_node(self, node: str, kind: NodeKind | str, **attrs: Any) -> str:
+        """Add a typed node and return its id. ``host`` defaults to ``None``."""
+        kind = NodeKind(kind)
+        if kind is NodeKind.SWITCH:
+            attrs["tier"] = SwitchTier(attrs.get("tier", SwitchTier.LEAF))
+        attrs.setdefault("host", None)
+        self.graph.add_node(node, kind=kind, **attrs)
+        return node
+
+    def add_link(
+        self,
+        u: str,
+        v: str,
+        kind: LinkKind | str,
+        bw: float,
+        *,
+        latency_us: float = 0.0,
+        duplex: bool = True,
+        **attrs: Any,
+    ) -> None:
+        """Add a link ``u -> v`` (and ``v -> u`` when ``duplex``) of ``bw`` GB/s per direction."""
+        for end in (u, v):
+            if end not in self.graph:
+                raise TopologyError(f"link {u} -> {v}: unknown node {end!r}")
+        if not bw > 0:
+            raise TopologyError(f"link {u} -> {v}: bandwidth must be positive, got {bw!r}")
+        kind = LinkKind(kind)
+        self.graph.add_edge(u, v, kind=kind, bw=float(bw), latency_us=float(latency_us), **attrs)
+        if duplex:
+            self.graph.add_edge(v, u, kind=kind, bw=float(bw), latency_us=float(latency_us), **attrs)
+
+    # -- queries ----------------------------------------------------------------
+    def kind(self, node: str) -> NodeKind:
+        return self.graph.nodes[node]["kind"]
+
+    def host_of(self, node: str) -> str | None:
+        return self.graph.nodes[node].get("host")
+
+    def nodes(self, kind: NodeKind | str | None = None, host: str | None = None) -> list[str]:
+        """Node ids, optionally of one kind and/or one host, in insertion order."""
+        out = []
+        for n, d in self.graph.nodes(data=True):
+            if kind is not None and d["kind"] != kind:
+                continue
+            if host is not None and d.get("host") != host:
+                continue
+            out.append(n)
+        return out
+
+    def gpus(self, host: str | None = None) -> list[str]:
+        """GPU ids in canonical order: hosts in insertion order, then local index."""
+        return self.nodes(NodeKind.GPU, host)
+
+    def hosts(self) -> list[str]:
+        """Server names in insertion order."""
+        seen: dict[str, None] = {}
+        for _, d in self.graph.nodes(data=True):
+            h = d.get("host")
+            if h is not None:
+                seen.setdefault(h, None)
+        return list(seen)
+
+    def switches(self, tier: SwitchTier | str | None = None) -> list[str]:
+        return [n for n in self.nodes(NodeKind.SWITCH) if tier is None or self.graph.nodes[n]["tier"] == tier]
+
+    def links(self, kind: LinkKind | str | None = None) -> Iterator[tuple[str, str, int, dict[str, Any]]]:
+        """Directed links as ``(u, v, key, data)``."""
+        for u, v, k, d in self.graph.edges(keys=True, data=True):
+            if kind is None or d["kind"] == kind:
+                yield u, v, k, d
+
+    def resolve_gpu(self, name: str | int) -> str:
+        """Accept a GPU id (``node0/gpu3``) or a global GPU number (``11`` or ``"gpu11"``)."""
+        if isinstance(name, str) and name in self.graph:
+            if self.kind(name) is not NodeKind.GPU:
+                raise TopologyError(f"{name!r} is a {self.kind(name)}, expected a GPU")
+            return name
+        text = str(name)
+        number = text[3:] if text.startswith("gpu") else text
+        if number.isdigit():
+            gpus = self.gpus()
+            if int(number) < len(gpus):
+                return gpus[int(number)]
+        raise TopologyError(f"unknown GPU {name!r}; expected an id such as {self.gpus()[:1] or ['host/gpu0']} or a number")
+
+    def copy(self) -> Topology:
+        return Topology(graph=self.graph.copy())
+
+    def summary(self) -> dict[str, Any]:
+        """Counts of nodes and links by kind, plus bandwidth totals."""
+        nodes = Counter(str(d["kind"]) for _, d in self.graph.nodes(data=True))
+        tiers = Counter(str(d["tier"]) for _, d in self.graph.nodes(data=True) if d["kind"] == NodeKind.SWITCH)
+        links: dict[str, dict[str, float]] = {}
+        for _, _, d in self.graph.edges(data=True):
+            entry = links.setdefault(str(d["kind"]), {"directed_links": 0, "total_bw_gbs": 0.0})
+            entry["directed_links"] += 1
+            entry["total_bw_gbs"] += d["bw"]
+        models = Counter(d.get("model", "?") for _, d in self.graph.nodes(data=True) if d["kind"] == NodeKind.GPU)
+        return {
+            "name": self.name,
+            "hosts": len(self.hosts()),
+            "gpus": nodes.get("gpu", 0),
+            "gpu_models": dict(models),
+            "nodes": dict(nodes),
+            "switch_tiers": dict(tiers),
+            "links": links,
+        }
+
+    def validate(self) -> None:
+        """Raise :class:`TopologyError` on structural mistakes (missing attributes, asymmetric hosts)."""
+        for n, d in self.graph.nodes(data=True):
+            if "kind" not in d:
+                raise TopologyError(f"node {n!r} has no kind")
+            if d["kind"] in (NodeKind.GPU, NodeKind.NIC, NodeKind.NVSWITCH, NodeKind.PCIE_SWITCH, NodeKind.CPU) and not d.get("host"):
+                raise TopologyError(f"node {n!r}: a {d['kind']} must belong to a host")
+        for u, v, d in self.graph.edges(data=True):
+            if not d.get("bw", 0) > 0:
+                raise TopologyError(f"link {u} -> {v}: bandwidth must be positive")
+
+    def __repr__(self) -> str:
+        s = self.summary()
+        return f"<Topology {self.name!r}: {s['hosts']} hosts, {s['gpus']} GPUs, {self.graph.number_of_edges()} directed links>"
+
+    # -- serialisation (the JSON format; see topology.io for files) ---------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict that :meth:`from_dict` turns back into an equal topology."""
+        nodes = [{"id": n, **_plain(d)} for n, d in self.graph.nodes(data=True)]
+        links = [{"src": u, "dst": v, "key": k, **_plain(d)} for u, v, k, d in self.graph.edges(keys=True, data=True)]
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": _plain(self.graph.graph), "nodes": nodes, "links": links}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str | None = None) -> Topology:
+        """Inverse of :meth:`to_dict`; errors name the offending element."""
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            raise TopologyError(f"expected a JSON object with \"format\": \"{FORMAT_NAME}\"", source=source)
+        if data.get("version") != FORMAT_VERSION:
+            raise TopologyError(f"unsupported version {data.get('version')!r}, expected {FORMAT_VERSION}", source=source, where="version")
+        graph = nx.MultiDiGraph()
+        meta = data.get("meta") or {}
+        graph.graph.update(meta)
+        topo = cls(graph=graph)
+        for i, item in enumerate(_expect_list(data, "nodes", source)):
+            where = f"nodes[{i}]"
+            if not isinstance(item, dict) or "id" not in item or "kind" not in item:
+                raise TopologyError("expected an object with \"id\" and \"kind\"", source=source, where=where)
+            attrs = dict(item)
+            node = attrs.pop("id")
+            try:
+                attrs["kind"] = NodeKind(attrs["kind"])
+                if "tier" in attrs and attrs["tier"] is not None:
+                    attrs["tier"] = SwitchTier(attrs["tier"])
+            except ValueError as exc:
+                raise TopologyError(str(exc), source=source, where=where) from None
+            graph.add_node(node, **attrs)
+        for i, item in enumerate(_expect_list(data, "links", source)):
+            where = f"links[{i}]"
+            if not isinstance(item, dict) or not {"src", "dst", "kind", "bw"} <= item.keys():
+                raise TopologyError("expected an object with \"src\", \"dst\", \"kind\" and \"bw\"", source=source, where=where)
+            attrs = dict(item)
+            u, v, key = attrs.pop("src"), attrs.pop("dst"), attrs.pop("key", None)
+            for end in (u, v):
+                if end not in graph:
+                    raise TopologyError(f"unknown node {end!r}", source=source, where=where)
+            try:
+                attrs["kind"] = LinkKind(attrs["kind"])
+            except ValueError as exc:
+                raise TopologyError(str(exc), source=source, where=where) from None
+            if not isinstance(attrs["bw"], int | float) or not attrs["bw"] > 0:
+                raise TopologyError(f"bw must be a positive number, got {attrs['bw']!r}", source=source, where=f"{where}.bw")
+            graph.add_edge(u, v, key=key, **attrs)
+        return topo
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Topology) and self.to_dict() == other.to_dict()
+
+    __hash__ = None  # mutable
+
+
+def _plain(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, StrEnum) else v) for k, v in d.items()}
+
+
+def _expect_list(data: dict[str, Any], field: str, source: str | None) -> list[Any]:
+    value = data.get(field)
+    if not isinstance(value, list):
+        raise TopologyError(f"expected a list of {field}", source=source, where=field)
+    return value
+
+
+def host_subgraph(topo: Topology, host: str) -> nx.MultiDiGraph:
+    """The nodes and links inside one server, as a networkx view."""
+    return topo.graph.subgraph(topo.nodes(host=host))
+
+
+def iter_hosts_gpus(topo: Topology) -> Iterable[tuple[str, list[str]]]:
+    """``(host, [gpu ids])`` for every host that has GPUs, in order."""
+    by_host: dict[str, list[str]] = {}
+    for g in topo.gpus():
+        by_host.setdefault(topo.host_of(g), []).append(g)
+    return by_host.items()
