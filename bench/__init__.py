@@ -1,0 +1,1 @@
+"""netweave benchmarks: each ``bench_*.py`` writes JSON + a markdown table to ``bench/results/``."""
