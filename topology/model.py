@@ -200,8 +200,11 @@ class Topology:
         for n, d in self.graph.nodes(data=True):
             if "kind" not in d:
                 raise TopologyError(f"node {n!r} has no kind")
-            if d["kind"] in (NodeKind.GPU, NodeKind.NIC, NodeKind.NVSWITCH, NodeKind.PCIE_SWITCH, NodeKind.CPU) and not d.get("host"):
+            if d["kind"] in (NodeKind.GPU, NodeKind.NIC, NodeKind.PCIE_SWITCH, NodeKind.CPU) and not d.get("host"):
                 raise TopologyError(f"node {n!r}: a {d['kind']} must belong to a host")
+            # NVSwitches of a multi-node NVLink domain (NVL72) sit outside any host.
+            if d["kind"] == NodeKind.NVSWITCH and not (d.get("host") or d.get("domain")):
+                raise TopologyError(f"node {n!r}: an NVSwitch needs a host or an NVLink domain")
         for u, v, d in self.graph.edges(data=True):
             if not d.get("bw", 0) > 0:
                 raise TopologyError(f"link {u} -> {v}: bandwidth must be positive")
