@@ -1,0 +1,231 @@
+"""Gradient profiles: when each gradient becomes ready, how big it is, and how fast the network is.
+
+A :class:`GradientProfile` is the input of the in-job schedulers (Prophet,
+ByteScheduler-style priority). Gradients are indexed by *layer in forward
+order* (0 = first layer of the model, the first one the next forward pass needs).
+Backward produces them roughly in reverse, at ``ready[i]`` seconds after the
+backward pass starts.
+
+Two sources:
+
+- :func:`measure_gradient_profile` runs a real ``torch.nn.Module`` (CPU or GPU)
+  with per-parameter hooks (``register_post_accumulate_grad_hook``) and forward
+  hooks, and records ready times, sizes and per-layer forward times;
+- :func:`analytic_gradient_profile` derives one from per-layer forward/backward
+  times and parameter bytes (e.g. a ``pipesched`` profile).
+
+The JSON format is ``{"format": "netweave-gradient-profile", "version": 1, ...}``
+with the fields of :class:`GradientProfile`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from topology.errors import InputError
+from topology.io import atomic_write_text
+
+FORMAT = "netweave-gradient-profile"
+VERSION = 1
+
+
+@dataclass
+class GradientProfile:
+    """Per-layer gradient sizes and ready times, forward times, and the network's speed.
+
+    Attributes:
+        names: layer names in forward order.
+        nbytes: gradient bytes per layer.
+        ready: seconds after backward start when each layer's gradient is ready.
+        forward: forward time per layer (seconds), for the next iteration's forward pass.
+        backward: total backward time (seconds).
+        bandwidth: all-reduce goodput in bytes/s (algorithm bandwidth: bytes / time).
+        overhead: fixed cost per collective launch (seconds), the alpha term.
+
+    >>> p = GradientProfile(["l0", "l1"], [4e6, 4e6], [0.02, 0.01], [0.005, 0.005], 0.02, 1e9, 1e-4)
+    >>> p.layers, p.total_bytes, round(p.compute_time, 3)
+    (2, 8000000.0, 0.03)
+    """
+
+    names: list[str]
+    nbytes: list[float]
+    ready: list[float]
+    forward: list[float]
+    backward: float
+    bandwidth: float
+    overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.names)
+        for field in ("nbytes", "ready", "forward"):
+            if len(getattr(self, field)) != n:
+                raise InputError(f"{field}: expected {n} entries (one per layer), got {len(getattr(self, field))}")
+        if not self.bandwidth > 0:
+            raise InputError(f"bandwidth: expected a positive number of bytes/s, got {self.bandwidth!r}")
+        if any(b < 0 for b in self.nbytes) or any(r < 0 for r in self.ready) or any(f < 0 for f in self.forward):
+            raise InputError("nbytes, ready and forward must be non-negative")
+        self.nbytes = [float(x) for x in self.nbytes]
+        self.ready = [float(x) for x in self.ready]
+        self.forward = [float(x) for x in self.forward]
+
+    @property
+    def layers(self) -> int:
+        return len(self.names)
+
+    @property
+    def total_bytes(self) -> float:
+        return float(sum(self.nbytes))
+
+    @property
+    def compute_time(self) -> float:
+        """Forward plus backward time of one iteration."""
+        return float(sum(self.forward) + self.backward)
+
+    def comm_time(self, collectives: int | None = None) -> float:
+        """Time to all-reduce every gradient in ``collectives`` launches (default: one per layer)."""
+        k = self.layers if collectives is None else collectives
+        return self.total_bytes / self.bandwidth + k * self.overhead
+
+    def lower_bound(self) -> float:
+        """The overlap lower bound on iteration time: max(compute, communication in one launch)."""
+        return max(self.compute_time, self.comm_time(1))
+
+    def with_bandwidth(self, bandwidth: float, overhead: float | None = None) -> GradientProfile:
+        d = asdict(self)
+        d["bandwidth"] = bandwidth
+        if overhead is not None:
+            d["overhead"] = overhead
+        return GradientProfile(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT, "version": VERSION, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str | None = None) -> GradientProfile:
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise InputError(f'expected an object with "format": "{FORMAT}"', source=source)
+        if data.get("version") != VERSION:
+            raise InputError(f"unsupported version {data.get('version')!r}, expected {VERSION}", source=source, where="version")
+        fields = ("names", "nbytes", "ready", "forward", "backward", "bandwidth", "overhead")
+        missing = [f for f in fields[:-1] if f not in data]
+        if missing:
+            raise InputError(f"missing field {missing[0]!r}", source=source, where=missing[0])
+        try:
+            return cls(**{f: data[f] for f in fields if f in data})
+        except InputError as exc:
+            raise InputError(exc.message, source=source) from None
+
+    def save(self, path: str | Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> GradientProfile:
+        try:
+            data = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise InputError(f"cannot read ({exc.strerror})", source=str(path)) from None
+        except json.JSONDecodeError as exc:
+            raise InputError(f"invalid JSON ({exc.msg})", source=str(path), where=exc.lineno) from None
+        return cls.from_dict(data, source=str(path))
+
+
+def analytic_gradient_profile(
+    names: Sequence[str],
+    param_bytes: Sequence[float],
+    forward: Sequence[float],
+    backward: Sequence[float],
+    *,
+    bandwidth: float,
+    overhead: float = 0.0,
+) -> GradientProfile:
+    """Build a profile from per-layer costs: layer *i*'s gradient is ready when backward has
+    passed through layers L-1 .. i.
+
+    >>> p = analytic_gradient_profile(["a", "b", "c"], [1, 2, 3], [1, 1, 1], [2, 2, 2], bandwidth=1.0)
+    >>> p.ready
+    [6.0, 4.0, 2.0]
+    """
+    bw = np.asarray(backward, dtype=float)
+    ready = np.cumsum(bw[::-1])[::-1]
+    return GradientProfile(list(names), list(param_bytes), ready.tolist(), list(forward), float(bw.sum()), bandwidth, overhead)
+
+
+def measure_gradient_profile(
+    module: Any,
+    make_batch: Callable[[], tuple[Any, Any]],
+    loss_fn: Callable[[Any, Any], Any],
+    *,
+    bandwidth: float,
+    overhead: float = 0.0,
+    warmup: int = 2,
+    iterations: int = 5,
+    layers: Sequence[Any] | None = None,
+) -> GradientProfile:
+    """Measure a real module: per-layer gradient ready times and sizes, and forward times.
+
+    ``layers`` are the sub-modules that count as layers (default: the leaf
+    modules that own parameters, in registration order, which for sequential
+    models is forward order). Ready time of a layer = when the last of its
+    parameters' gradients has been accumulated. Medians over ``iterations``.
+    """
+    import torch
+
+    if layers is None:
+        layers = [m for m in module.modules() if not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))]
+    if not layers:
+        raise InputError("the module has no layers with trainable parameters")
+    names = []
+    by_param: dict[int, int] = {}
+    sizes = []
+    for i, layer in enumerate(layers):
+        params = [p for p in layer.parameters(recurse=False) if p.requires_grad]
+        for p in params:
+            by_param[id(p)] = i
+        sizes.append(float(sum(p.numel() * p.element_size() for p in params)))
+        names.append(next((n for n, m in module.named_modules() if m is layer), f"layer{i}"))
+
+    stamps: dict[int, float] = {}
+    fwd_start: dict[int, float] = {}
+    fwd_time: dict[int, float] = {}
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: fwd_start.__setitem__(i, time.perf_counter())))
+        handles.append(layer.register_forward_hook(lambda m, a, o, i=i: fwd_time.__setitem__(i, time.perf_counter() - fwd_start[i])))
+        for p in layer.parameters(recurse=False):
+            if p.requires_grad:
+                handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: stamps.__setitem__(i, time.perf_counter())))
+    ready_runs, fwd_runs, bwd_runs = [], [], []
+    try:
+        for it in range(warmup + iterations):
+            x, y = make_batch()
+            module.zero_grad(set_to_none=True)
+            stamps.clear()
+            out = module(x)
+            loss = loss_fn(out, y)
+            t0 = time.perf_counter()
+            loss.backward()
+            t1 = time.perf_counter()
+            if it >= warmup:
+                ready_runs.append([stamps.get(i, t1) - t0 for i in range(len(layers))])
+                fwd_runs.append([fwd_time.get(i, 0.0) for i in range(len(layers))])
+                bwd_runs.append(t1 - t0)
+    finally:
+        for h in handles:
+            h.remove()
+    del torch  # imported for its side effect of failing early when torch is missing
+    return GradientProfile(
+        names,
+        sizes,
+        np.median(np.array(ready_runs), axis=0).tolist(),
+        np.median(np.array(fwd_runs), axis=0).tolist(),
+        float(np.median(bwd_runs)),
+        bandwidth,
+        overhead,
+    )
