@@ -1,0 +1,323 @@
+"""Eight strict-priority classes on a Linux egress port, with HTB and u32 only.
+
+The emulation kernel has ``htb``, ``tbf``, ``pfifo`` and the ``u32`` filter but
+no ``prio``, ``fq``, ``sfq``, ``red`` or ``netem`` (see
+``shared/research/emu.md`` section 0). Strict priority is therefore emulated
+with HTB's ``prio`` parameter: every leaf class gets a small guaranteed
+``rate`` and ``ceil`` = the link rate, so whatever bandwidth is left over goes to
+the backlogged leaf with the lowest ``prio`` first (``sch_htb.c`` serves lower
+``prio`` first among classes borrowing from the same parent). The guaranteed
+floor (1% of the link by default) keeps low classes from starving, which makes
+the discipline "strict priority with a 1% floor per class", not pure strict
+priority; the floor is a parameter.
+
+Packets are classified by their DSCP (the upper six bits of the IPv4 TOS byte)
+with u32 filters; anything unmatched (non-IP frames, DSCP values outside the
+table) goes to the *default leaf*, the lowest priority class. The default must
+be a leaf: an HTB default that names an inner or missing class sends packets
+to the unshaped direct queue, silently defeating the shaping.
+
+Everything here is pure: the tree is generated as ``tc -batch`` lines and
+checked by parsing ``tc`` output, so it is tested without root.
+
+>>> lines = htb_tree_commands("h0-eth0", 100.0)
+>>> lines[0]
+'qdisc replace dev h0-eth0 root handle 1: htb default 17 r2q 10'
+>>> dscp_for_priority(0), tos_for_priority(0), priority_for_dscp(0)
+(56, 224, 7)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from topology.errors import InputError
+
+#: Number of priority classes (commodity switches have 8 queues; Sincronia uses 8 IP precedences).
+NUM_PRIORITIES = 8
+
+#: DSCP of each priority (0 = most urgent): the class-selector code points CS7..CS0,
+#: i.e. the IP precedence of RFC 791 read as "higher precedence, higher priority".
+#: Unmarked traffic (DSCP 0 = CS0) is therefore the lowest priority, which is also the default leaf.
+PRIORITY_DSCP: tuple[int, ...] = tuple(8 * (NUM_PRIORITIES - 1 - p) for p in range(NUM_PRIORITIES))
+
+ROOT_HANDLE = 1
+PARENT_MINOR = 0x1
+LEAF_MINOR_BASE = 0x10  # leaf of priority p is class 1:(0x10 + p)
+DEFAULT_PRIORITY = NUM_PRIORITIES - 1
+
+
+class HtbError(InputError):
+    """A qdisc tree that cannot be generated as asked (bad rate, bad priority)."""
+
+
+def dscp_for_priority(priority: int) -> int:
+    """DSCP code point of ``priority`` (0 highest ... 7 lowest)."""
+    if not 0 <= int(priority) < NUM_PRIORITIES:
+        raise HtbError(f"priority must be an integer in 0..{NUM_PRIORITIES - 1}, got {priority!r}")
+    return PRIORITY_DSCP[int(priority)]
+
+
+def tos_for_priority(priority: int) -> int:
+    """The IPv4 TOS byte (DSCP << 2, ECN bits zero) to pass to ``setsockopt(IP_TOS)``."""
+    return dscp_for_priority(priority) << 2
+
+
+def priority_for_dscp(dscp: int) -> int:
+    """The class a packet with ``dscp`` lands in: its priority, or the default leaf when unknown."""
+    try:
+        return PRIORITY_DSCP.index(int(dscp))
+    except ValueError:
+        return DEFAULT_PRIORITY
+
+
+def leaf_classid(priority: int) -> str:
+    """tc class id (hex minor) of the leaf that serves ``priority``: ``1:10`` ... ``1:17``."""
+    dscp_for_priority(priority)
+    return f"{ROOT_HANDLE:x}:{LEAF_MINOR_BASE + priority:x}"
+
+
+@dataclass(frozen=True)
+class HtbSpec:
+    """What one egress interface must carry: its rate and the class parameters.
+
+    ``rate_mbit`` is the emulated link rate; each leaf guarantees
+    ``floor_fraction * rate_mbit`` and may borrow up to the link rate.
+    ``queue_packets`` is the pfifo limit under each leaf (a per-class buffer).
+    """
+
+    dev: str
+    rate_mbit: float
+    floor_fraction: float = 0.01
+    queue_packets: int = 200
+    mtu: int = 1514
+
+    def __post_init__(self) -> None:
+        if not self.rate_mbit > 0:
+            raise HtbError(f"interface {self.dev}: rate must be positive, got {self.rate_mbit!r} Mbit/s")
+        if not 0 < self.floor_fraction * NUM_PRIORITIES <= 1:
+            raise HtbError(f"interface {self.dev}: floor_fraction must be in (0, 1/{NUM_PRIORITIES}], got {self.floor_fraction!r}")
+        if self.queue_packets < 1:
+            raise HtbError(f"interface {self.dev}: queue_packets must be >= 1, got {self.queue_packets!r}")
+
+    @property
+    def rate_kbit(self) -> int:
+        return max(8, round(self.rate_mbit * 1000))
+
+    @property
+    def floor_kbit(self) -> int:
+        return max(8, round(self.rate_kbit * self.floor_fraction))
+
+    @property
+    def burst_bytes(self) -> int:
+        # At least 10 MTU and 1 ms worth of the link: HTB refills tokens per timer tick, and the 15 kB burst
+        # that Mininet uses starves TCP behind shaped links (mininet PR #1252).
+        return max(10 * self.mtu, round(self.rate_kbit * 1000 / 8 * 0.001))
+
+
+def htb_tree_commands(dev: str, rate_mbit: float, *, floor_fraction: float = 0.01, queue_packets: int = 200) -> list[str]:
+    """``tc -batch`` lines (no leading ``tc``) that install the 8-class tree on ``dev``.
+
+    Layout: root qdisc ``1:`` (htb, default leaf ``1:17``) -> class ``1:1``
+    (rate = ceil = link) -> leaves ``1:10``..``1:17`` (prio 0..7, rate = floor,
+    ceil = link), each with a pfifo; one u32 filter per priority matching the
+    DSCP bits of the TOS byte (mask 0xfc ignores the ECN bits).
+
+    >>> cmds = htb_tree_commands("s0-eth1", 400)
+    >>> sum(c.startswith("class add") for c in cmds), sum(c.startswith("filter add") for c in cmds)
+    (9, 8)
+    >>> [c for c in cmds if "tos 0xe0" in c][0]
+    'filter add dev s0-eth1 parent 1: protocol ip prio 1 u32 match ip tos 0xe0 0xfc flowid 1:10'
+    """
+    spec = HtbSpec(dev, rate_mbit, floor_fraction=floor_fraction, queue_packets=queue_packets)
+    rate, floor, burst = spec.rate_kbit, spec.floor_kbit, spec.burst_bytes
+    default_minor = LEAF_MINOR_BASE + DEFAULT_PRIORITY
+    lines = [
+        f"qdisc replace dev {dev} root handle {ROOT_HANDLE}: htb default {default_minor:x} r2q 10",
+        f"class add dev {dev} parent {ROOT_HANDLE}: classid {ROOT_HANDLE}:{PARENT_MINOR:x} htb rate {rate}kbit ceil {rate}kbit "
+        f"burst {burst} cburst {burst} quantum {spec.mtu}",
+    ]
+    for p in range(NUM_PRIORITIES):
+        minor = LEAF_MINOR_BASE + p
+        lines.append(
+            f"class add dev {dev} parent {ROOT_HANDLE}:{PARENT_MINOR:x} classid {ROOT_HANDLE}:{minor:x} htb rate {floor}kbit "
+            f"ceil {rate}kbit burst {burst} cburst {burst} prio {p} quantum {spec.mtu}"
+        )
+        lines.append(f"qdisc add dev {dev} parent {ROOT_HANDLE}:{minor:x} handle {minor:x}: pfifo limit {queue_packets}")
+    for p in range(NUM_PRIORITIES):
+        lines.append(
+            f"filter add dev {dev} parent {ROOT_HANDLE}: protocol ip prio {p + 1} u32 match ip tos {tos_for_priority(p):#04x} 0xfc "
+            f"flowid {leaf_classid(p)}"
+        )
+    return lines
+
+
+def htb_teardown_command(dev: str) -> str:
+    """The batch line that removes the tree (the interface falls back to its default qdisc)."""
+    return f"qdisc del dev {dev} root"
+
+
+# -- parsing tc output -----------------------------------------------------------------------------------
+
+_UNITS = {"bit": 1.0, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12, "bps": 8.0, "kbps": 8e3, "mbps": 8e6, "gbps": 8e9}
+
+
+def parse_rate(text: str) -> float:
+    """A tc rate such as ``400Mbit``, ``3999Kbit`` or ``12bit`` in bit/s.
+
+    >>> parse_rate("400Mbit"), parse_rate("3999Kbit"), parse_rate("1Gbit")
+    (400000000.0, 3999000.0, 1000000000.0)
+    """
+    m = re.fullmatch(r"([0-9.]+)([A-Za-z]+)", text.strip())
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a tc rate: {text!r}")
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+@dataclass
+class TcClass:
+    classid: str
+    parent: str | None
+    leaf_qdisc: str | None
+    prio: int | None
+    rate_bps: float
+    ceil_bps: float
+    sent_bytes: int = 0
+    sent_packets: int = 0
+    dropped: int = 0
+
+
+@dataclass
+class TcQdisc:
+    kind: str
+    handle: str
+    parent: str | None  # None for the root
+    options: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class TcFilter:
+    pref: int
+    flowid: str
+    matches: list[tuple[int, int, int]]  # (value, mask, offset)
+
+
+def parse_tc_classes(text: str) -> dict[str, TcClass]:
+    """Parse ``tc -s class show dev X`` (htb classes) into ``{classid: TcClass}``."""
+    out: dict[str, TcClass] = {}
+    current: TcClass | None = None
+    for line in text.splitlines():
+        m = re.match(r"class htb (\S+) (root|parent (\S+))(.*)", line.strip())
+        if m:
+            rest = m.group(4)
+            leaf = re.search(r"leaf (\S+)", rest)
+            prio = re.search(r"\bprio (\d+)", rest)
+            rate = re.search(r"\brate (\S+)", rest)
+            ceil = re.search(r"\bceil (\S+)", rest)
+            current = TcClass(
+                classid=m.group(1), parent=m.group(3), leaf_qdisc=leaf.group(1) if leaf else None,
+                prio=int(prio.group(1)) if prio else None,
+                rate_bps=parse_rate(rate.group(1)) if rate else 0.0, ceil_bps=parse_rate(ceil.group(1)) if ceil else 0.0,
+            )
+            out[current.classid] = current
+            continue
+        m = re.match(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+)", line.strip())
+        if m and current is not None:
+            current.sent_bytes, current.sent_packets, current.dropped = (int(g) for g in m.groups())
+    return out
+
+
+def parse_tc_qdiscs(text: str) -> list[TcQdisc]:
+    """Parse ``tc qdisc show dev X`` into a list of qdiscs."""
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"qdisc (\S+) (\S+) (root|parent (\S+))\s*(.*)", line.strip())
+        if not m:
+            continue
+        words = m.group(5).split()
+        options = {words[i]: words[i + 1] for i in range(0, len(words) - 1, 2)}
+        out.append(TcQdisc(kind=m.group(1), handle=m.group(2), parent=m.group(4), options=options))
+    return out
+
+
+def parse_tc_filters(text: str) -> list[TcFilter]:
+    """Parse ``tc filter show dev X`` (u32): one entry per key node with its flowid and matches."""
+    out: list[TcFilter] = []
+    current: TcFilter | None = None
+    for line in text.splitlines():
+        s = line.strip()
+        m = re.match(r"filter parent \S+ protocol \S+ pref (\d+) u32 .*\bfh (\S+).*?flowid (\S+)", s)
+        if m:
+            current = TcFilter(pref=int(m.group(1)), flowid=m.group(3), matches=[])
+            out.append(current)
+            continue
+        m = re.match(r"match ([0-9a-fA-F]{8})/([0-9a-fA-F]{8}) at (\d+)", s)
+        if m and current is not None:
+            current.matches.append((int(m.group(1), 16), int(m.group(2), 16), int(m.group(3))))
+    return out
+
+
+def check_htb_tree(spec: HtbSpec, qdisc_text: str, class_text: str, filter_text: str, *, rate_tolerance: float = 0.02) -> list[str]:
+    """Compare an interface's live tc state with the tree :func:`htb_tree_commands` installs.
+
+    Returns a list of problems (empty when the tree is intact): a missing or
+    different root qdisc or default, a missing class, a wrong prio, rate or
+    ceil, a leaf without its pfifo, or a DSCP filter that is missing or points
+    elsewhere.
+    """
+    dev = spec.dev
+    problems: list[str] = []
+    qdiscs = parse_tc_qdiscs(qdisc_text)
+    root = [q for q in qdiscs if q.parent is None]
+    default_minor = LEAF_MINOR_BASE + DEFAULT_PRIORITY
+    if not root or root[0].kind != "htb" or root[0].handle != f"{ROOT_HANDLE}:":
+        problems.append(f"{dev}: root qdisc is {[(q.kind, q.handle) for q in root]}, expected htb {ROOT_HANDLE}:")
+    elif int(root[0].options.get("default", "-1"), 16) != default_minor:
+        problems.append(f"{dev}: htb default is {root[0].options.get('default')}, expected {default_minor:x}")
+    pfifo_parents = {q.parent for q in qdiscs if q.kind == "pfifo"}
+    classes = parse_tc_classes(class_text)
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= rate_tolerance * max(b, 1.0)
+
+    rate_bps, floor_bps = spec.rate_kbit * 1e3, spec.floor_kbit * 1e3
+    parent = classes.get(f"{ROOT_HANDLE}:{PARENT_MINOR:x}")
+    if parent is None:
+        problems.append(f"{dev}: class {ROOT_HANDLE}:{PARENT_MINOR:x} missing")
+    elif not (close(parent.rate_bps, rate_bps) and close(parent.ceil_bps, rate_bps)):
+        problems.append(f"{dev}: class {parent.classid} rate/ceil {parent.rate_bps:.0f}/{parent.ceil_bps:.0f} bit/s, expected {rate_bps:.0f}")
+    for p in range(NUM_PRIORITIES):
+        cid = leaf_classid(p)
+        c = classes.get(cid)
+        if c is None:
+            problems.append(f"{dev}: leaf class {cid} (priority {p}) missing")
+            continue
+        if c.prio != p:
+            problems.append(f"{dev}: class {cid} has prio {c.prio}, expected {p}")
+        if not close(c.ceil_bps, rate_bps):
+            problems.append(f"{dev}: class {cid} ceil {c.ceil_bps:.0f} bit/s, expected {rate_bps:.0f}")
+        if not close(c.rate_bps, floor_bps):
+            problems.append(f"{dev}: class {cid} rate {c.rate_bps:.0f} bit/s, expected {floor_bps:.0f}")
+        if c.parent != f"{ROOT_HANDLE}:{PARENT_MINOR:x}":
+            problems.append(f"{dev}: class {cid} hangs under {c.parent}, expected {ROOT_HANDLE}:{PARENT_MINOR:x}")
+        if cid not in pfifo_parents:
+            problems.append(f"{dev}: class {cid} has no pfifo leaf qdisc")
+    filters = parse_tc_filters(filter_text)
+    for p in range(NUM_PRIORITIES):
+        want = (tos_for_priority(p) << 16, 0x00FC0000, 0)
+        if not any(f.flowid == leaf_classid(p) and want in f.matches for f in filters):
+            problems.append(f"{dev}: no u32 filter sending TOS {tos_for_priority(p):#04x} (priority {p}) to {leaf_classid(p)}")
+    return problems
+
+
+def class_counters(class_text: str) -> dict[int, dict[str, Any]]:
+    """Per-priority sent bytes/packets/drops from ``tc -s class show`` of one interface."""
+    classes = parse_tc_classes(class_text)
+    out = {}
+    for p in range(NUM_PRIORITIES):
+        c = classes.get(leaf_classid(p))
+        if c is not None:
+            out[p] = {"sent_bytes": c.sent_bytes, "sent_packets": c.sent_packets, "dropped": c.dropped}
+    return out

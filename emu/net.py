@@ -1,0 +1,627 @@
+"""Build a time-scaled Mininet network from a :class:`~topology.Topology`, with 8 priority classes per port.
+
+What is emulated
+    One Mininet host per server (its GPUs, NVLink and PCIe stay *modelled*:
+    transfers between GPUs of one server are timed from the topology, never
+    sent through the emulator), one Linux bridge per emulated switch, and one
+    veth pair per (server, leaf) attachment. Fabric rates are divided by the
+    time-scale factor ``K``: a 400 Gb/s NIC becomes a 400/K Gb/s emulated link
+    (400 Mbit/s for K = 1000), and the traffic agents stretch every compute
+    phase by the same ``K``, so emulated times divided by ``K`` are real-fabric
+    times (time dilation, as in DieCast and time-warped emulation).
+
+NIC modes
+    ``"per-leaf"`` (default): a server gets one interface per leaf switch it is
+    cabled to, at the summed rate of its NICs on that leaf; on rail-optimized
+    fabrics that is one interface per NIC, i.e. the NICs are emulated
+    faithfully, and each leaf (rail) is its own bridge and IP subnet. Spine
+    switches are not emulated: a flow between two servers always uses a leaf
+    both are cabled to (NCCL's rail-aligned rings and PXN make that the case
+    on rail-optimized fabrics), so every pair of emulated servers must share a
+    leaf; otherwise :class:`EmulationError` says which pair does not.
+    ``"aggregate"``: a server gets ONE interface at the sum of its NIC rates on
+    a single bridge that stands for the whole fabric. It is cheap (one veth
+    per server) and exact when a server's traffic is spread evenly over its
+    NICs (ring collectives over all rails), but optimistic when traffic
+    concentrates on fewer NICs than the server has (one flow may then use the
+    whole aggregate), and it does not emulate per-rail contention.
+    Neither mode emulates spine oversubscription.
+
+What cannot be emulated here
+    Propagation delay, loss and ECN: the kernel has no ``netem``/``red``
+    (Mininet only logs an error and runs without them), so emulated links
+    have ~0.1 ms RTT whatever ``latency_us`` says. Link rates are bounded by
+    :data:`MAX_LINK_MBIT` (Mininet's TCLink range; higher rates are CPU-bound).
+
+Framing
+    HTB counts Ethernet frames, while the simulator's ``bytes / bw`` counts
+    payload. With ``payload_rates=True`` (default) each HTB tree is configured
+    at ``rate * WIRE_OVERHEAD`` so that TCP payload flows at the scaled fabric
+    rate (MSS 1448 B in 1514 B frames).
+
+Mininet's Python module is installed by the Debian package into the system
+Python's ``dist-packages``, not into the project's virtual environment;
+:func:`import_mininet` appends that directory to ``sys.path`` lazily, only
+while importing mininet, and removes it again.
+
+>>> from topology import default_cluster
+>>> plan = plan_network(default_cluster(), time_scale=1000)
+>>> len(plan.hosts), len(plan.switches), len(plan.interfaces), plan.interfaces[0].rate_mbit
+(4, 8, 32, 400.0)
+>>> agg = plan_network(default_cluster(), time_scale=8000, nic_mode="aggregate")
+>>> len(agg.switches), agg.interfaces[0].rate_mbit
+(1, 400.0)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import networkx as nx
+
+from topology import LinkKind, NodeKind, Topology
+from topology.errors import InputError
+
+from .htb import HtbSpec, check_htb_tree, class_counters, htb_teardown_command, htb_tree_commands
+
+log = logging.getLogger(__name__)
+
+#: Highest emulated link rate (Mbit/s): Mininet's TCLink range, and about what 2 cores can push per link.
+MAX_LINK_MBIT = 1000.0
+MIN_LINK_MBIT = 1.0
+#: Ethernet frame bytes per TCP payload byte at MTU 1500 with timestamps: 1514 / 1448.
+WIRE_OVERHEAD = 1514 / 1448
+MININET_DIST_PACKAGES = "/usr/lib/python3/dist-packages"
+LOCK_PATH = Path(tempfile.gettempdir()) / "netweave-emu.lock"
+NIC_MODES = ("per-leaf", "aggregate")
+
+
+class EmulationError(RuntimeError):
+    """The emulator cannot run here (not root, Mininet missing) or cannot emulate this topology."""
+
+
+class FidelityError(RuntimeError):
+    """The emulator ran but its results cannot be trusted (qdisc tree wrong, rate off, CPU saturated).
+
+    ``report`` holds the fidelity report that failed.
+    """
+
+    def __init__(self, message: str, report: dict[str, Any] | None = None):
+        super().__init__(message)
+        self.report = report or {}
+
+
+# -- the plan (pure) --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EmuInterface:
+    """One emulated attachment: server ``host`` cabled to switch ``switch``."""
+
+    host: str  # emulated host name (e.g. "nwh0")
+    topo_host: str  # server in the topology
+    dev: str  # host-side interface name
+    switch: str  # emulated switch name
+    switch_dev: str  # switch-side interface name
+    ip: str  # address without prefix
+    prefix: int
+    rate_mbit: float  # payload rate host -> switch (Mbit/s, scaled)
+    rate_down_mbit: float  # payload rate switch -> host
+    nics: tuple[str, ...]  # topology NICs this interface stands for
+    leaf: str | None  # topology leaf (None in aggregate mode)
+
+
+@dataclass(frozen=True)
+class EmuSwitch:
+    name: str
+    topo_switches: tuple[str, ...]
+
+
+@dataclass
+class NetworkPlan:
+    """Everything needed to build the emulated network; pure data."""
+
+    topology_name: str
+    time_scale: float
+    nic_mode: str
+    hosts: dict[str, str]  # emulated name -> topology server
+    switches: list[EmuSwitch]
+    interfaces: list[EmuInterface]
+    payload_rates: bool = True
+    floor_fraction: float = 0.01
+    queue_packets: int = 200
+    gpu_leaf: dict[str, str | None] = field(default_factory=dict)  # GPU -> leaf of its nearest NIC
+
+    def emu_host(self, topo_host: str) -> str:
+        for name, h in self.hosts.items():
+            if h == topo_host:
+                return name
+        raise EmulationError(f"server {topo_host!r} is not part of the emulated network")
+
+    def interfaces_of(self, emu_host: str) -> list[EmuInterface]:
+        return [i for i in self.interfaces if i.host == emu_host]
+
+    def interface(self, emu_host: str, switch: str) -> EmuInterface:
+        for i in self.interfaces:
+            if i.host == emu_host and i.switch == switch:
+                return i
+        raise EmulationError(f"{emu_host} has no interface on {switch}")
+
+    def htb_specs(self) -> list[tuple[str | None, HtbSpec]]:
+        """``(emulated host or None for the root namespace, spec)`` for every egress port, both directions."""
+        factor = WIRE_OVERHEAD if self.payload_rates else 1.0
+        out: list[tuple[str | None, HtbSpec]] = []
+        for i in self.interfaces:
+            out.append((i.host, HtbSpec(i.dev, i.rate_mbit * factor, self.floor_fraction, self.queue_packets)))
+            out.append((None, HtbSpec(i.switch_dev, i.rate_down_mbit * factor, self.floor_fraction, self.queue_packets)))
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "topology": self.topology_name, "time_scale": self.time_scale, "nic_mode": self.nic_mode, "hosts": dict(self.hosts),
+            "switches": [asdict(s) for s in self.switches], "interfaces": [asdict(i) for i in self.interfaces],
+            "payload_rates": self.payload_rates, "wire_overhead": WIRE_OVERHEAD if self.payload_rates else 1.0,
+            "floor_fraction": self.floor_fraction, "queue_packets": self.queue_packets,
+        }
+
+
+def scaled_rate_mbit(bw_gbytes: float, time_scale: float) -> float:
+    """Emulated rate in Mbit/s of a ``bw_gbytes`` GB/s fabric link under time scale ``K``.
+
+    >>> scaled_rate_mbit(50.0, 1000)   # a 400 Gb/s NIC at K = 1000
+    400.0
+    """
+    return bw_gbytes * 8e3 / time_scale
+
+
+def _nearest_nic(topo: Topology, gpu: str, nics: list[str]) -> str | None:
+    """The NIC with the fewest hops from ``gpu`` inside its server (ties: lowest index): NCCL's rail alignment."""
+    if not nics:
+        return None
+    sub = nx.Graph(topo.graph.subgraph(topo.nodes(host=topo.host_of(gpu))))
+    dist = nx.single_source_shortest_path_length(sub, gpu)
+    return min(nics, key=lambda n: (dist.get(n, 1 << 30), topo.graph.nodes[n].get("index", 0), n))
+
+
+def plan_network(topo: Topology, *, time_scale: float, nic_mode: str = "per-leaf", hosts: list[str] | None = None,
+                 payload_rates: bool = True, floor_fraction: float = 0.01, queue_packets: int = 200,
+                 max_link_mbit: float = MAX_LINK_MBIT, prefix: str = "nw") -> NetworkPlan:
+    """Decide the emulated hosts, switches, interfaces, addresses and scaled rates of ``topo``.
+
+    ``hosts`` restricts the emulation to some servers (default: all servers
+    with a network NIC). Raises :class:`~topology.errors.InputError` when a
+    scaled rate falls outside ``[1, max_link_mbit]`` Mbit/s (the message gives
+    the time scale that would fit) and :class:`EmulationError` when the fabric
+    cannot be emulated in the chosen mode.
+    """
+    if nic_mode not in NIC_MODES:
+        raise InputError(f"nic_mode must be one of {', '.join(NIC_MODES)}, got {nic_mode!r}", where="nic_mode")
+    if not time_scale > 0:
+        raise InputError(f"time_scale must be positive, got {time_scale!r}", where="time_scale")
+    g = topo.graph
+    # NIC -> [(leaf, up GB/s, down GB/s)] over network cables.
+    attach: dict[str, dict[str, list[str]]] = {}  # server -> leaf -> [nics]
+    up_bw: dict[tuple[str, str], float] = {}
+    down_bw: dict[tuple[str, str], float] = {}
+    for u, v, _k, d in topo.links(LinkKind.NETWORK):
+        if g.nodes[u]["kind"] == NodeKind.NIC and g.nodes[v]["kind"] == NodeKind.SWITCH:
+            server = g.nodes[u]["host"]
+            attach.setdefault(server, {}).setdefault(v, [])
+            if u not in attach[server][v]:
+                attach[server][v].append(u)
+            up_bw[(u, v)] = up_bw.get((u, v), 0.0) + d["bw"]
+        elif g.nodes[u]["kind"] == NodeKind.SWITCH and g.nodes[v]["kind"] == NodeKind.NIC:
+            down_bw[(v, u)] = down_bw.get((v, u), 0.0) + d["bw"]
+    servers = [h for h in topo.hosts() if h in attach] if hosts is None else list(hosts)
+    for h in servers:
+        if h not in attach:
+            raise InputError(f"server {h!r} has no NIC cabled to a network switch; it cannot be emulated", where="hosts")
+    if len(servers) < 1:
+        raise EmulationError(f"topology {topo.name!r} has no server cabled to a network switch; nothing to emulate")
+    emu_names = {f"{prefix}h{i}": h for i, h in enumerate(servers)}
+    name_of = {h: n for n, h in emu_names.items()}
+
+    def check_rate(rate: float, what: str, bw: float) -> None:
+        worst = rate * (WIRE_OVERHEAD if payload_rates else 1.0)
+        if worst > max_link_mbit or rate < MIN_LINK_MBIT:
+            need = bw * 8e3 * (WIRE_OVERHEAD if payload_rates else 1.0) / (max_link_mbit if worst > max_link_mbit else MIN_LINK_MBIT)
+            bound = "at least" if worst > max_link_mbit else "at most"
+            raise InputError(
+                f"time_scale {time_scale:g} maps {what} ({bw * 8:g} Gb/s) to {rate:.4g} Mbit/s; emulated links must carry "
+                f"{MIN_LINK_MBIT:g}..{max_link_mbit:g} Mbit/s on the wire, so use a time_scale of {bound} {need:.4g}",
+                where="time_scale",
+            )
+
+    interfaces: list[EmuInterface] = []
+    switches: list[EmuSwitch] = []
+    if nic_mode == "per-leaf":
+        leaves: list[str] = []
+        for h in servers:
+            for leaf in attach[h]:
+                if leaf not in leaves:
+                    leaves.append(leaf)
+        for a_i, a in enumerate(servers):
+            for b in servers[a_i + 1:]:
+                if not set(attach[a]) & set(attach[b]):
+                    raise EmulationError(
+                        f"servers {a} and {b} share no leaf switch; per-leaf emulation carries traffic on shared leaves only "
+                        f"(spines are not emulated). Use nic_mode='aggregate' or emulate servers of one scalable unit"
+                    )
+        sw_name = {leaf: f"{prefix}s{j}" for j, leaf in enumerate(leaves)}
+        switches = [EmuSwitch(sw_name[leaf], (leaf,)) for leaf in leaves]
+        port = dict.fromkeys(sw_name.values(), 0)
+        for i, h in enumerate(servers):
+            for k, (leaf, nics) in enumerate(attach[h].items()):
+                up = sum(up_bw[(n, leaf)] for n in nics)
+                down = sum(down_bw.get((n, leaf), up_bw[(n, leaf)]) for n in nics)
+                rate_up, rate_down = scaled_rate_mbit(up, time_scale), scaled_rate_mbit(down, time_scale)
+                check_rate(rate_up, f"{h} -> {leaf}", up)
+                check_rate(rate_down, f"{leaf} -> {h}", down)
+                s = sw_name[leaf]
+                port[s] += 1
+                j = leaves.index(leaf)
+                interfaces.append(EmuInterface(
+                    host=name_of[h], topo_host=h, dev=f"{name_of[h]}-eth{k}", switch=s, switch_dev=f"{s}-eth{port[s]}",
+                    ip=f"10.{(j + 1) // 256}.{(j + 1) % 256}.{i + 1}" if len(servers) < 255 else f"10.{j + 1}.{(i + 1) // 256}.{(i + 1) % 256}",
+                    prefix=24 if len(servers) < 255 else 16, rate_mbit=rate_up, rate_down_mbit=rate_down, nics=tuple(nics), leaf=leaf,
+                ))
+    else:
+        s = f"{prefix}s0"
+        switches = [EmuSwitch(s, tuple(topo.switches()))]
+        for i, h in enumerate(servers):
+            nics = [n for leaf in attach[h] for n in attach[h][leaf]]
+            up = sum(up_bw[(n, leaf)] for leaf in attach[h] for n in attach[h][leaf])
+            down = sum(down_bw.get((n, leaf), up_bw[(n, leaf)]) for leaf in attach[h] for n in attach[h][leaf])
+            rate_up, rate_down = scaled_rate_mbit(up, time_scale), scaled_rate_mbit(down, time_scale)
+            check_rate(rate_up, f"{h} (all NICs)", up)
+            check_rate(rate_down, f"fabric -> {h}", down)
+            interfaces.append(EmuInterface(
+                host=name_of[h], topo_host=h, dev=f"{name_of[h]}-eth0", switch=s, switch_dev=f"{s}-eth{i + 1}",
+                ip=f"10.0.{(i + 1) // 256}.{(i + 1) % 256}", prefix=16, rate_mbit=rate_up, rate_down_mbit=rate_down,
+                nics=tuple(nics), leaf=None,
+            ))
+    gpu_leaf: dict[str, str | None] = {}
+    for h in servers:
+        nics = [n for leaf in attach[h] for n in attach[h][leaf]]
+        leaf_of_nic = {n: leaf for leaf in attach[h] for n in attach[h][leaf]}
+        for gpu in topo.gpus(h):
+            nic = _nearest_nic(topo, gpu, nics)
+            gpu_leaf[gpu] = leaf_of_nic.get(nic) if nic else None
+    return NetworkPlan(
+        topology_name=topo.name, time_scale=float(time_scale), nic_mode=nic_mode, hosts=emu_names, switches=switches,
+        interfaces=interfaces, payload_rates=payload_rates, floor_fraction=floor_fraction, queue_packets=queue_packets, gpu_leaf=gpu_leaf,
+    )
+
+
+def route_flow(plan: NetworkPlan, topo: Topology, src_gpu: str, dst_gpu: str) -> tuple[EmuInterface, EmuInterface] | None:
+    """The (sender, receiver) interfaces that carry a GPU-to-GPU flow, or None when both GPUs share a server.
+
+    Per-leaf mode uses the leaf of the source GPU's nearest NIC when the
+    destination server is cabled to it, otherwise the leaf of the destination
+    GPU's nearest NIC (NCCL's PXN: the data first crosses NVLink to the GPU on
+    the destination's rail), otherwise the first leaf both servers share.
+    """
+    a, b = topo.host_of(src_gpu), topo.host_of(dst_gpu)
+    if a == b:
+        return None
+    ha, hb = plan.emu_host(a), plan.emu_host(b)
+    if plan.nic_mode == "aggregate":
+        return plan.interfaces_of(ha)[0], plan.interfaces_of(hb)[0]
+    leaves_a = {i.leaf: i for i in plan.interfaces_of(ha)}
+    leaves_b = {i.leaf: i for i in plan.interfaces_of(hb)}
+    for leaf in (plan.gpu_leaf.get(src_gpu), plan.gpu_leaf.get(dst_gpu), *leaves_a):
+        if leaf in leaves_a and leaf in leaves_b:
+            return leaves_a[leaf], leaves_b[leaf]
+    raise EmulationError(f"no shared leaf between {a} and {b}")
+
+
+# -- Mininet ----------------------------------------------------------------------------------------------
+
+
+def import_mininet() -> SimpleNamespace:
+    """Import Mininet from the system Python's dist-packages (see the module docstring).
+
+    Raises :class:`EmulationError` when not root or when Mininet is not installed.
+    """
+    if os.geteuid() != 0:
+        raise EmulationError("Mininet emulation needs root (network namespaces, tc)")
+    for tool in ("mnexec", "tc", "ip", "brctl", "iperf3"):
+        if shutil.which(tool) is None:
+            raise EmulationError(f"{tool!r} not found; install the Debian packages mininet bridge-utils iperf3 iproute2")
+    added = MININET_DIST_PACKAGES not in sys.path
+    if added:
+        sys.path.append(MININET_DIST_PACKAGES)
+    try:
+        mods = {name: importlib.import_module(f"mininet.{name}") for name in ("net", "node", "nodelib", "link", "log")}
+    except ImportError as exc:
+        raise EmulationError(f"cannot import mininet from {MININET_DIST_PACKAGES}: {exc}") from exc
+    finally:
+        if added and MININET_DIST_PACKAGES in sys.path:
+            sys.path.remove(MININET_DIST_PACKAGES)
+    return SimpleNamespace(**mods)
+
+
+def _run(cmd: list[str], *, check: bool = True) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise EmulationError(f"{' '.join(cmd)} failed ({proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
+def _root_links() -> set[str]:
+    out = _run(["ip", "-o", "link", "show"])
+    return {m.group(1) for m in re.finditer(r"^\d+: ([^:@]+)[@:]", out, re.M)}
+
+
+class CpuMonitor:
+    """Samples /proc/stat in a thread; reports busy fraction (all CPUs) mean and peak over the run."""
+
+    def __init__(self, interval_s: float = 0.25):
+        self.interval_s = interval_s
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._first: tuple[int, int] | None = None
+        self._last: tuple[int, int] | None = None
+
+    @staticmethod
+    def read() -> tuple[int, int]:
+        """(busy, total) jiffies over all CPUs; idle and iowait count as not busy."""
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+        total = sum(fields[:8])
+        return total - idle, total
+
+    def _loop(self) -> None:
+        prev = self.read()
+        while not self._stop.wait(self.interval_s):
+            cur = self.read()
+            dt = cur[1] - prev[1]
+            if dt > 0:
+                self.samples.append((cur[0] - prev[0]) / dt)
+            prev = cur
+
+    def __enter__(self) -> CpuMonitor:
+        self._first = self.read()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        self._last = self.read()
+
+    def report(self) -> dict[str, Any]:
+        busy = None
+        if self._first and self._last and self._last[1] > self._first[1]:
+            busy = (self._last[0] - self._first[0]) / (self._last[1] - self._first[1])
+        ordered = sorted(self.samples)
+        p90 = ordered[int(0.9 * (len(ordered) - 1))] if ordered else None
+        return {"busy_mean": busy, "busy_p90": p90, "busy_max": ordered[-1] if ordered else None, "samples": len(ordered),
+                "cpus": os.cpu_count()}
+
+
+class EmulatedNetwork:
+    """A running Mininet network built from a :class:`NetworkPlan`; use as a context manager.
+
+    On entry it builds the hosts, bridges and veths, installs the 8-class HTB
+    tree on every egress port and checks it (raising :class:`FidelityError`);
+    on exit (also after an exception) it stops Mininet, which deletes the
+    namespaces' processes, veths and bridges. A file lock serialises
+    emulations of this package across processes (one Mininet per kernel).
+    """
+
+    def __init__(self, plan: NetworkPlan, *, disable_gso: bool = True):
+        self.plan = plan
+        self.disable_gso = disable_gso
+        self.net: Any = None
+        self.nodes: dict[str, Any] = {}
+        self._lock_file: Any = None
+        self.workdir = Path(tempfile.mkdtemp(prefix="netweave-emu-"))
+
+    # -- lifecycle
+    def __enter__(self) -> EmulatedNetwork:
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        mn = import_mininet()
+        mn.log.setLogLevel("error")
+        self._lock_file = open(LOCK_PATH, "w")  # noqa: SIM115 - held for the network's lifetime
+        try:
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another netweave emulation to finish (%s)", LOCK_PATH)
+            fcntl.flock(self._lock_file, fcntl.LOCK_EX)
+        self._remove_leftovers()
+        net = mn.net.Mininet(topo=None, switch=mn.nodelib.LinuxBridge, controller=None, link=mn.link.Link, build=False,
+                             autoSetMacs=False, waitConnected=False)
+        self.net = net
+        for name in self.plan.hosts:
+            first = self.plan.interfaces_of(name)[0]
+            self.nodes[name] = net.addHost(name, ip=f"{first.ip}/{first.prefix}")
+        for s in self.plan.switches:
+            self.nodes[s.name] = net.addSwitch(s.name)
+        for i in self.plan.interfaces:
+            net.addLink(self.nodes[i.host], self.nodes[i.switch], intfName1=i.dev, intfName2=i.switch_dev,
+                        params1={"ip": f"{i.ip}/{i.prefix}"})
+        net.build()
+        net.start()
+        if self.disable_gso:
+            # One MTU packet per skb: HTB is non-preemptive per skb, and 64 kB GSO bursts would blur priorities.
+            for i in self.plan.interfaces:
+                self.host_cmd(i.host, f"ip link set dev {i.dev} gso_max_segs 1")
+        self.apply_htb()
+
+    def stop(self) -> None:
+        try:
+            if self.net is not None:
+                self.net.stop()
+        finally:
+            self.net = None
+            if self._lock_file is not None:
+                fcntl.flock(self._lock_file, fcntl.LOCK_UN)
+                self._lock_file.close()
+                self._lock_file = None
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def _remove_leftovers(self) -> None:
+        """Delete root-namespace bridges/veths carrying this plan's names (left by a killed run); nothing else."""
+        ours = {s.name for s in self.plan.switches} | {i.switch_dev for i in self.plan.interfaces}
+        for name in sorted(_root_links() & ours):
+            log.warning("removing leftover interface %s from an earlier emulation", name)
+            _run(["ip", "link", "del", name], check=False)
+
+    # -- commands
+    def host(self, name: str) -> Any:
+        return self.nodes[name]
+
+    def host_cmd(self, name: str, cmd: str) -> str:
+        return self.nodes[name].cmd(cmd)
+
+    def popen(self, name: str, args: list[str], **kwargs: Any) -> subprocess.Popen:
+        """Start a process inside emulated host ``name`` (its network namespace)."""
+        return self.nodes[name].popen(args, **kwargs)
+
+    def ip_of(self, emu_host: str, switch: str | None = None) -> str:
+        ifaces = self.plan.interfaces_of(emu_host)
+        return (ifaces[0] if switch is None else self.plan.interface(emu_host, switch)).ip
+
+    # -- tc
+    def _batch(self, where: str | None, lines: list[str]) -> None:
+        path = self.workdir / f"tc-{where or 'root'}.batch"
+        path.write_text("\n".join(lines) + "\n")
+        if where is None:
+            _run(["tc", "-batch", str(path)])
+        else:
+            out = self.host_cmd(where, f"tc -batch {path} 2>&1; echo rc=$?")
+            if not out.strip().endswith("rc=0"):
+                raise EmulationError(f"tc -batch in {where} failed: {out.strip()}")
+
+    def apply_htb(self) -> None:
+        by_ns: dict[str | None, list[str]] = {}
+        for where, spec in self.plan.htb_specs():
+            by_ns.setdefault(where, []).extend(htb_tree_commands(spec.dev, spec.rate_mbit, floor_fraction=spec.floor_fraction,
+                                                                 queue_packets=spec.queue_packets))
+        for where, lines in by_ns.items():
+            self._batch(where, lines)
+
+    def remove_htb(self, dev: str) -> None:
+        """Remove one interface's tree (used by tests to prove the check notices)."""
+        where = next(w for w, s in self.plan.htb_specs() if s.dev == dev)
+        self._batch(where, [htb_teardown_command(dev)])
+
+    def tc_state(self) -> dict[str, dict[str, str]]:
+        """``{dev: {"qdisc": ..., "class": ..., "filter": ...}}`` for every emulated egress port."""
+        by_ns: dict[str | None, list[str]] = {}
+        for where, spec in self.plan.htb_specs():
+            by_ns.setdefault(where, []).append(spec.dev)
+        out: dict[str, dict[str, str]] = {}
+        for where, devs in by_ns.items():
+            script = "; ".join(
+                f"echo '@@dev {d}'; echo '@@qdisc'; tc qdisc show dev {d}; echo '@@class'; tc -s class show dev {d}; "
+                f"echo '@@filter'; tc filter show dev {d}" for d in devs
+            )
+            text = _run(["sh", "-c", script]) if where is None else self.host_cmd(where, script)
+            dev, part = None, None
+            for line in text.splitlines():
+                if line.startswith("@@dev "):
+                    dev = line.split()[1]
+                    out[dev] = {"qdisc": "", "class": "", "filter": ""}
+                elif line.startswith("@@") and dev:
+                    part = line[2:].strip()
+                elif dev and part:
+                    out[dev][part] += line + "\n"
+        return out
+
+    def verify_htb(self) -> dict[str, Any]:
+        """Check every egress port's tree; returns the per-interface report, raises :class:`FidelityError` on problems."""
+        state = self.tc_state()
+        problems: list[str] = []
+        for _where, spec in self.plan.htb_specs():
+            st = state.get(spec.dev)
+            if st is None:
+                problems.append(f"{spec.dev}: interface missing")
+                continue
+            problems += check_htb_tree(spec, st["qdisc"], st["class"], st["filter"])
+        report = {"interfaces": len(state), "problems": problems, "ok": not problems}
+        if problems:
+            raise FidelityError(f"qdisc tree check failed on {len(problems)} item(s): " + "; ".join(problems[:8]), {"htb": report})
+        return report
+
+    def class_counters(self) -> dict[str, dict[int, dict[str, Any]]]:
+        """Per-interface, per-priority tc class counters (bytes, packets, drops)."""
+        return {dev: class_counters(st["class"]) for dev, st in self.tc_state().items()}
+
+    # -- calibration
+    def calibrate(self, *, seconds: float = 1.0, tolerance: float = 0.10, port: int = 5299) -> dict[str, Any]:
+        """Run one iperf3 TCP flow over the first emulated link and compare the receiver's goodput with the configured rate.
+
+        The expected goodput is the interface's payload rate (``rate_mbit``);
+        raises :class:`FidelityError` when off by more than ``tolerance``.
+        """
+        if len(self.plan.hosts) < 2:
+            return {"skipped": "fewer than two emulated hosts"}
+        src = self.plan.interfaces[0]
+        dst = next(i for i in self.plan.interfaces if i.switch == src.switch and i.host != src.host)
+        expected = min(src.rate_mbit, dst.rate_down_mbit)
+        if not self.plan.payload_rates:
+            expected /= WIRE_OVERHEAD
+        server = self.popen(dst.host, ["iperf3", "-s", "-1", "-p", str(port), "-B", dst.ip])
+        try:
+            time.sleep(0.2)
+            omit = 1
+            out = self.host_cmd(src.host, f"iperf3 -c {dst.ip} -p {port} -B {src.ip} -t {seconds:g} -O {omit} -J")
+        finally:
+            try:
+                server.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+        import json
+
+        try:
+            data = json.loads(out)
+            measured = data["end"]["sum_received"]["bits_per_second"] / 1e6
+        except (ValueError, KeyError) as exc:
+            raise FidelityError(f"calibration iperf3 gave no result: {out[-400:]}") from exc
+        error = measured / expected - 1
+        report = {"src": src.dev, "dst": dst.dev, "expected_mbit": expected, "measured_mbit": measured, "error": error,
+                  "tolerance": tolerance, "seconds": seconds, "ok": abs(error) <= tolerance}
+        if not report["ok"]:
+            raise FidelityError(f"calibration flow {src.dev} -> {dst.dev} reached {measured:.1f} Mbit/s, configured "
+                                f"{expected:.1f} Mbit/s ({error:+.1%}, tolerance {tolerance:.0%})", {"calibration": report})
+        return report
+
+
+@contextmanager
+def emulated_network(plan: NetworkPlan, **kwargs: Any) -> Iterator[EmulatedNetwork]:
+    """``with emulated_network(plan) as net: ...``; see :class:`EmulatedNetwork`."""
+    with EmulatedNetwork(plan, **kwargs) as net:
+        yield net
