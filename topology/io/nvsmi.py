@@ -171,7 +171,8 @@ def read_matrix(text: str, source: str | None = None) -> Matrix:
         if label not in wanted:
             if len(matrix.row_line) == len(devices) or label.rstrip(":") in ("Legend", "NIC"):
                 break
-            raise InputError(f"expected a matrix row for one of {', '.join(sorted(wanted - set(matrix.row_line)))}, got {label!r}", source=source, where=i + 1)
+            pending = ", ".join(sorted(wanted - set(matrix.row_line)))
+            raise InputError(f"expected a matrix row for one of {pending}, got {label!r}", source=source, where=i + 1)
         if label in matrix.row_line:
             raise InputError(f"second row for {label} (first on line {matrix.row_line[label]})", source=source, where=i + 1)
         matrix.row_line[label] = i + 1
@@ -189,7 +190,9 @@ def read_matrix(text: str, source: str | None = None) -> Matrix:
             pos = m.end()
         values = rest[pos:].split()
         if len(values) > len(extra):
-            raise InputError(f"row {label}: {len(values) - len(extra)} cell(s) more than the header has columns: {values[len(extra):]}", source=source, where=i + 1)
+            raise InputError(
+                f"row {label}: {len(values) - len(extra)} cell(s) more than the header has columns: {values[len(extra):]}", source=source, where=i + 1
+            )
         matrix.affinity[label] = dict(zip(extra, values, strict=False))
     missing = [d for d in devices if d not in matrix.row_line]
     if missing:
@@ -312,7 +315,10 @@ def _assign_numa(matrix: Matrix, source: str | None) -> dict[str, int]:
     for i, j in sys_between:
         if numa_of_group[i] == numa_of_group[j]:
             a, b = next((a, b) for a in groups[i] for b in groups[j] if _canon(codes[(a, b)]) == "SYS")
-            raise TopologyError(f"{a} and {b} are SYS (different NUMA nodes) but report the same NUMA affinity {numa_of_group[i]}", source=source, where=matrix.row_line[b])
+            raise TopologyError(
+                f"{a} and {b} are SYS (different NUMA nodes) but report the same NUMA affinity {numa_of_group[i]}",
+                source=source, where=matrix.row_line[b],
+            )
     return {dev: numa_of_group[i] for i, g in enumerate(groups) for dev in g}
 
 
@@ -459,7 +465,9 @@ def parse_nvidia_smi(
     return topo
 
 
-def _verify_tree(matrix: Matrix, parent: dict[str, str], numa: dict[str, int], host_bridge: dict[str, int], cpu_ids: dict[int, str], source: str | None) -> None:
+def _verify_tree(
+    matrix: Matrix, parent: dict[str, str], numa: dict[str, int], host_bridge: dict[str, int], cpu_ids: dict[int, str], source: str | None
+) -> None:
     """The built PCIe tree must give back every PCIe cell of the matrix; a mismatch means the matrix is no tree."""
     roots = set(cpu_ids.values())
 
