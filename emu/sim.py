@@ -1,0 +1,598 @@
+"""Flow-level discrete-event simulation of a workload on a topology.
+
+Model
+    - Every communication phase becomes point-to-point flows:
+      :func:`topology.collectives.collective_flows` decomposes a collective into
+      sequential *steps* of concurrent flows; a ``p2p`` phase is one step.
+      Step *k+1* starts when every flow of step *k* has arrived.
+    - Every flow is routed with :func:`topology.routing.flow_paths`; an ECMP
+      split into paths with fractions ``w`` becomes sub-flows carrying ``w`` of
+      the bytes each (the fluid view of per-packet spraying). A flow has
+      arrived when all its sub-flows have, plus the propagation latency of its
+      slowest path (``SimConfig.latency``).
+    - Links are shared max-min fairly among the sub-flows crossing them
+      (progressive filling, :mod:`emu.sim_maxmin`), recomputed at every event.
+      Traffic classes (``priority`` 0..7, 0 first) are served in strict
+      priority (``sharing="strict"``) or share by class weights
+      (``sharing="weighted"``, weight ``class_weights[priority]``). A phase's
+      ``rate_cap`` (GB/s) caps each of its flows; a split flow's sub-flow gets
+      ``w`` of the cap (so the flow never exceeds the cap).
+    - Compute phases are delays. Dependencies follow :mod:`emu.workload`.
+
+Events are flow completions, step and phase completions, and job releases;
+between events all rates are constant, so the simulation is exact for the
+fluid model (no time step). Rates are recomputed only for the connected
+component (flows linked by shared links) that an event touched, and each
+recomputation is vectorised over the component's flow x link incidence.
+
+Deviation from packet reality (by design of the fluid model): no slow start,
+no queueing delay, no loss; ECMP hashing is modelled by its mean split.
+
+>>> from topology import Topology
+>>> from emu.workload import Job, Workload
+>>> t = Topology("pair")
+>>> for g in ("h/gpu0", "h/gpu1"): _ = t.add_node(g, "gpu", host="h")
+>>> t.add_link("h/gpu0", "h/gpu1", "nvlink", bw=10.0)
+>>> w = Workload("w", [Job.data_parallel("a", ["h/gpu0", "h/gpu1"], compute_s=0.5, nbytes=10e9, iterations=2)])
+>>> r = simulate(t, w)
+>>> [round(x, 9) for x in r.jobs["a"].iteration_times()]   # 0.5 s compute + 2(n-1)/n * 10 GB / 10 GB/s
+[1.5, 1.5]
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+
+from topology.errors import InputError
+from topology.model import Topology
+
+from .results import FlowRecord, JobResult, LinkUtilisation, PhaseRecord, RunResult
+from .sim_maxmin import maxmin_rates, maxmin_rates_reference
+from .workload import CollectivePhase, ComputePhase, Job, P2PPhase, Workload, validate_against_topology, validate_workload
+
+DEFAULT_CLASS_WEIGHTS = (8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0)
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """Simulator options.
+
+    ``routing``: default policy for jobs that do not set one (``shortest``,
+    ``ecmp``, ``rail``). ``sharing``: ``strict`` priority between classes or
+    ``weighted`` shares by ``class_weights``. ``latency``: add each flow's path
+    propagation latency. ``record_flows``: keep a record per flow.
+    ``track_links``: which links get a utilisation series (``all``,
+    ``network`` or ``none``); ``util_bins``: at most this many time bins.
+    ``solver``: ``numpy`` (vectorised) or ``python`` (the reference loops; slow,
+    for the benchmark baseline).
+    """
+
+    routing: str = "ecmp"
+    sharing: str = "strict"
+    class_weights: tuple[float, ...] = DEFAULT_CLASS_WEIGHTS
+    latency: bool = True
+    record_flows: bool = True
+    track_links: str = "all"
+    util_bins: int = 200
+    solver: str = "numpy"
+
+    def validated(self) -> SimConfig:
+        if self.routing not in ("shortest", "ecmp", "rail"):
+            raise InputError(f"routing: expected shortest, ecmp or rail, got {self.routing!r}")
+        if self.sharing not in ("strict", "weighted"):
+            raise InputError(f"sharing: expected strict or weighted, got {self.sharing!r}")
+        if len(self.class_weights) != 8 or any(not w > 0 for w in self.class_weights):
+            raise InputError("class_weights: expected 8 positive weights, one per priority class 0..7")
+        if self.track_links not in ("all", "network", "none"):
+            raise InputError(f"track_links: expected all, network or none, got {self.track_links!r}")
+        if self.util_bins < 1:
+            raise InputError("util_bins: expected a positive integer")
+        if self.solver not in ("numpy", "python"):
+            raise InputError(f"solver: expected numpy or python, got {self.solver!r}")
+        return self
+
+
+# -- static preparation: links, routes, step templates -------------------------------------------
+
+
+class _Network:
+    """Integer ids for the topology's directed links, and a route cache."""
+
+    def __init__(self, topo: Topology):
+        from topology.routing import flow_paths
+
+        self.topo = topo
+        self._flow_paths = flow_paths
+        self.edges: list[tuple[str, str, Any]] = []
+        self.index: dict[tuple[str, str, Any], int] = {}
+        caps, lats, kinds = [], [], []
+        for u, v, k, d in topo.graph.edges(keys=True, data=True):
+            self.index[(u, v, k)] = len(self.edges)
+            self.edges.append((u, v, k))
+            caps.append(float(d["bw"]) * 1e9)
+            lats.append(float(d.get("latency_us", 0.0)) * 1e-6)
+            kinds.append(str(d["kind"]))
+        self.capacity = np.asarray(caps)  # bytes per second
+        self.latency = np.asarray(lats)  # seconds
+        self.kinds = kinds
+        self._routes: dict[tuple[str, str, str], list[tuple[float, np.ndarray, float]]] = {}
+
+    def routes(self, src: str, dst: str, policy: str) -> list[tuple[float, np.ndarray, float]]:
+        """``[(fraction, link ids, path latency s)]`` for ``src -> dst``."""
+        key = (src, dst, policy)
+        cached = self._routes.get(key)
+        if cached is None:
+            cached = []
+            for frac, path in self._flow_paths(self.topo, src, dst, policy=policy):
+                if frac <= 0:
+                    continue
+                ids = np.fromiter((self.index[tuple(e)] for e in path), dtype=np.intp, count=len(path))
+                cached.append((float(frac), ids, float(self.latency[ids].sum())))
+            self._routes[key] = cached
+        return cached
+
+
+@dataclass
+class _StepTemplate:
+    """One step of a communication phase, routed: its flows and their sub-flows (the same in every iteration)."""
+
+    src: list[str]
+    dst: list[str]
+    nbytes: np.ndarray  # per flow
+    latency: np.ndarray  # per flow, seconds (0 when latency is off)
+    sub_flow: np.ndarray  # per sub-flow: parent flow
+    sub_bytes: np.ndarray
+    sub_cap: np.ndarray  # bytes/s (inf: none)
+    sub_weight: np.ndarray
+    sub_prio: np.ndarray
+    entry_sub: np.ndarray  # per (sub-flow, link) entry: the sub-flow
+    entry_link: np.ndarray  # per entry: global link id
+    links: tuple[int, ...]  # distinct links
+    subs_per_flow: np.ndarray
+
+
+def _build_step(net: _Network, flows: list[tuple[str, str, float]], policy: str, *, prio: int, cap_gbs: float | None,
+                weight: float, latency: bool) -> _StepTemplate:
+    src, dst, nbytes, lat = [], [], [], []
+    sub_flow, sub_bytes, sub_cap, entry_sub, entry_link, subs_per_flow = [], [], [], [], [], []
+    cap = math.inf if cap_gbs is None else cap_gbs * 1e9
+    for f, (a, b, size) in enumerate(flows):
+        src.append(a)
+        dst.append(b)
+        nbytes.append(float(size))
+        routes = net.routes(a, b, policy) if (a != b and size > 0) else []
+        if a != b and size > 0 and not routes:
+            raise InputError(f"no route from {a} to {b} in topology {net.topo.name!r}")
+        lat.append(max((r[2] for r in routes), default=0.0) if latency else 0.0)
+        subs_per_flow.append(len(routes))
+        for frac, ids, _ in routes:
+            s = len(sub_bytes)
+            sub_flow.append(f)
+            sub_bytes.append(frac * size)
+            sub_cap.append(frac * cap)
+            entry_sub.extend([s] * len(ids))
+            entry_link.extend(ids.tolist())
+    n_sub = len(sub_bytes)
+    return _StepTemplate(
+        src, dst, np.asarray(nbytes), np.asarray(lat), np.asarray(sub_flow, dtype=np.intp), np.asarray(sub_bytes, dtype=float),
+        np.asarray(sub_cap, dtype=float), np.full(n_sub, weight), np.full(n_sub, prio, dtype=np.int64),
+        np.asarray(entry_sub, dtype=np.intp), np.asarray(entry_link, dtype=np.intp), tuple(sorted(set(entry_link))),
+        np.asarray(subs_per_flow, dtype=np.intp),
+    )
+
+
+def phase_flows(topo: Topology, job: Job, phase: CollectivePhase | P2PPhase) -> list[list[tuple[str, str, float]]]:
+    """The sequential steps of concurrent ``(src, dst, bytes)`` flows of a communication phase."""
+    if isinstance(phase, P2PPhase):
+        return [[(t.src, t.dst, t.nbytes) for t in phase.transfers]]
+    from topology.collectives import collective_flows
+
+    group = list(phase.group or job.gpus)
+    if len(group) < 2:
+        return []
+    steps = collective_flows(topo, phase.op, group, phase.nbytes, algorithm=phase.algorithm)
+    return [[(f.src, f.dst, float(f.nbytes)) for f in step] for step in steps]
+
+
+# -- dynamic state ------------------------------------------------------------------------------------
+
+_EV_GROUP, _EV_STEP, _EV_PHASE, _EV_RELEASE = 0, 1, 2, 3
+
+
+class _Group:
+    """A step in flight: the live state of its sub-flows."""
+
+    __slots__ = ("alive", "flow_end", "flows_left", "gid", "last", "phase", "rate", "rem", "run", "start", "tol", "tpl", "version")
+
+    def __init__(self, gid: int, tpl: _StepTemplate, run: _CommRun, now: float):
+        self.gid = gid
+        self.tpl = tpl
+        self.run = run
+        self.start = now
+        self.last = now
+        self.rem = tpl.sub_bytes.copy()
+        self.tol = np.maximum(tpl.sub_bytes * 1e-9, 1e-6)
+        self.rate = np.zeros(len(self.rem))
+        self.alive = np.ones(len(self.rem), dtype=bool)
+        self.flows_left = tpl.subs_per_flow.copy()
+        self.flow_end = np.where(self.flows_left == 0, now, np.nan)
+        self.version = 0
+
+
+@dataclass
+class _CommRun:
+    job: int
+    iteration: int
+    phase: int
+    steps: list[_StepTemplate]
+    step: int = 0
+    start: float = 0.0
+
+
+@dataclass
+class _JobState:
+    job: Job
+    within_succ: list[list[int]]
+    prev_succ: list[list[int]]
+    need_first: list[int]
+    need_later: list[int]
+    pending: dict[int, list[int]] = field(default_factory=dict)
+    done: dict[int, int] = field(default_factory=dict)
+    ends: list[float] = field(default_factory=list)
+
+
+class _UtilRecorder:
+    """Exact per-link byte counts sampled at bin boundaries; bins double in width to stay under ``max_bins``."""
+
+    def __init__(self, n_links: int, max_bins: int):
+        self.cum = np.zeros(n_links)
+        self.load = np.zeros(n_links)
+        self.last = np.zeros(n_links)
+        self.width = 1e-6
+        self.next = self.width
+        self.snaps: list[np.ndarray] = []
+        self.max_bins = max_bins
+
+    def advance(self, t: float) -> None:
+        while self.next <= t:
+            self.snaps.append(self.cum + self.load * (self.next - self.last))
+            self.next += self.width
+            if len(self.snaps) >= 2 * self.max_bins:
+                self.snaps = self.snaps[1::2]
+                self.width *= 2
+                self.next = (len(self.snaps) + 1) * self.width
+
+    def set_load(self, links: np.ndarray, load: np.ndarray, t: float) -> None:
+        self.cum[links] += self.load[links] * (t - self.last[links])
+        self.last[links] = t
+        self.load[links] = load
+
+    def series(self, end: float) -> tuple[np.ndarray, np.ndarray]:
+        """``(bin_edges, bytes per link per bin)``."""
+        final = self.cum + self.load * (end - self.last)
+        snaps = [s for k, s in enumerate(self.snaps) if (k + 1) * self.width < end]
+        edges = [0.0] + [(k + 1) * self.width for k in range(len(snaps))] + [end]
+        stack = np.vstack([np.zeros_like(final), *snaps, final])
+        return np.asarray(edges), np.diff(stack, axis=0).T
+
+
+class Simulator:
+    """One simulation run; use :func:`simulate`."""
+
+    def __init__(self, topo: Topology, workload: Workload, config: SimConfig):
+        self.topo, self.workload, self.cfg = topo, workload, config
+        self.net = _Network(topo)
+        self.heap: list[tuple[float, int, int, Any, Any]] = []
+        self.seq = 0
+        self.groups: dict[int, _Group] = {}
+        self.link_groups: list[set[int]] = [set() for _ in self.net.edges]
+        self.dirty: set[int] = set()
+        self.next_gid = 0
+        self.phases: list[PhaseRecord] = []
+        self.flows: list[FlowRecord] = []
+        self.util = _UtilRecorder(len(self.net.edges), config.util_bins)
+        self.events = 0
+        self.recomputes = 0
+        self.max_component = 0
+        self.now = 0.0
+        self.templates: dict[tuple[int, int], list[_StepTemplate]] = {}
+        self.jobs = [self._job_state(j) for j in workload.jobs]
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def _job_state(self, job: Job) -> _JobState:
+        within, previous = job.dependencies()
+        n = len(job.phases)
+        within_succ: list[list[int]] = [[] for _ in range(n)]
+        prev_succ: list[list[int]] = [[] for _ in range(n)]
+        for q in range(n):
+            for p in within[q]:
+                within_succ[p].append(q)
+            for p in previous[q]:
+                prev_succ[p].append(q)
+        need_first = [len(within[q]) for q in range(n)]
+        need_later = [len(within[q]) + len(previous[q]) for q in range(n)]
+        return _JobState(job, within_succ, prev_succ, need_first, need_later)
+
+    def _steps(self, j: int, p: int) -> list[_StepTemplate]:
+        key = (j, p)
+        steps = self.templates.get(key)
+        if steps is None:
+            job = self.workload.jobs[j]
+            phase = job.phases[p]
+            prio = job.phase_priority(phase)
+            weight = self.cfg.class_weights[prio] if self.cfg.sharing == "weighted" else 1.0
+            policy = job.routing or self.cfg.routing
+            steps = [_build_step(self.net, flows, policy, prio=prio, cap_gbs=job.phase_rate_cap(phase), weight=weight, latency=self.cfg.latency)
+                     for flows in phase_flows(self.topo, job, phase)]
+            self.templates[key] = steps
+        return steps
+
+    def _push(self, t: float, kind: int, a: Any, b: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+    # -- the workload's logic -----------------------------------------------------------------------------
+    def _start_phase(self, j: int, it: int, p: int, t: float) -> None:
+        phase = self.workload.jobs[j].phases[p]
+        if isinstance(phase, ComputePhase):
+            self._push(t + phase.duration, _EV_PHASE, (j, it, p, t))
+            return
+        run = _CommRun(j, it, p, self._steps(j, p), 0, t)
+        self._start_step(run, t)
+
+    def _start_step(self, run: _CommRun, t: float) -> None:
+        while run.step < len(run.steps):
+            tpl = run.steps[run.step]
+            if len(tpl.sub_bytes):
+                gid = self.next_gid
+                self.next_gid += 1
+                g = _Group(gid, tpl, run, t)
+                self.groups[gid] = g
+                for link in tpl.links:
+                    self.link_groups[link].add(gid)
+                self.dirty.update(tpl.links)
+                return
+            # nothing to send (local or empty flows): the step takes its latency only
+            self._record_flows(run, tpl, t, np.full(len(tpl.src), t))
+            end = t + (float(tpl.latency.max()) if len(tpl.latency) else 0.0)
+            if end > t:
+                self._push(end, _EV_STEP, run)
+                return
+            run.step += 1
+        self._push(t, _EV_PHASE, (run.job, run.iteration, run.phase, run.start))
+
+    def _step_done(self, run: _CommRun, t: float) -> None:
+        run.step += 1
+        self._start_step(run, t)
+
+    def _phase_done(self, j: int, it: int, p: int, start: float, t: float) -> None:
+        js = self.jobs[j]
+        job = js.job
+        self.phases.append(PhaseRecord(job.name, it, job.phases[p].name, job.phases[p].kind, start, t))
+        for q in js.within_succ[p]:
+            self._satisfy(j, it, q, t)
+        if it + 1 < job.iterations:
+            for q in js.prev_succ[p]:
+                self._satisfy(j, it + 1, q, t)
+        js.done[it] = js.done.get(it, 0) + 1
+        if js.done[it] == len(job.phases):
+            del js.done[it]
+            js.pending.pop(it, None)
+            js.ends.append(t)
+
+    def _satisfy(self, j: int, it: int, q: int, t: float) -> None:
+        js = self.jobs[j]
+        need = js.pending.get(it)
+        if need is None:
+            need = js.pending[it] = list(js.need_first if it == 0 else js.need_later)
+        need[q] -= 1
+        if need[q] == 0:
+            self._start_phase(j, it, q, t)
+
+    def _release(self, j: int, t: float) -> None:
+        js = self.jobs[j]
+        js.pending[0] = list(js.need_first)
+        for q, need in enumerate(js.need_first):
+            if need == 0:
+                self._start_phase(j, 0, q, t)
+
+    def _record_flows(self, run: _CommRun, tpl: _StepTemplate, start: float, tx_end: np.ndarray) -> float:
+        ends = tx_end + tpl.latency
+        if self.cfg.record_flows:
+            job = self.workload.jobs[run.job]
+            name = job.name
+            phase = job.phases[run.phase].name
+            it, step, src, dst = run.iteration, run.step, tpl.src, tpl.dst
+            for f, (size, end) in enumerate(zip(tpl.nbytes.tolist(), ends.tolist(), strict=True)):
+                self.flows.append(FlowRecord(name, it, phase, step, src[f], dst[f], size, start, end))
+        return float(ends.max()) if len(ends) else start
+
+    # -- network dynamics -----------------------------------------------------------------------------------
+    def _group_event(self, g: _Group, t: float) -> None:
+        dt = t - g.last
+        alive = g.alive
+        g.rem[alive] -= g.rate[alive] * dt
+        g.last = t
+        finished = alive & ((g.rem <= g.tol) | (g.rem <= g.rate * 1e-12 * max(t, 1e-3)))
+        if not finished.any():
+            # floating point put the finish a hair later: the event is the earliest finisher's, finish it
+            with np.errstate(divide="ignore", invalid="ignore"):
+                eta = np.where(alive & (g.rate > 0), g.rem / g.rate, np.inf)
+            finished = alive & (eta <= eta.min() * (1 + 1e-9))
+        g.alive = alive & ~finished
+        g.rem[finished] = 0.0
+        g.rate[finished] = 0.0
+        tpl = g.tpl
+        parents = tpl.sub_flow[finished]
+        np.subtract.at(g.flows_left, parents, 1)
+        done_flows = np.unique(parents[g.flows_left[parents] == 0])
+        g.flow_end[done_flows] = t
+        self.dirty.update(tpl.links)
+        if not g.alive.any():
+            del self.groups[g.gid]
+            for link in tpl.links:
+                self.link_groups[link].discard(g.gid)
+            g.version += 1
+            end = self._record_flows(g.run, tpl, g.start, g.flow_end)
+            if end > t:
+                self._push(end, _EV_STEP, g.run)
+            else:
+                self._step_done(g.run, t)
+
+    def _component(self, seeds: set[int]) -> tuple[list[_Group], set[int]]:
+        """The groups and links connected (through shared links) to the ``seeds`` links."""
+        links = set(seeds)
+        stack = list(seeds)
+        seen: set[int] = set()
+        comp: list[_Group] = []
+        link_groups, groups = self.link_groups, self.groups
+        while stack:
+            link = stack.pop()
+            for gid in link_groups[link]:
+                if gid in seen:
+                    continue
+                seen.add(gid)
+                g = groups[gid]
+                comp.append(g)
+                for other in g.tpl.links:
+                    if other not in links:
+                        links.add(other)
+                        stack.append(other)
+        return comp, links
+
+    def _recompute(self, t: float) -> None:
+        seeds, self.dirty = self.dirty, set()
+        comp, links = self._component(seeds)
+        self.recomputes += 1
+        self.max_component = max(self.max_component, len(comp))
+        link_ids = np.fromiter(links, dtype=np.intp, count=len(links))
+        if not comp:
+            self.util.set_load(link_ids, np.zeros(len(link_ids)), t)
+            return
+        for g in comp:
+            if g.last != t:
+                g.rem[g.alive] -= g.rate[g.alive] * (t - g.last)
+                np.maximum(g.rem, 0.0, out=g.rem)
+                g.last = t
+        if len(comp) == 1:
+            g = comp[0]
+            tpl = g.tpl
+            entry_sub, entry_link = tpl.entry_sub, tpl.entry_link
+            alive, weight, cap, prio = g.alive, tpl.sub_weight, tpl.sub_cap, tpl.sub_prio
+            sizes = [len(g.rem)]
+        else:
+            sizes = [len(g.rem) for g in comp]
+            offsets = np.cumsum([0, *sizes[:-1]])
+            entry_sub = np.concatenate([g.tpl.entry_sub + off for g, off in zip(comp, offsets, strict=True)])
+            entry_link = np.concatenate([g.tpl.entry_link for g in comp])
+            alive = np.concatenate([g.alive for g in comp])
+            weight = np.concatenate([g.tpl.sub_weight for g in comp])
+            cap = np.concatenate([g.tpl.sub_cap for g in comp])
+            prio = np.concatenate([g.tpl.sub_prio for g in comp])
+        uniq, local = np.unique(entry_link, return_inverse=True)
+        capacity = self.net.capacity[uniq]
+        if self.cfg.solver == "numpy":
+            indptr = np.searchsorted(entry_sub, np.arange(len(alive) + 1))
+            rates = maxmin_rates(indptr, local, capacity, weight=weight, cap=cap, prio=prio, alive=alive, sharing=self.cfg.sharing)
+        else:
+            rates = self._reference_rates(entry_sub, local, capacity, alive, weight, cap, prio)
+        pos = 0
+        for g, size in zip(comp, sizes, strict=True):
+            g.rate = rates[pos : pos + size].copy()
+            pos += size
+            g.version += 1
+            moving = g.alive & (g.rate > 0)
+            if moving.any():
+                self._push(t + float(np.min(g.rem[moving] / g.rate[moving])), _EV_GROUP, g, g.version)
+        load = np.bincount(local, weights=rates[entry_sub], minlength=len(uniq))
+        self.util.set_load(link_ids, np.zeros(len(link_ids)), t)
+        self.util.set_load(uniq, load, t)
+
+    def _reference_rates(self, entry_sub: np.ndarray, local: np.ndarray, capacity: np.ndarray, alive: np.ndarray, weight: np.ndarray,
+                         cap: np.ndarray, prio: np.ndarray) -> np.ndarray:
+        idx = np.flatnonzero(alive)
+        paths: list[list[int]] = [[] for _ in range(len(alive))]
+        for s, link in zip(entry_sub.tolist(), local.tolist(), strict=True):
+            paths[s].append(link)
+        sub = maxmin_rates_reference([paths[i] for i in idx], capacity.tolist(), weight=weight[idx].tolist(), cap=cap[idx].tolist(),
+                                     prio=prio[idx].tolist(), sharing=self.cfg.sharing)
+        rates = np.zeros(len(alive))
+        rates[idx] = sub
+        return rates
+
+    # -- the loop ------------------------------------------------------------------------------------------------
+    def run(self) -> RunResult:
+        wall0 = time.perf_counter()
+        for j, job in enumerate(self.workload.jobs):
+            self._push(job.arrival + job.start_offset, _EV_RELEASE, j)
+        heap = self.heap
+        while heap:
+            t = heap[0][0]
+            horizon = t + 1e-12 * max(abs(t), 1e-6)
+            self.util.advance(t)
+            self.now = t
+            while heap and heap[0][0] <= horizon:
+                _, _, kind, a, b = heapq.heappop(heap)
+                if kind == _EV_GROUP:
+                    if a.version != b or a.gid not in self.groups:
+                        continue
+                    self.events += 1
+                    self._group_event(a, t)
+                elif kind == _EV_STEP:
+                    self.events += 1
+                    self._step_done(a, t)
+                elif kind == _EV_PHASE:
+                    self.events += 1
+                    j, it, p, start = a
+                    self._phase_done(j, it, p, start, t)
+                else:
+                    self.events += 1
+                    self._release(a, t)
+            if self.dirty:
+                self._recompute(t)
+        stuck = [js.job.name for js in self.jobs if len(js.ends) < js.job.iterations]
+        if stuck or self.groups:
+            raise InputError(f"simulation stalled with unfinished jobs {stuck}: a dependency can never be met or a flow has no capacity")
+        return self._result(time.perf_counter() - wall0)
+
+    def _result(self, wall: float) -> RunResult:
+        jobs = {}
+        for js in self.jobs:
+            job = js.job
+            jobs[job.name] = JobResult(job.name, job.arrival, job.arrival + job.start_offset, list(js.ends))
+        end = max((js.ends[-1] for js in self.jobs if js.ends), default=0.0)
+        links = None
+        if self.cfg.track_links != "none" and end > 0:
+            edges, nbytes = self.util.series(end)
+            keep = nbytes.sum(axis=1) > 0
+            if self.cfg.track_links == "network":
+                keep &= np.array([k == "network" for k in self.net.kinds], dtype=bool)
+            idx = np.flatnonzero(keep)
+            widths = np.diff(edges)
+            util = nbytes[idx] / (self.net.capacity[idx, None] * np.maximum(widths[None, :], 1e-300))
+            names = []
+            for i in idx:
+                u, v, k = self.net.edges[i]
+                names.append(f"{u}->{v}" if k in (0, None) else f"{u}->{v}#{k}")
+            links = LinkUtilisation(names, [float(self.net.capacity[i] / 1e9) for i in idx], [self.net.kinds[i] for i in idx], edges, util)
+        meta = {"events": self.events, "recomputes": self.recomputes, "largest_component_groups": self.max_component,
+                "wall_s": wall, "events_per_s": self.events / wall if wall > 0 else math.inf, "config": asdict(self.cfg),
+                "links": len(self.net.edges), "routes_cached": len(self.net._routes)}
+        return RunResult("sim", self.workload.name, self.topo.name, jobs, self.phases, self.flows, links, 1.0, meta)
+
+
+def simulate(topo: Topology, workload: Workload, config: SimConfig | None = None, **options: Any) -> RunResult:
+    """Simulate ``workload`` on ``topo``; ``options`` override fields of ``config`` (see :class:`SimConfig`)."""
+    cfg = replace(config or SimConfig(), **options).validated()
+    validate_workload(workload)
+    validate_against_topology(workload, topo)
+    return Simulator(topo, workload, cfg).run()
+
+
+__all__ = ["DEFAULT_CLASS_WEIGHTS", "SimConfig", "Simulator", "phase_flows", "simulate"]
