@@ -1,0 +1,785 @@
+"""Paths between devices with NCCL's path classes, GPU bandwidth matrices and bisection bandwidth.
+
+NCCL (``src/graph/paths.cc``) describes the route between two devices by a
+*path type* -- the worst kind of hop on it -- and a *bandwidth* -- the
+narrowest hop. Planners that agree with NCCL's view of a machine use the same
+two numbers, so this module computes them on a :class:`~topology.model.Topology`.
+
+Hop classes (an edge's class, the path's class is the maximum):
+
+========  ===================================================================
+NVL       an NVLink, GPU<->GPU or GPU<->NVSwitch (the NVSwitch planes of one
+          NVLink domain act as one switch, as NCCL collapses them into one
+          NVS node; the bandwidth to it is the sum over the planes)
+NVB       an NVLink hop *out of* an intermediate GPU (GPU relay)
+C2C       an NVLink-C2C host link (edge attribute ``c2c``; Grace Hopper/GB200)
+PIX       a PCIe link through a single PCIe switch
+PXB       a PCIe link between two PCIe switches (several bridges, no host bridge)
+P2C       PCIe to/from a CPU that the GPU reaches over C2C (GPU -> Grace -> NIC)
+PXN       a PCIe hop out of an intermediate GPU: GPU -> NVLink -> GPU -> NIC
+PHB       a PCIe link to or from a CPU (host bridge) otherwise
+SYS       the SMP interconnect between CPU sockets
+NET       a network link
+========  ===================================================================
+
+Which path (NCCL's rule, extended): among all paths pick the best class, then
+the widest bottleneck, then the fewest *network* hops, then the lowest sum of
+hop classes (so a receiving NIC writes to its GPU through the PCIe switch
+rather than through the CPU, as GPUDirect RDMA does), then the fewest hops.
+The network-hop rule breaks ties between equally wide inter-host paths in
+favour of the rail-local one -- for GPU *i* of one host to GPU *j* of another,
+moving over NVLink to local GPU *j* first and using rail *j* (NCCL's PXN)
+rather than crossing a spine -- because it keeps traffic off the fabric's upper
+tiers, which is what NCCL's PXN does on rail-optimised fabrics. When the spine
+path is wider (an oversubscribed or narrow spine), the PXN path wins on
+bandwidth anyway.
+
+Transit rules, so that paths are ones a real system would use:
+
+* devices are grouped into *islands*: the connected components of the graph
+  without network links and network switches (one server, or one multi-node
+  NVLink domain such as a GB200 NVL72 rack);
+* a path between two islands starts in the source island, crosses only
+  network switches (or a direct cable) and ends in the destination island; it
+  never transits a third server, never re-enters the source island and never
+  leaves the destination island again. A path inside one island stays inside it;
+* a GPU relays only traffic that reached it over NVLink (NCCL's NVB/PXN).
+
+Bandwidths are GB/s per direction; latencies are the sum of the links'
+``latency_us``. A path from a device to itself is ``LOC`` with NCCL's
+``LOC_BW`` (5000 GB/s).
+
+Results are cached per topology (see :func:`clear_cache`); topologies are
+treated as read-only once queried -- after editing one, call ``clear_cache``.
+
+>>> from topology import build_cluster
+>>> t = build_cluster(2)
+>>> p = gpu_path(t, "node0/gpu0", "node0/gpu5")
+>>> p.path_type.name, p.bw
+('NVL', 450.0)
+>>> p = gpu_path(t, "node0/gpu0", "node1/gpu3")   # rail 3 via NVLink to local GPU 3 (PXN style)
+>>> p.path_type.name, p.bw, p.nodes[:3]
+('NET', 50.0, ('node0/gpu0', 'node0/nvs0', 'node0/gpu3'))
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import weakref
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+from .errors import TopologyError
+from .model import LinkKind, NodeKind, Topology
+
+LOC_BW = 5000.0  # NCCL's bandwidth of a device to itself (src/graph/topo.h: LOC_BW)
+
+
+class PathType(IntEnum):
+    """NCCL's path types, best first (``src/include/graph.h``)."""
+
+    LOC = 0
+    NVL = 1
+    NVB = 2
+    C2C = 3
+    PIX = 4
+    PXB = 5
+    P2C = 6
+    PXN = 7
+    PHB = 8
+    SYS = 9
+    NET = 10
+    DIS = 11
+
+
+@dataclass(frozen=True)
+class GpuPath:
+    """The chosen path between two devices.
+
+    ``nodes`` are node ids of ``topo.graph``; a crossing of an NVSwitch layer is
+    named by the domain's first NVSwitch plane (traffic is striped over all
+    planes, see :func:`topology.routing.flow_paths` for the per-plane split).
+    """
+
+    src: str
+    dst: str
+    path_type: PathType
+    bw: float
+    latency_us: float
+    nodes: tuple[str, ...]
+
+    @property
+    def hops(self) -> int:
+        return max(0, len(self.nodes) - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "src": self.src, "dst": self.dst, "path_type": self.path_type.name, "bw": self.bw,
+            "latency_us": self.latency_us, "hops": self.hops, "nodes": list(self.nodes),
+        }
+
+
+# --------------------------------------------------------------------------------------------
+# The indexed view: NVSwitch planes collapsed, adjacency as tuples, islands, ports.
+# --------------------------------------------------------------------------------------------
+
+# link-kind codes in the view
+_NVL, _PCI, _CPU, _NET = 0, 1, 2, 3
+_LK = {LinkKind.NVLINK: _NVL, LinkKind.PCIE: _PCI, LinkKind.CPU: _CPU, LinkKind.NETWORK: _NET}
+# node-kind codes in the view
+_GPU, _NVS, _PCIESW, _CPUN, _NIC, _SW = 0, 1, 2, 3, 4, 5
+_NK = {NodeKind.GPU: _GPU, NodeKind.NVSWITCH: _NVS, NodeKind.PCIE_SWITCH: _PCIESW, NodeKind.CPU: _CPUN, NodeKind.NIC: _NIC, NodeKind.SWITCH: _SW}
+
+
+@dataclass
+class VEdge:
+    """One link of the view: ``phys`` lists the physical ``(u, v, key, bw)`` edges it stands for."""
+
+    v: int
+    bw: float
+    latency_us: float
+    lk: int
+    c2c: bool
+    phys: list[tuple[str, str, Any, float]]
+
+
+@dataclass
+class _View:
+    names: list[str]
+    index: dict[str, int]
+    kind: list[int]
+    adj: list[list[VEdge]]
+    island: list[int]  # -1 for network switches
+    rep: dict[str, str]  # physical NVSwitch -> the plane that names its group
+    groups: dict[int, list[str]]  # view index of a group -> its physical planes
+    c2c_cpus: dict[int, frozenset[int]]  # GPU -> CPUs it reaches over C2C
+    fingerprint: tuple[int, int]
+    attrs: list[dict[str, Any]] = field(default_factory=list)  # node attribute dicts of topo.graph
+    cache: dict[str, Any] = field(default_factory=dict)
+
+    def index_attr(self, a: int) -> Any:
+        return self.attrs[a].get("index")
+
+    def rail_attr(self, a: int) -> Any:
+        return self.attrs[a].get("rail")
+
+    def idx(self, node: str) -> int:
+        try:
+            return self.index[self.rep.get(node, node)]
+        except KeyError:
+            raise TopologyError(f"unknown node {node!r}") from None
+
+
+_VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fingerprint(topo: Topology) -> tuple[int, int]:
+    return (topo.graph.number_of_nodes(), topo.graph.number_of_edges())
+
+
+def clear_cache(topo: Topology) -> None:
+    """Forget cached paths, matrices and routes of ``topo`` (call after editing it)."""
+    _VIEWS.pop(topo.graph, None)
+
+
+def view(topo: Topology, *, check: bool = True) -> _View:
+    """The cached indexed view of ``topo`` (rebuilt when its node or edge count changed)."""
+    v = _VIEWS.get(topo.graph)
+    if v is not None and (not check or v.fingerprint == _fingerprint(topo)):
+        return v
+    v = _build_view(topo)
+    _VIEWS[topo.graph] = v
+    return v
+
+
+def _build_view(topo: Topology) -> _View:
+    G = topo.graph
+    rep: dict[str, str] = {}
+    planes: dict[Any, list[str]] = {}
+    for n, d in G.nodes(data=True):
+        if d["kind"] == NodeKind.NVSWITCH:
+            planes.setdefault(d.get("domain") or d.get("host") or n, []).append(n)
+    for members in planes.values():
+        for m in members:
+            rep[m] = members[0]
+    names = [n for n in G.nodes if rep.get(n, n) == n]
+    index = {n: i for i, n in enumerate(names)}
+    kind = [_NK[NodeKind(G.nodes[n]["kind"])] for n in names]
+    adj: list[list[VEdge]] = [[] for _ in names]
+    merged: dict[tuple[int, int], VEdge] = {}
+    for u, v, k, d in G.edges(keys=True, data=True):
+        a, b = index[rep.get(u, u)], index[rep.get(v, v)]
+        if a == b:
+            continue  # links between planes of one NVSwitch group
+        lk = _LK[LinkKind(d["kind"])]
+        bw = float(d["bw"])
+        if lk == _NVL or kind[a] == _NVS or kind[b] == _NVS:
+            # bonded NVLinks and NVSwitch planes are used together: one link of summed bandwidth
+            e = merged.get((a, b))
+            if e is None:
+                e = merged[(a, b)] = VEdge(b, 0.0, float(d.get("latency_us", 0.0)), lk, bool(d.get("c2c")), [])
+                adj[a].append(e)
+            e.bw += bw
+            e.phys.append((u, v, k, bw))
+        else:
+            adj[a].append(VEdge(b, bw, float(d.get("latency_us", 0.0)), lk, bool(d.get("c2c")), [(u, v, k, bw)]))
+    for lst in adj:
+        lst.sort(key=lambda e: e.v)  # deterministic neighbour order
+    # islands: components over non-network links among non-switch nodes
+    parent = list(range(len(names)))
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, lst in enumerate(adj):
+        if kind[a] == _SW:
+            continue
+        for e in lst:
+            if e.lk != _NET and kind[e.v] != _SW:
+                ra, rb = find(a), find(e.v)
+                if ra != rb:
+                    parent[max(ra, rb)] = min(ra, rb)
+    roots: dict[int, int] = {}
+    island = []
+    for a in range(len(names)):
+        if kind[a] == _SW:
+            island.append(-1)
+        else:
+            island.append(roots.setdefault(find(a), len(roots)))
+    c2c: dict[int, set[int]] = {}
+    for a, lst in enumerate(adj):
+        if kind[a] == _GPU:
+            for e in lst:
+                if e.c2c and kind[e.v] == _CPUN:
+                    c2c.setdefault(a, set()).add(e.v)
+    groups = {index[m[0]]: m for m in planes.values()}
+    c2c_cpus = {g: frozenset(c) for g, c in c2c.items()}
+    return _View(names, index, kind, adj, island, rep, groups, c2c_cpus, _fingerprint(topo), [G.nodes[n] for n in names])
+
+
+# --------------------------------------------------------------------------------------------
+# Edge classes, transit rules and the three-pass search
+# --------------------------------------------------------------------------------------------
+
+
+def _edge_class(vw: _View, u: int, e: VEdge, s: int, t: int) -> int:
+    if e.lk == _NET:
+        return PathType.NET
+    if e.lk == _CPU:
+        return PathType.SYS
+    ku, kv = vw.kind[u], vw.kind[e.v]
+    if ku == _GPU and u != s:  # leaving a relay GPU
+        return PathType.NVB if e.lk == _NVL else PathType.PXN
+    if e.lk == _NVL or ku == _NVS or kv == _NVS:
+        return PathType.NVL
+    if e.c2c:
+        return PathType.C2C
+    if ku == _CPUN or kv == _CPUN:
+        cpu = u if ku == _CPUN else e.v
+        if cpu in vw.c2c_cpus.get(s, ()) or cpu in vw.c2c_cpus.get(t, ()):
+            return PathType.P2C
+        return PathType.PHB
+    if ku == _PCIESW and kv == _PCIESW:
+        return PathType.PXB
+    return PathType.PIX
+
+
+def _allowed(vw: _View, u: int, e: VEdge, t: int, si: int, ti: int) -> bool:
+    v = e.v
+    if vw.kind[v] == _GPU and v != t and e.lk != _NVL:
+        return False  # GPUs relay only NVLink traffic
+    iv = vw.island[v]
+    if si == ti:
+        return iv == si
+    iu = vw.island[u]
+    if iv == -1:
+        return ti == -1 or iu != ti  # never leave the destination island again
+    if iv == si:
+        return iu == si  # never re-enter the source island
+    return iv == ti
+
+
+def _search(vw: _View, s: int, t: int, max_class: int = PathType.NET, classes: bool = True) -> tuple[int, float, list[tuple[int, VEdge]]] | None:
+    """Best path s -> t: (class, bottleneck bw, [(u, edge), ...]) or None when disconnected.
+
+    Pass 1 minimises the worst hop class (bottleneck Dijkstra), pass 2 maximises
+    the narrowest bandwidth among paths of that class, pass 3 minimises
+    (network hops, hops) among paths meeting both.
+    """
+    si, ti = vw.island[s], vw.island[t]
+    adj = vw.adj
+    # pass 1: minimax class
+    if classes:
+        best = {s: 0}
+        heap = [(0, s)]
+        done = set()
+        found = None
+        while heap:
+            c, u = heapq.heappop(heap)
+            if u in done:
+                continue
+            if u == t:
+                found = c
+                break
+            done.add(u)
+            for e in adj[u]:
+                if not _allowed(vw, u, e, t, si, ti):
+                    continue
+                ce = _edge_class(vw, u, e, s, t)
+                if ce > max_class:
+                    continue
+                nc = c if c > ce else ce
+                if nc < best.get(e.v, 99):
+                    best[e.v] = nc
+                    heapq.heappush(heap, (nc, e.v))
+        if found is None:
+            return None
+        cls = found
+    else:
+        cls = max_class
+    # pass 2: widest among class <= cls
+    width = {s: math.inf}
+    heap2 = [(-math.inf, s)]
+    done = set()
+    w_best = None
+    while heap2:
+        negw, u = heapq.heappop(heap2)
+        if u in done:
+            continue
+        if u == t:
+            w_best = -negw
+            break
+        done.add(u)
+        for e in adj[u]:
+            if not _allowed(vw, u, e, t, si, ti) or _edge_class(vw, u, e, s, t) > cls:
+                continue
+            nw = min(-negw, e.bw)
+            if nw > width.get(e.v, 0.0):
+                width[e.v] = nw
+                heapq.heappush(heap2, (-nw, e.v))
+    if w_best is None:
+        return None
+    # pass 3: fewest (network hops, sum of hop classes, hops) among class <= cls and bw >= w_best
+    dist = {s: (0, 0, 0)}
+    pred: dict[int, tuple[int, VEdge]] = {}
+    heap3 = [(0, 0, 0, s)]
+    done = set()
+    while heap3:
+        nh, cs, h, u = heapq.heappop(heap3)
+        if u in done:
+            continue
+        if u == t:
+            break
+        done.add(u)
+        for e in adj[u]:
+            if e.bw < w_best or not _allowed(vw, u, e, t, si, ti):
+                continue
+            ce = _edge_class(vw, u, e, s, t)
+            if ce > cls:
+                continue
+            nd = (nh + (e.lk == _NET), cs + ce, h + 1)
+            if nd < dist.get(e.v, (1 << 30, 0, 0)):
+                dist[e.v] = nd
+                pred[e.v] = (u, e)
+                heapq.heappush(heap3, (*nd, e.v))
+    hops: list[tuple[int, VEdge]] = []
+    x = t
+    while x != s:
+        u, e = pred[x]
+        hops.append((u, e))
+        x = u
+    hops.reverse()
+    if not classes:
+        cls = max((_edge_class(vw, u, e, s, t) for u, e in hops), default=PathType.LOC)
+    return cls, w_best, hops
+
+
+def _resolve(vw: _View, topo: Topology, node: str) -> int:
+    if node not in topo.graph:
+        raise TopologyError(f"unknown node {node!r}")
+    return vw.idx(node)
+
+
+def device_path(topo: Topology, a: str, b: str) -> GpuPath:
+    """The best path between any two devices (GPU, NIC, CPU, PCIe or network switch).
+
+    >>> from topology import build_node
+    >>> t = build_node("dgx-h100")
+    >>> p = device_path(t, "node0/gpu0", "node0/nic0")
+    >>> p.path_type.name, p.bw, p.nodes
+    ('PIX', 63.0, ('node0/gpu0', 'node0/pcie0', 'node0/nic0'))
+    >>> device_path(t, "node0/gpu0", "node0/nic3").path_type.name   # via GPU 3 over NVLink
+    'PXN'
+    """
+    vw = view(topo)
+    s, t = _resolve(vw, topo, a), _resolve(vw, topo, b)
+    if s == t:
+        return GpuPath(a, b, PathType.LOC, LOC_BW, 0.0, (a,))
+    found = _search(vw, s, t)
+    if found is None:
+        return GpuPath(a, b, PathType.DIS, 0.0, math.inf, ())
+    cls, bw, hops = found
+    nodes = (a, *(vw.names[e.v] for _, e in hops[:-1]), b)
+    return GpuPath(a, b, PathType(cls), bw, sum(e.latency_us for _, e in hops), nodes)
+
+
+def gpu_path(topo: Topology, a: str | int, b: str | int) -> GpuPath:
+    """The path NCCL would see between two GPUs (ids or global GPU numbers).
+
+    >>> from topology import build_node
+    >>> t = build_node("dgx-h100")
+    >>> gpu_path(t, 0, 7).to_dict()["path_type"], gpu_path(t, 0, 7).bw
+    ('NVL', 450.0)
+    """
+    return device_path(topo, topo.resolve_gpu(a), topo.resolve_gpu(b))
+
+
+# --------------------------------------------------------------------------------------------
+# All-pairs GPU bandwidth
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class BandwidthMatrix:
+    """All-pairs GPU path bandwidth (GB/s) and path type (``PathType`` values) in ``gpus`` order."""
+
+    gpus: list[str]
+    bw: np.ndarray
+    path_type: np.ndarray
+
+    def position(self, gpu: str) -> int:
+        if not hasattr(self, "_pos"):
+            self._pos = {g: i for i, g in enumerate(self.gpus)}
+        return self._pos[gpu]
+
+    def get(self, a: str, b: str) -> tuple[PathType, float]:
+        i, j = self.position(a), self.position(b)
+        return PathType(int(self.path_type[i, j])), float(self.bw[i, j])
+
+
+@dataclass
+class _IslandData:
+    gpus: list[int]  # local positions of GPUs
+    ports: list[int]  # local positions of network ports
+    bw: np.ndarray  # GPU x GPU
+    ptype: np.ndarray
+    up: np.ndarray  # GPU x port: widest bw GPU -> port
+    down: np.ndarray  # port x GPU
+
+
+def _island_members(vw: _View) -> dict[int, list[int]]:
+    if "islands" not in vw.cache:
+        members: dict[int, list[int]] = {}
+        for a, isl in enumerate(vw.island):
+            if isl >= 0:
+                members.setdefault(isl, []).append(a)
+        vw.cache["islands"] = members
+    return vw.cache["islands"]
+
+
+def _is_port(vw: _View, a: int) -> bool:
+    return vw.kind[a] != _SW and any(e.lk == _NET for e in vw.adj[a])
+
+
+def _island_signature(vw: _View, nodes: list[int]) -> tuple:
+    local = {a: i for i, a in enumerate(nodes)}
+    node_sig = tuple((vw.kind[a], _is_port(vw, a)) for a in nodes)
+    edge_sig = []
+    for a in nodes:
+        for e in vw.adj[a]:
+            j = local.get(e.v)
+            if j is not None:
+                edge_sig.append((local[a], j, round(e.bw, 9), round(e.latency_us, 9), e.lk, e.c2c))
+    return node_sig, tuple(edge_sig), tuple(sorted((local[g], local[c]) for g, cs in vw.c2c_cpus.items() if g in local for c in cs))
+
+
+def _island_data(vw: _View, nodes: list[int]) -> _IslandData:
+    gl = [i for i, a in enumerate(nodes) if vw.kind[a] == _GPU]
+    pl = [i for i, a in enumerate(nodes) if _is_port(vw, a)]
+    k = len(gl)
+    bw = np.zeros((k, k))
+    pt = np.full((k, k), int(PathType.DIS), dtype=np.int8)
+    for x, i in enumerate(gl):
+        for y, j in enumerate(gl):
+            if i == j:
+                bw[x, y], pt[x, y] = LOC_BW, PathType.LOC
+                continue
+            found = _search(vw, nodes[i], nodes[j])
+            if found is not None:
+                pt[x, y], bw[x, y] = found[0], found[1]
+    up = np.zeros((k, len(pl)))
+    down = np.zeros((len(pl), k))
+    for x, i in enumerate(gl):
+        for y, p in enumerate(pl):
+            f = _search(vw, nodes[i], nodes[p], classes=False)
+            up[x, y] = f[1] if f else 0.0
+            f = _search(vw, nodes[p], nodes[i], classes=False)
+            down[y, x] = f[1] if f else 0.0
+    return _IslandData(gl, pl, bw, pt, up, down)
+
+
+def _islands(vw: _View) -> dict[int, tuple[list[int], _IslandData]]:
+    """Per island: its view nodes and its (shared, cached by structure) data."""
+    if "island_data" not in vw.cache:
+        by_sig: dict[tuple, _IslandData] = {}
+        out = {}
+        for isl, nodes in _island_members(vw).items():
+            sig = _island_signature(vw, nodes)
+            data = by_sig.get(sig)
+            if data is None:
+                data = by_sig[sig] = _island_data(vw, nodes)
+            out[isl] = (nodes, data)
+        vw.cache["island_data"] = out
+        vw.cache["island_structures"] = len(by_sig)
+    return vw.cache["island_data"]
+
+
+def _switch_widest(vw: _View) -> tuple[list[int], dict[int, int], np.ndarray]:
+    """Switches, their positions, and the all-pairs widest-path matrix over switch-to-switch links."""
+    if "switch_widest" not in vw.cache:
+        sws = [a for a, k in enumerate(vw.kind) if k == _SW]
+        pos = {a: i for i, a in enumerate(sws)}
+        W = np.zeros((len(sws), len(sws)))
+        for a in sws:
+            for e in vw.adj[a]:
+                j = pos.get(e.v)
+                if j is not None and e.bw > W[pos[a], j]:
+                    W[pos[a], j] = e.bw
+        np.fill_diagonal(W, math.inf)
+        for m in range(len(sws)):  # Floyd-Warshall in the (max, min) semiring
+            np.maximum(W, np.minimum(W[:, m : m + 1], W[m : m + 1, :]), out=W)
+        vw.cache["switch_widest"] = (sws, pos, W)
+    return vw.cache["switch_widest"]
+
+
+def bandwidth_matrix(topo: Topology, gpus: list[str] | None = None) -> BandwidthMatrix:
+    """Path bandwidth and type for every ordered GPU pair, equal to :func:`gpu_path` pair by pair.
+
+    Paths inside an island are searched once per distinct island *structure*
+    (identically built servers share one result). Paths between islands are
+    all ``NET`` and their bandwidth is
+    ``max over ports p, q and switches s, t of min(up[a,p], bw(p,s), W[s,t], bw(t,q), down[q,b])``,
+    computed for all pairs at once: each threshold of the few distinct
+    bandwidths is one boolean matrix product, on de-duplicated rows.
+
+    >>> from topology import build_cluster
+    >>> m = bandwidth_matrix(build_cluster(2))
+    >>> m.bw.shape, float(m.bw[0, 1]), float(m.bw[0, 9]), PathType(int(m.path_type[0, 9])).name
+    ((16, 16), 450.0, 50.0, 'NET')
+    """
+    vw = view(topo)
+    gpus = topo.gpus() if gpus is None else [topo.resolve_gpu(g) for g in gpus]
+    n = len(gpus)
+    idx = np.array([vw.idx(g) for g in gpus], dtype=np.int64)
+    islands = _islands(vw)
+    isl = np.array([vw.island[a] for a in idx], dtype=np.int64)
+    # position of each GPU inside its island's GPU list
+    local_pos = {}
+    for nodes, data in islands.values():
+        for x, i in enumerate(data.gpus):
+            local_pos[nodes[i]] = x
+    lpos = np.array([local_pos[a] for a in idx], dtype=np.int64)
+    bw = np.zeros((n, n))
+    pt = np.full((n, n), int(PathType.DIS), dtype=np.int8)
+    # inter-island part
+    sws, spos, W = _switch_widest(vw)
+    S = len(sws)
+    if S or _has_direct_port_links(vw):
+        into: dict[int, list[tuple[int, float]]] = {}  # port -> [(switch, bw)] of the links into it
+        for j_sw in sws:
+            for e in vw.adj[j_sw]:
+                if vw.kind[e.v] != _SW:
+                    into.setdefault(e.v, []).append((j_sw, e.bw))
+        E = np.zeros((n, max(S, 1)))
+        Ing = np.zeros((max(S, 1), n))
+        for i_l in np.unique(isl):
+            nodes, data = islands[int(i_l)]
+            Ei = np.zeros((len(data.gpus), max(S, 1)))
+            Ii = np.zeros((max(S, 1), len(data.gpus)))
+            for y, p in enumerate(data.ports):
+                a = nodes[p]
+                for e in vw.adj[a]:
+                    j = spos.get(e.v)
+                    if j is not None:
+                        np.maximum(Ei[:, j], np.minimum(data.up[:, y], e.bw), out=Ei[:, j])
+            for y, p in enumerate(data.ports):
+                for j_sw, ebw in into.get(nodes[p], ()):
+                    np.maximum(Ii[spos[j_sw], :], np.minimum(ebw, data.down[y, :]), out=Ii[spos[j_sw], :])
+            members = np.nonzero(isl == i_l)[0]
+            E[members] = Ei[lpos[members]]
+            Ing[:, members] = Ii[:, lpos[members]]
+        if S:
+            Eu, rinv = np.unique(E, axis=0, return_inverse=True)
+            Iu, cinv = np.unique(Ing, axis=1, return_inverse=True)
+            vals = np.unique(np.concatenate([Eu.ravel(), Iu.ravel(), W[np.isfinite(W)].ravel()]))
+            vals = vals[vals > 0][::-1]
+            bu = np.zeros((len(Eu), Iu.shape[1]))
+            for theta in vals:
+                A = (Eu >= theta).astype(np.float32)
+                M = (theta <= W).astype(np.float32)
+                B = (Iu >= theta).astype(np.float32)
+                reach = ((A @ M) @ B) > 0
+                bu[reach & (bu == 0)] = theta
+            bw = bu[rinv.ravel()][:, cinv.ravel()]
+        _direct_port_links(vw, islands, isl, lpos, bw)
+        pt[bw > 0] = PathType.NET
+    # intra-island blocks
+    for i_l in np.unique(isl):
+        members = np.nonzero(isl == i_l)[0]
+        _, data = islands[int(i_l)]
+        sub = np.ix_(members, members)
+        bw[sub] = data.bw[np.ix_(lpos[members], lpos[members])]
+        pt[sub] = data.ptype[np.ix_(lpos[members], lpos[members])]
+    # a GPU listed twice is LOC with itself
+    same = idx[:, None] == idx[None, :]
+    bw[same], pt[same] = LOC_BW, PathType.LOC
+    return BandwidthMatrix(gpus, bw, pt)
+
+
+def _has_direct_port_links(vw: _View) -> bool:
+    return bool(_direct_links(vw))
+
+
+def _direct_links(vw: _View) -> list[tuple[int, VEdge]]:
+    if "direct" not in vw.cache:
+        vw.cache["direct"] = [
+            (a, e) for a, lst in enumerate(vw.adj) if vw.kind[a] != _SW for e in lst
+            if e.lk == _NET and vw.kind[e.v] != _SW and vw.island[e.v] != vw.island[a]
+        ]
+    return vw.cache["direct"]
+
+
+def _direct_port_links(vw: _View, islands, isl: np.ndarray, lpos: np.ndarray, bw: np.ndarray) -> None:
+    """Network cables straight from a port of one island to a port of another (no switch)."""
+    for a, e in _direct_links(vw):
+        ia, ib = vw.island[a], vw.island[e.v]
+        src = np.nonzero(isl == ia)[0]
+        dst = np.nonzero(isl == ib)[0]
+        if not len(src) or not len(dst):
+            continue
+        na, da = islands[ia]
+        nb, db = islands[ib]
+        up = da.up[lpos[src], da.ports.index(na.index(a))]
+        down = db.down[db.ports.index(nb.index(e.v)), lpos[dst]]
+        cand = np.minimum(np.minimum(up[:, None], e.bw), down[None, :])
+        bw[np.ix_(src, dst)] = np.maximum(bw[np.ix_(src, dst)], cand)
+
+
+def bandwidth_classes(topo: Topology, gpus: list[str] | None = None) -> list[dict[str, Any]]:
+    """Distinct (path type, bandwidth) classes over ordered pairs of distinct GPUs, best first.
+
+    >>> from topology import build_cluster
+    >>> [(c["path_type"], c["bw"], c["pairs"]) for c in bandwidth_classes(build_cluster(2))]
+    [('NVL', 450.0, 112), ('NET', 50.0, 128)]
+    """
+    m = bandwidth_matrix(topo, gpus)
+    off = ~np.eye(len(m.gpus), dtype=bool)
+    if not off.any():
+        return []
+    bws, bw_code = np.unique(np.round(m.bw[off], 9), return_inverse=True)
+    code = m.path_type[off].astype(np.int64) * len(bws) + bw_code.ravel()
+    uniq, counts = np.unique(code, return_counts=True)
+    rows = [(int(c // len(bws)), float(bws[c % len(bws)]), int(n)) for c, n in zip(uniq.tolist(), counts.tolist(), strict=True)]
+    rows.sort(key=lambda r: (r[0], -r[1]))
+    return [{"path_type": PathType(pt).name, "bw": bw, "pairs": n} for pt, bw, n in rows]
+
+
+# --------------------------------------------------------------------------------------------
+# Bisection bandwidth
+# --------------------------------------------------------------------------------------------
+
+
+def _host_ports(topo: Topology, vw: _View) -> dict[str, list[int]]:
+    ports: dict[str, list[int]] = {}
+    for a, name in enumerate(vw.names):
+        h = topo.graph.nodes[name].get("host")
+        if h is not None and _is_port(vw, a):
+            ports.setdefault(h, []).append(a)
+    return ports
+
+
+def _max_flow(vw: _View, sources: list[int], sinks: list[int]) -> float:
+    """Max flow over the network from the ports ``sources`` to the ports ``sinks`` (no host transit)."""
+    src_set, dst_set = set(sources), set(sinks)
+    F = nx.DiGraph()
+    for a, lst in enumerate(vw.adj):
+        for e in lst:
+            if e.lk != _NET:
+                continue
+            b = e.v
+            if vw.kind[a] != _SW and a not in src_set:
+                continue  # only the source half's ports send into the fabric
+            if vw.kind[b] != _SW and b not in dst_set:
+                continue  # only the sink half's ports take flow out of it
+            if F.has_edge(a, b):
+                F[a][b]["capacity"] += e.bw
+            else:
+                F.add_edge(a, b, capacity=e.bw)
+    for p in sources:
+        F.add_edge("S", p)  # no capacity attribute: infinite
+    for q in sinks:
+        F.add_edge(q, "T")
+    if "S" not in F or "T" not in F:
+        return 0.0
+    return float(nx.maximum_flow_value(F, "S", "T"))
+
+
+def bisection_bandwidth(topo: Topology) -> dict[str, Any]:
+    """Network bandwidth (GB/s per direction) between two equal halves of the hosts, minimised over a few cuts.
+
+    Each cut splits the hosts in two halves; its bandwidth is the max flow over
+    the network from the first half's NIC ports to the second half's (and the
+    reverse; the smaller counts), with links at their ``bw`` and no transit
+    through other hosts. The cuts tried are: hosts in order (first half /
+    second half), hosts grouped by the set of leaf switches they attach to
+    (scalable unit, rack, pod) then halved, and interleaved (even / odd). The
+    true bisection is the minimum over *all* balanced cuts, so this is an upper
+    bound on it; for the symmetric fabrics the builders make (rail-optimized,
+    leaf-spine, k-ary fat tree) the group cut is a minimum cut and the result
+    is exact: ``hosts/2 * NICs * NIC bw`` when non-blocking, divided by the
+    oversubscription when the spine limits, ``k^3/8 * link bw`` for a fat tree.
+    NVLink between hosts of one NVLink domain is not counted (network only).
+
+    >>> from topology import build_cluster
+    >>> bisection_bandwidth(build_cluster(4))["bw"]
+    800.0
+    """
+    vw = view(topo)
+    ports = _host_ports(topo, vw)
+    hosts = [h for h in topo.hosts() if h in ports]
+    if len(hosts) < 2:
+        return {"bw": 0.0, "cut": "fewer than two hosts with network ports", "cuts": {}}
+    half = len(hosts) // 2
+
+    def leaf_key(h: str) -> tuple:
+        leaves = sorted({vw.names[e.v] for p in ports[h] for e in vw.adj[p] if vw.kind[e.v] == _SW})
+        return tuple(leaves)
+
+    grouped = sorted(hosts, key=lambda h: (leaf_key(h), hosts.index(h)))
+    cuts = {
+        "hosts in order, first half | second half": (hosts[:half], hosts[half:]),
+        "hosts grouped by leaf switches (scalable unit / rack / pod), halved": (grouped[:half], grouped[half:]),
+        "interleaved hosts, even | odd": (hosts[0::2][: max(1, half)], [h for h in hosts if h not in set(hosts[0::2][: max(1, half)])]),
+    }
+    results: dict[str, float] = {}
+    seen: dict[frozenset, float] = {}
+    for name, (a, b) in cuts.items():
+        key = frozenset(a)
+        if key in seen:
+            results[name] = seen[key]
+            continue
+        pa = [p for h in a for p in ports[h]]
+        pb = [p for h in b for p in ports[h]]
+        value = min(_max_flow(vw, pa, pb), _max_flow(vw, pb, pa))
+        seen[key] = value
+        results[name] = value
+    cut = min(results, key=lambda k: results[k])
+    return {"bw": results[cut], "cut": cut, "cuts": results}

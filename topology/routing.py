@@ -1,0 +1,448 @@
+"""Routing flows over a topology: which links a transfer uses, and how much of it each carries.
+
+Every flow from ``src`` to ``dst`` is cut into three segments:
+
+1. **source host segment** -- from ``src`` to an *egress port* (a NIC) of its
+   island (server or NVLink domain), along the best path of
+   :func:`topology.paths.device_path`;
+2. **fabric segment** -- from the egress port through network switches to an
+   *ingress port* of the destination's island, on minimum-hop paths;
+3. **destination host segment** -- from the ingress port to ``dst``.
+
+A flow that stays inside one island uses the single best path between its
+ends (no network). NVSwitch planes of one domain act as one switch: a flow
+crossing them is striped over the planes in proportion to their bandwidth
+(5:5:4:4 on HGX H100), as a GPU drives all its NVLinks at once; bonded NVLinks
+between the same two devices are striped the same way. This holds for every
+policy.
+
+Policies (they differ in the egress port and in the fabric segment):
+
+``"shortest"``
+    Egress/ingress = the GPU's nearest NIC (its own rail on DGX: the NIC on its
+    PCIe switch, which is what NCCL picks without PXN). Fabric: one
+    deterministic minimum-hop path; among those, the widest; then the lowest
+    node order. Static routing, no spreading.
+``"ecmp"``
+    Same ports; the fabric segment is split *equally at each hop among the
+    next hops on minimum-hop paths* (every parallel link is its own next hop),
+    as per-hop flow hashing does on average.
+``"rail"``
+    Rail-aligned (NCCL's PXN on rail-optimised fabrics): the ingress port is
+    the destination GPU's nearest NIC, on rail *r*; the source moves the data
+    over NVLink to the local GPU on rail *r* and leaves through that GPU's NIC
+    (rail *r*), so traffic between hosts of one scalable unit never crosses a
+    spine. If the source island has no port on rail *r*, the source's nearest
+    NIC is used. The fabric segment is split as in ``"ecmp"``.
+
+Loads are in the unit of the flow volumes (bytes, usually). Routes are cached
+per topology (see :func:`topology.paths.clear_cache`).
+
+>>> from topology import build_cluster
+>>> t = build_cluster(2)
+>>> [(round(f, 3), [f"{u}->{v}" for u, v, _ in p][2:5]) for f, p in flow_paths(t, "node0/gpu0", "node1/gpu3", "rail")][:1]
+[(0.278, ['node0/gpu3->node0/pcie3', 'node0/pcie3->node0/nic3', 'node0/nic3->su0/leaf3'])]
+>>> loads = route_flows(t, [("node0/gpu0", "node1/gpu0", 100.0)], "ecmp")
+>>> loads[("node0/nic0", "su0/leaf0", 0)]
+100.0
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterable
+from typing import Any
+
+from .errors import TopologyError
+from .model import Topology
+from .paths import _NET, _NVS, _SW, PathType, VEdge, _search, _View, view
+
+Edge = tuple[str, str, Any]
+POLICIES = ("shortest", "ecmp", "rail")
+
+# A route is a list of stages traversed one after the other; a stage is a list of
+# alternatives (fraction, edges) whose fractions sum to 1.
+Stage = list[tuple[float, tuple[Edge, ...]]]
+
+_CACHE_LIMIT = 200_000
+
+
+def _check_policy(policy: str) -> None:
+    if policy not in POLICIES:
+        raise TopologyError(f"unknown routing policy {policy!r}; expected one of {', '.join(POLICIES)}")
+
+
+# --------------------------------------------------------------------------------------------
+# Host segments
+# --------------------------------------------------------------------------------------------
+
+
+def _striped(phys: list[tuple[str, str, Any, float]]) -> Stage:
+    total = sum(p[3] for p in phys)
+    return [(p[3] / total, ((p[0], p[1], p[2]),)) for p in phys]
+
+
+def _nvs_crossing(vw: _View, x: int, e_in: VEdge, e_out: VEdge) -> Stage:
+    """x -> (NVSwitch planes) -> y, striped over the planes in proportion to min(bw in, bw out)."""
+    ins: dict[str, list[tuple[str, str, Any, float]]] = {}
+    outs: dict[str, list[tuple[str, str, Any, float]]] = {}
+    for p in e_in.phys:
+        ins.setdefault(p[1], []).append(p)
+    for p in e_out.phys:
+        outs.setdefault(p[0], []).append(p)
+    weights = {}
+    for plane in ins.keys() & outs.keys():
+        weights[plane] = min(sum(p[3] for p in ins[plane]), sum(p[3] for p in outs[plane]))
+    total = sum(weights.values())
+    if not total:
+        raise TopologyError(
+            f"{vw.names[x]} -> {vw.names[e_out.v]}: no NVSwitch plane links both (multi-level NVSwitch domains are not supported)"
+        )
+    stage: Stage = []
+    for plane in sorted(weights):
+        for (f1, a), (f2, b) in itertools.product(_striped(ins[plane]), _striped(outs[plane])):
+            stage.append((weights[plane] / total * f1 * f2, a + b))
+    return stage
+
+
+def _hops_to_stages(vw: _View, s: int, hops: list[tuple[int, VEdge]]) -> list[Stage]:
+    stages: list[Stage] = []
+    i = 0
+    while i < len(hops):
+        u, e = hops[i]
+        if vw.kind[e.v] == _NVS and i + 1 < len(hops):
+            stages.append(_nvs_crossing(vw, u, e, hops[i + 1][1]))
+            i += 2
+            continue
+        stages.append(_striped(e.phys))
+        i += 1
+    return stages
+
+
+def _host_segment(vw: _View, a: int, b: int) -> list[Stage]:
+    if a == b:
+        return []
+    cache = vw.cache.setdefault("host_segments", {})
+    key = (a, b)
+    if key not in cache:
+        found = _search(vw, a, b)
+        if found is None:
+            raise TopologyError(f"no path from {vw.names[a]} to {vw.names[b]}")
+        cache[key] = _hops_to_stages(vw, a, found[2])
+    return cache[key]
+
+
+def _ports_of_island(vw: _View, isl: int) -> list[int]:
+    cache = vw.cache.setdefault("island_ports", {})
+    if isl not in cache:
+        cache[isl] = [a for a, i in enumerate(vw.island) if i == isl and any(e.lk == _NET for e in vw.adj[a])]
+    return cache[isl]
+
+
+def _port_rank(vw: _View, a: int, p: int) -> tuple:
+    found = _search(vw, a, p)
+    if found is None:
+        return (PathType.DIS, 0.0, 1 << 30)
+    cls, bw, hops = found
+    return (cls, -bw, len(hops))
+
+
+def nearest_port(topo: Topology, node: str) -> str | None:
+    """The NIC a device uses for network traffic by default (``None`` when its island has none).
+
+    The best path class, then bandwidth, then hop count wins; ties go to the NIC
+    with the GPU's own ``index``, else are spread round-robin over the GPUs
+    that tie, so that every NIC serves a share of the GPUs.
+
+    >>> from topology import build_cluster
+    >>> t = build_cluster(1, node="dgx-a100")
+    >>> nearest_port(t, "node0/gpu1"), nearest_port(t, "node0/gpu2")
+    ('node0/nic1', 'node0/nic2')
+    """
+    vw = view(topo)
+    p = _nearest(vw, vw.idx(node))
+    return None if p is None else vw.names[p]
+
+
+def _nearest(vw: _View, a: int) -> int | None:
+    if vw.kind[a] == _SW or any(e.lk == _NET for e in vw.adj[a]):
+        return a
+    cache = vw.cache.setdefault("nearest", {})
+    if a in cache:
+        return cache[a]
+    isl = vw.island[a]
+    ports = _ports_of_island(vw, isl)
+    if not ports:
+        cache[a] = None
+        return None
+    # decide for every node of the island with the same candidate set together, in view order
+    members = [x for x, i in enumerate(vw.island) if i == isl and vw.kind[x] != _SW and x not in ports]
+    rank_by_set: dict[tuple[int, ...], int] = {}
+    for x in members:
+        ranks = [(_port_rank(vw, x, p), p) for p in ports]
+        best = min(r for r, _ in ranks)
+        cands = tuple(p for r, p in ranks if r == best)
+        if best[0] == PathType.DIS:
+            cache[x] = None
+            continue
+        own = [p for p in cands if vw.index_attr(x) is not None and vw.index_attr(p) == vw.index_attr(x)]
+        if own:
+            cache[x] = own[0]
+        else:
+            k = rank_by_set.get(cands, 0)
+            rank_by_set[cands] = k + 1
+            cache[x] = cands[k % len(cands)]
+    return cache.get(a)
+
+
+def _rail_port(vw: _View, a: int, rail: Any) -> int | None:
+    """The port of a's island on ``rail`` that is best reached from ``a``."""
+    ports = [p for p in _ports_of_island(vw, vw.island[a]) if vw.rail_attr(p) == rail]
+    if not ports:
+        return None
+    if len(ports) == 1:
+        return ports[0]
+    return min(ports, key=lambda p: (_port_rank(vw, a, p), p))
+
+
+# --------------------------------------------------------------------------------------------
+# Fabric segments
+# --------------------------------------------------------------------------------------------
+
+
+def _dist_to(vw: _View, targets: frozenset[int]) -> dict[int, int]:
+    """Hop distance from every switch to the nearest switch in ``targets`` over switch-to-switch links."""
+    cache = vw.cache.setdefault("dist_to", {})
+    if targets in cache:
+        return cache[targets]
+    radj = vw.cache.get("switch_radj")
+    if radj is None:
+        radj = {}
+        for a, lst in enumerate(vw.adj):
+            if vw.kind[a] == _SW:
+                for e in lst:
+                    if vw.kind[e.v] == _SW:
+                        radj.setdefault(e.v, []).append(a)
+        vw.cache["switch_radj"] = radj
+    dist = dict.fromkeys(targets, 0)
+    queue = deque(targets)
+    while queue:
+        x = queue.popleft()
+        for y in radj.get(x, ()):
+            if y not in dist:
+                dist[y] = dist[x] + 1
+                queue.append(y)
+    cache[targets] = dist
+    return dist
+
+
+def _into(vw: _View, q: int) -> dict[int, list[VEdge]]:
+    """Switches with links into ``q``, and those links."""
+    cache = vw.cache.setdefault("into", {})
+    if q not in cache:
+        if vw.kind[q] == _SW:
+            cache[q] = {}
+        else:
+            into: dict[int, list[VEdge]] = {}
+            for a, lst in enumerate(vw.adj):
+                if vw.kind[a] == _SW:
+                    for e in lst:
+                        if e.v == q:
+                            into.setdefault(a, []).append(e)
+            cache[q] = into
+    return cache[q]
+
+
+def _fabric_stage(vw: _View, p: int, q: int, policy: str) -> Stage:
+    """Alternatives (fraction, edges) from port/switch p to port/switch q through network switches."""
+    cache = vw.cache.setdefault("fabric", {})
+    key = (p, q, policy)
+    if key in cache:
+        return cache[key]
+    if len(cache) > _CACHE_LIMIT:
+        cache.clear()
+    if p == q:
+        return [(1.0, ())]
+    into = _into(vw, q)
+    targets = frozenset([q]) if vw.kind[q] == _SW else frozenset(into)
+    dist = _dist_to(vw, targets)
+
+    def d(x: int) -> float:
+        """Hops from x to q; only switches and q are nodes of the fabric segment."""
+        if x == q:
+            return 0
+        if vw.kind[x] == _SW:
+            return dist[x] + (0 if vw.kind[q] == _SW else 1) if x in dist else float("inf")
+        return float("inf")
+
+    def nexts(x: int) -> list[VEdge]:
+        dx = d(x) if x != p else None
+        cands = [e for e in vw.adj[x] if e.lk == _NET and (e.v == q or vw.kind[e.v] == _SW)]
+        if dx is None:
+            best = min((d(e.v) for e in cands), default=float("inf"))
+            return [e for e in cands if d(e.v) == best and best < float("inf")]
+        return [e for e in cands if d(e.v) == dx - 1]
+
+    if not nexts(p):
+        raise TopologyError(f"no network path from {vw.names[p]} to {vw.names[q]}")
+    alternatives: list[tuple[float, tuple[Edge, ...]]] = []
+    if policy == "shortest":
+        # widest among minimum-hop paths (dynamic programme over the DAG), then lowest node order
+        memo: dict[int, float] = {}
+
+        def widest(x: int) -> float:
+            if x == q:
+                return float("inf")
+            if x not in memo:
+                memo[x] = max((min(e.bw, widest(e.v)) for e in nexts(x)), default=0.0)
+            return memo[x]
+
+        x, edges = p, []
+        while x != q:
+            best = max(nexts(x), key=lambda e: (min(e.bw, widest(e.v)), -e.v))
+            phys = max(best.phys, key=lambda ph: ph[3])
+            edges.append((phys[0], phys[1], phys[2]))
+            x = best.v
+        alternatives.append((1.0, tuple(edges)))
+    else:
+        # equal split per hop among next hops on minimum-hop paths
+        def walk(x: int, frac: float, edges: tuple[Edge, ...]) -> None:
+            if x == q:
+                alternatives.append((frac, edges))
+                return
+            nx_ = nexts(x)
+            for e in nx_:
+                for f, (ph,) in _striped(e.phys):
+                    walk(e.v, frac * f / len(nx_), (*edges, ph))
+
+        walk(p, 1.0, ())
+    cache[key] = alternatives
+    return alternatives
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def _route(vw: _View, s: int, t: int, policy: str) -> list[Stage]:
+    cache = vw.cache.setdefault("routes", {})
+    key = (s, t, policy)
+    if key in cache:
+        return cache[key]
+    if len(cache) > _CACHE_LIMIT:
+        cache.clear()
+    if vw.kind[s] == _NVS or vw.kind[t] == _NVS:
+        raise TopologyError("flows start and end at GPUs, NICs, CPUs, PCIe or network switches, not at NVSwitch planes")
+    if s == t:
+        stages: list[Stage] = []
+    elif vw.island[s] == vw.island[t] and vw.island[s] != -1:
+        stages = _host_segment(vw, s, t)
+    else:
+        q = _nearest(vw, t)
+        if policy == "rail" and q is not None and vw.kind[s] != _SW:
+            p = _rail_port(vw, s, vw.rail_attr(q))
+            if p is None:
+                p = _nearest(vw, s)
+        else:
+            p = _nearest(vw, s)
+        if p is None or q is None:
+            raise TopologyError(f"no network path from {vw.names[s]} to {vw.names[t]}: {vw.names[s if p is None else t]} has no NIC")
+        stages = [*_host_segment(vw, s, p), _fabric_stage(vw, p, q, policy), *_host_segment(vw, q, t)]
+    cache[key] = stages
+    return stages
+
+
+def _edge_fractions(vw: _View, s: int, t: int, policy: str) -> list[tuple[Edge, float]]:
+    cache = vw.cache.setdefault("fractions", {})
+    key = (s, t, policy)
+    out = cache.get(key)
+    if out is None:
+        if len(cache) > _CACHE_LIMIT:
+            cache.clear()
+        acc: dict[Edge, float] = {}
+        for stage in _route(vw, s, t, policy):
+            for f, edges in stage:
+                for e in edges:
+                    acc[e] = acc.get(e, 0.0) + f
+        out = cache[key] = list(acc.items())
+    return out
+
+
+def flow_paths(topo: Topology, src: str, dst: str, policy: str = "shortest") -> list[tuple[float, list[Edge]]]:
+    """The physical paths a flow ``src -> dst`` takes under ``policy``, as (fraction, edges); fractions sum to 1.
+
+    Edges are ``(u, v, key)`` of ``topo.graph``.
+
+    >>> from topology import build_node
+    >>> t = build_node("dgx-h100")
+    >>> [(f, [v for _, v, _ in p]) for f, p in flow_paths(t, "node0/gpu0", "node0/gpu1")]  # striped 5:5:4:4
+    [(0.2777777777777778, ['node0/nvs0', 'node0/gpu1']), (0.2777777777777778, ['node0/nvs1', 'node0/gpu1']), \
+(0.2222222222222222, ['node0/nvs2', 'node0/gpu1']), (0.2222222222222222, ['node0/nvs3', 'node0/gpu1'])]
+    """
+    _check_policy(policy)
+    vw = view(topo)
+    for n in (src, dst):
+        if n not in topo.graph:
+            raise TopologyError(f"unknown node {n!r}")
+    stages = _route(vw, vw.idx(src), vw.idx(dst), policy)
+    out = []
+    for combo in itertools.product(*stages):
+        frac = 1.0
+        edges: list[Edge] = []
+        for f, es in combo:
+            frac *= f
+            edges.extend(es)
+        out.append((frac, edges))
+    return out if stages else [(1.0, [])]
+
+
+def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy: str = "shortest") -> dict[Edge, float]:
+    """Sum of the traffic each directed link carries when every flow ``(src, dst, volume)`` is routed by ``policy``.
+
+    Flows between the same pair are merged first; routes are cached per pair.
+
+    >>> from topology import build_node
+    >>> t = build_node("dgx-h100")
+    >>> loads = route_flows(t, [("node0/gpu0", "node0/gpu1", 18.0), ("node0/gpu2", "node0/gpu1", 18.0)])
+    >>> loads[("node0/nvs0", "node0/gpu1", 0)], loads[("node0/gpu0", "node0/nvs3", 0)]
+    (10.0, 4.0)
+    """
+    _check_policy(policy)
+    vw = view(topo)
+    volumes: dict[tuple[str, str], float] = {}
+    for src, dst, vol in flows:
+        if vol < 0:
+            raise TopologyError(f"flow {src} -> {dst}: volume must be >= 0, got {vol!r}")
+        volumes[(src, dst)] = volumes.get((src, dst), 0.0) + vol
+    index = vw.index
+    rep = vw.rep
+    loads: dict[Edge, float] = {}
+    for (src, dst), vol in volumes.items():
+        if src == dst or vol == 0:
+            continue
+        try:
+            s, t = index[rep.get(src, src)], index[rep.get(dst, dst)]
+        except KeyError:
+            raise TopologyError(f"flow {src} -> {dst}: unknown node") from None
+        for e, f in _edge_fractions(vw, s, t, policy):
+            loads[e] = loads.get(e, 0.0) + vol * f
+    return loads
+
+
+def link_utilisation(topo: Topology, loads: dict[Edge, float]) -> list[tuple[Edge, float]]:
+    """Links sorted by ``load / bw`` (seconds per byte-unit at full rate when loads are in GB), worst first.
+
+    >>> from topology import build_node
+    >>> t = build_node("dgx-h100")
+    >>> link_utilisation(t, route_flows(t, [("node0/gpu0", "node0/nic0", 63.0)]))[0]
+    (('node0/gpu0', 'node0/pcie0', 0), 1.0)
+    """
+    G = topo.graph
+    out = [(e, load / G.edges[e]["bw"]) for e, load in loads.items()]
+    out.sort(key=lambda x: (-x[1], x[0][0], x[0][1]))
+    return out
+
+
+__all__ = ["POLICIES", "Edge", "flow_paths", "link_utilisation", "nearest_port", "route_flows"]
