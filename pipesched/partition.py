@@ -1,0 +1,444 @@
+"""Partitioning a layer chain into pipeline stages: PipeDream's DP with AdaPipe's per-stage recomputation.
+
+The dynamic program is PipeDream's (Narayanan et al., SOSP 2019, section 3.1): ``A(j, d)`` is the best
+bottleneck ("time of the slowest stage") over layers ``0..j-1`` on the first ``d`` pipeline devices, and
+
+    A(j, d) = min over i < j, r in 1..R of  max( A(i, d - r),  C(i, d - r),  T(i..j, devices d-r..d-1) )
+
+where ``T`` is the per-micro-batch time of a stage spanning layers ``i..j-1`` replicated ``r``-way
+(round-robin micro-batches: its work divided by the replicas' summed speed, plus the replicas' gradient
+all-reduce ``4(r-1)|w|/(r*B)`` amortised over the ``m`` micro-batches of an iteration, as PipeDream's code
+does) and ``C`` is the time to move the boundary activation forward and its gradient back over the actual link
+between the two stages' devices (``LinkModel``; from the Topology this is ``gpu_path``). Unlike PipeDream's
+released code, which only counts transfers with ``--activation_compression_ratio``, the link term is always on.
+
+Per-stage recomputation is AdaPipe's idea (Sun et al., ASPLOS 2024): each candidate stage picks the cheapest
+recomputation option (``none`` < ``selective`` < ``full`` in time) whose memory fits the device:
+
+    states(i..j) + in_flight(stage) * saved_opt(i..j) + max over layers l in i..j of (saved_none - saved_opt)(l) <= memory
+
+where ``in_flight`` comes from the schedule family and the stage's position (1F1B: ``min(m, p - s)``; GPipe:
+``m``; see :func:`in_flight`) and the last term is the transient re-materialisation of one layer during the backward
+(layers are checkpointed one at a time, as Megatron does).
+Deviation from AdaPipe: the option is chosen per stage among three whole-layer policies, not per tensor by a
+knapsack over sub-layer units.
+
+Heterogeneous devices enter through ``Device.speed`` and ``Device.memory_bytes`` of each position.
+
+A second pass (after Alpa's stage-construction objective ``sum t_s + (m-1) max t_s``) picks, among the
+partitions that reach the optimal bottleneck ``t*``, one with the smallest sum of stage times, which shortens
+the pipeline fill and drain. Both passes are exact (see ``tests/test_pipe_partition.py``: brute force on random
+instances). See :func:`partition` for how the DP is evaluated in O(P * n log n) rather than O(P * n^2).
+
+>>> from pipesched.profile import GPTConfig, analytic_profile
+>>> from pipesched.devices import Device, LinkModel
+>>> prof = analytic_profile(GPTConfig(layers=8, hidden=1024, heads=16, seq_len=1024, vocab=50000))
+>>> part = partition(prof, [Device(f"g{i}", memory_bytes=80 * 2**30) for i in range(4)], LinkModel.uniform(4, 100e9, 1e-6), microbatches=8)
+>>> [s.layers for s in part.stages][0][0], [s.layers for s in part.stages][-1][1]
+(0, 10)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from topology.errors import InputError
+
+from .devices import Device, LinkModel
+from .profile import RECOMPUTE_OPTIONS, ModelProfile
+
+FAMILIES = ("gpipe", "1f1b", "interleaved", "zbh1", "chimera")
+SPLIT_BACKWARD = {"zbh1"}
+
+
+class PlanError(InputError):
+    """A planning request that cannot be satisfied (too many stages, a layer larger than memory, ...)."""
+
+
+def in_flight(family: str, position: int, positions: int, microbatches: int, *, ranks: int | None = None, chunks: int = 1) -> int:
+    """Micro-batches whose activations a stage holds at once (Little's law for each schedule family).
+
+    ``position`` is the stage's index among ``positions`` pipeline positions. 1F1B and ZB-H1: ``p - s``;
+    GPipe: all ``m``; interleaved 1F1B (``chunks`` = v per rank, loop placement): a rank runs
+    ``(v-1)*p + 2*(p-1-r)`` warm-up forwards plus one before its first backward, spread over its v chunks;
+    Chimera: each of the two pipelines carries ``m/2`` micro-batches through 1F1B, so ``min(m/2, p - s)``.
+
+    >>> [in_flight("1f1b", s, 4, 8) for s in range(4)]
+    [4, 3, 2, 1]
+    """
+    m = microbatches
+    if family == "gpipe":
+        return m
+    if family in ("1f1b", "zbh1"):
+        return max(1, min(m, positions - position))
+    if family == "interleaved":
+        p = ranks or positions
+        r = position % p
+        warm = (chunks - 1) * p + 2 * (p - 1 - r) + 1
+        return max(1, min(m, math.ceil(warm / chunks)))
+    if family == "chimera":
+        return max(1, min(math.ceil(m / 2), positions - position))
+    raise PlanError(f"unknown schedule family {family!r}, expected one of {list(FAMILIES)}", where="schedule")
+
+
+@dataclass(frozen=True)
+class StageAssignment:
+    """One pipeline stage: layers ``[start, end)``, the device positions that run it, and its costs."""
+
+    layers: tuple[int, int]
+    devices: tuple[int, ...]
+    recompute: str
+    time_s: float              # per micro-batch, F + backward + recompute, after replication
+    comm_s: float              # activation in + gradient out over the link from the previous stage
+    memory_bytes: float        # predicted peak on each of its devices (states + in-flight activations)
+    in_flight: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layers": list(self.layers), "devices": list(self.devices), "recompute": self.recompute, "time_s": self.time_s,
+                "comm_s": self.comm_s, "memory_bytes": self.memory_bytes, "in_flight": self.in_flight}
+
+
+@dataclass(frozen=True)
+class Partition:
+    stages: tuple[StageAssignment, ...]
+    bottleneck_s: float
+    sum_s: float
+    family: str
+    microbatches: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def boundaries(self) -> list[int]:
+        return [s.layers[0] for s in self.stages] + [self.stages[-1].layers[1]]
+
+    def estimate_s(self) -> float:
+        """Alpa's/AdaPipe's 1F1B-class iteration estimate ``sum t_s + (m-1) * max t_s`` (comm included)."""
+        return self.sum_s + (self.microbatches - 1) * self.bottleneck_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"family": self.family, "microbatches": self.microbatches, "bottleneck_s": self.bottleneck_s, "sum_s": self.sum_s,
+                "estimate_s": self.estimate_s(), "stages": [s.to_dict() for s in self.stages], **self.meta}
+
+
+class _Prefix:
+    """Prefix sums of the profile, so a span's totals are two lookups."""
+
+    def __init__(self, profile: ModelProfile, split_backward: bool):
+        lays = profile.layers
+        bwd = [lay.bwd_input_s + lay.bwd_weight_s if split_backward else lay.bwd_s for lay in lays]
+        self.n = len(lays)
+        self.work = np.concatenate([[0.0], np.cumsum([lay.fwd_s + b for lay, b in zip(lays, bwd, strict=True)])])
+        self.recompute = {o: np.concatenate([[0.0], np.cumsum([lay.recompute_s[o] for lay in lays])]) for o in RECOMPUTE_OPTIONS}
+        self.saved = {o: np.concatenate([[0.0], np.cumsum([float(lay.saved_bytes[o]) for lay in lays])]) for o in RECOMPUTE_OPTIONS}
+        self.params = np.concatenate([[0.0], np.cumsum([float(lay.param_bytes) for lay in lays])])
+        self.out = np.array([0.0] + [float(lay.output_bytes) for lay in lays])   # out[i] = bytes crossing a cut before layer i
+        self.state_factor = profile.state_factor
+        # Re-materialisation of one layer during its backward (layers are checkpointed one at a time).
+        self.gap = {o: _SparseMax(np.array([float(lay.saved_bytes["none"] - lay.saved_bytes[o]) for lay in lays])) for o in RECOMPUTE_OPTIONS}
+
+
+class _SparseMax:
+    """Range maximum over ``values[i:j]`` in O(1) per query (vectorised), 0 for empty ranges."""
+
+    def __init__(self, values: np.ndarray):
+        self.levels = [np.asarray(values, dtype=float)]
+        k = 1
+        while 2 * k <= len(values):
+            prev = self.levels[-1]
+            self.levels.append(np.maximum(prev[:-k], prev[k:]))
+            k *= 2
+
+    def query(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        i, j = np.asarray(i), np.asarray(j)
+        length = j - i
+        out = np.zeros(np.broadcast(i, j).shape)
+        ok = length > 0
+        if not ok.any():
+            return out
+        lvl = np.zeros_like(length)
+        lvl[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
+        for level in np.unique(lvl[ok]):
+            sel = ok & (lvl == level)
+            table = self.levels[level]
+            out[sel] = np.maximum(table[i[sel]], table[j[sel] - (1 << int(level))])
+        return out
+
+
+class _SparseMin:
+    """Range minimum and its position over ``values[i:j]`` (inf, -1 for empty ranges), vectorised."""
+
+    def __init__(self, values: np.ndarray):
+        values = np.asarray(values, dtype=float)
+        self.levels = [(values, np.arange(len(values)))]
+        k = 1
+        while 2 * k <= len(values):
+            v, a = self.levels[-1]
+            take_right = v[k:] < v[:-k]
+            self.levels.append((np.where(take_right, v[k:], v[:-k]), np.where(take_right, a[k:], a[:-k])))
+            k *= 2
+
+    def query(self, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        length = j - i
+        val = np.full(len(i), np.inf)
+        arg = np.full(len(i), -1, dtype=np.int64)
+        ok = length > 0
+        if not ok.any():
+            return val, arg
+        lvl = np.zeros_like(length)
+        lvl[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
+        for level in np.unique(lvl[ok]):
+            sel = ok & (lvl == level)
+            v, a = self.levels[level]
+            lo, hi = i[sel], j[sel] - (1 << int(level))
+            right = v[hi] < v[lo]
+            val[sel] = np.where(right, v[hi], v[lo])
+            arg[sel] = np.where(right, a[hi], a[lo])
+        return val, arg
+
+
+class _StageModel:
+    """Cost of a stage at one pipeline position (device speed, memory, in-flight count, replicas) for any span.
+
+    Per option o the time of span (i, j) is ``X_o[j] - X_o[i]`` (linear in prefix sums, replica sync
+    included) and the memory ``Y_o[j] - Y_o[i] + max gap_o over the span``; both grow with j, so the ends that
+    fit the memory from each start form a prefix, found once by a vectorised binary search (``jmax_mem``).
+    """
+
+    def __init__(self, px: _Prefix, speed: float, memory: float, flight: int, replicas: int, allreduce_bw: float,
+                 microbatches: int, options: Sequence[str]):
+        self.px, self.options, self.memory = px, list(options), memory
+        self.flight = flight
+        per_replica = math.ceil(flight / replicas)
+        sync = 4.0 * (replicas - 1) / (replicas * allreduce_bw) / microbatches if replicas > 1 else 0.0
+        self.X = {o: (px.work + px.recompute[o]) / speed + sync * px.params for o in options}
+        self.Y = {o: px.params * px.state_factor + per_replica * px.saved[o] for o in options}
+        self._jmax_mem: dict[str, np.ndarray] = {}
+
+    def jmax_mem(self, o: str) -> np.ndarray:
+        """Largest end per start that fits the memory (vectorised binary search; computed on first use)."""
+        if o not in self._jmax_mem:
+            n = self.px.n
+            starts = np.arange(n + 1)
+            lo, hi = starts.copy(), np.full(n + 1, n)
+            while (hi > lo).any():
+                mid = (lo + hi + 1) // 2
+                ok = self.Y[o][mid] - self.Y[o][starts] + self.px.gap[o].query(starts, mid) <= self.memory
+                lo = np.where(ok, mid, lo)
+                hi = np.where(ok, hi, mid - 1)
+            self._jmax_mem[o] = lo
+        return self._jmax_mem[o]
+
+    def jmax(self, option: str, limit: float) -> np.ndarray:
+        """Largest end j per start i with time <= limit and memory within the device (nondecreasing in i)."""
+        X = self.X[option]
+        if math.isinf(limit):
+            return self.jmax_mem(option)
+        jt = np.searchsorted(X, X + limit, side="right") - 1
+        return np.minimum(jt, self.jmax_mem(option))
+
+    def at(self, i: int, j: int) -> tuple[float, str, float]:
+        """(time, option, memory) of span (i, j): the fastest option that fits; (inf, first option, inf) if none does."""
+        for o in sorted(self.options, key=lambda o: (self.X[o][j] - self.X[o][i], RECOMPUTE_OPTIONS.index(o))):
+            mem = self.Y[o][j] - self.Y[o][i] + float(self.px.gap[o].query(np.array([i]), np.array([j]))[0])
+            if mem <= self.memory:
+                return float(self.X[o][j] - self.X[o][i]), o, float(mem)
+        return math.inf, self.options[0], math.inf
+
+
+def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel, *, microbatches: int,
+              family: str = "1f1b", stages: int | None = None, chunks: int = 1, max_replicas: int = 1,
+              recompute: Sequence[str] = RECOMPUTE_OPTIONS, rel_tol: float = 1e-12) -> Partition:
+    """Optimal contiguous partition of ``profile`` over ``devices`` (see the module docstring).
+
+    ``stages``: number of pipeline positions (default: one per device, or ``chunks * len(devices)`` logical
+    stages for ``family="interleaved"``, placed loop-style: stage k on device ``k % p``). With
+    ``max_replicas > 1`` a stage may take several consecutive devices (PipeDream's replication); the number
+    of stages then follows from the DP. ``recompute`` restricts the options the planner may pick.
+
+    Algorithm: the DP's bottleneck ``A(n, P)`` is found by bisection on a threshold T (to ``rel_tol``) with an
+    exact feasibility DP over reachable cut points (for every start, the feasible ends form a prefix because
+    time and memory grow with the span); the second pass is the min-sum DP restricted to stages and cuts
+    within the found bottleneck, whose inner minimum over starts is a range minimum (sparse table). Both are
+    O(P * R * n log n), which is what makes 1000 layers into 64 stages fast.
+    """
+    n = len(profile.layers)
+    p = len(devices)
+    if family not in FAMILIES:
+        raise PlanError(f"unknown schedule family {family!r}, expected one of {list(FAMILIES)}", where="schedule")
+    for o in recompute:
+        if o not in RECOMPUTE_OPTIONS:
+            raise PlanError(f"unknown recomputation option {o!r}, expected some of {list(RECOMPUTE_OPTIONS)}", where="recompute")
+    options = [o for o in RECOMPUTE_OPTIONS if o in recompute]
+    if family == "interleaved":
+        positions_devices = [k % p for k in range(stages or chunks * p)]
+    else:
+        positions_devices = list(range(stages or p))
+        if len(positions_devices) > p:
+            raise PlanError(f"{len(positions_devices)} stages need {len(positions_devices)} devices, only {p} given", where="--stages")
+    positions = len(positions_devices)
+    if max_replicas > 1 and family in ("interleaved", "chimera"):
+        raise PlanError("stage replication is only modelled for gpipe, 1f1b and zbh1", where="--replicate")
+    if positions > n:
+        raise PlanError(f"{positions} stages but the model has only {n} layers; use at most {n} stages", where="--stages")
+    px = _Prefix(profile, family in SPLIT_BACKWARD)
+    mem_div = chunks if family == "interleaved" else 2 if family == "chimera" else 1
+    roomiest = max(d.memory_bytes for d in devices) / mem_div
+    for i, lay in enumerate(profile.layers):
+        least = lay.param_bytes * profile.state_factor + lay.saved_bytes["none"]   # its backward re-materialises everything
+        if least > roomiest:
+            raise PlanError(f"layer {i} ({lay.name}) needs {least / 2**30:.2f} GiB (states + one micro-batch) but the largest device "
+                            f"budget is {roomiest / 2**30:.2f} GiB", where="--memory")
+
+    replica_choices = [r for r in range(1, max_replicas + 1)]
+    models: dict[tuple, _StageModel] = {}
+    stage_model: dict[tuple[int, int], _StageModel] = {}
+    for d in range(positions):              # a stage on positions d-r+1..d
+        for r in replica_choices:
+            if r > d + 1:
+                continue
+            first = d - r + 1
+            devs = [devices[positions_devices[k]] for k in range(first, d + 1)]
+            speed = sum(x.speed for x in devs)
+            memory = min(x.memory_bytes for x in devs) / mem_div
+            flight = in_flight(family, first, positions, microbatches, ranks=p, chunks=chunks)
+            ar_bw = min((links.bandwidth(positions_devices[a], positions_devices[a + 1]) for a in range(first, d)), default=math.inf)
+            key = (speed, memory, flight, r, ar_bw)
+            if key not in models:
+                models[key] = _StageModel(px, speed, memory, flight, r, ar_bw, microbatches, options)
+            stage_model[(d, r)] = models[key]
+
+    def comm_vector(first: int) -> np.ndarray:
+        """Time to move the activation forward and its gradient back across a cut before position ``first``, per cut layer."""
+        if first == 0:
+            return np.where(np.arange(n + 1) == 0, 0.0, np.inf)      # the first stage starts at layer 0
+        a, b = positions_devices[first - 1], positions_devices[first]
+        if a == b:
+            return np.zeros(n + 1)
+        bw, lat = links.link(a, b)
+        return 2.0 * (lat + px.out / bw)
+
+    comm = [comm_vector(first) for first in range(positions)]
+    ends = np.arange(n + 1)
+
+    def feasible(limit: float) -> bool:
+        """Can every stage and cut stay within ``limit``? Reachable cut sets, position by position."""
+        reach = [np.zeros(n + 1, dtype=bool) for _ in range(positions + 1)]
+        reach[0][0] = True
+        for d in range(1, positions + 1):
+            for r in replica_choices:
+                if r > d:
+                    continue
+                starts = reach[d - r] & (comm[d - r] <= limit)
+                if not starts.any():
+                    continue
+                model = stage_model[(d - 1, r)]
+                far = np.max([model.jmax(o, limit) for o in options], axis=0)
+                idx = np.nonzero(starts)[0]
+                cover = np.zeros(n + 2, dtype=np.int64)     # union of [i+1, far(i)] by a difference array
+                lo, hi = idx + 1, far[idx]
+                keep = hi >= lo
+                np.add.at(cover, lo[keep], 1)
+                np.add.at(cover, hi[keep] + 1, -1)
+                reach[d] |= np.cumsum(cover[: n + 1]) > 0
+        return bool(reach[positions][n])
+
+    if not feasible(math.inf):
+        raise PlanError(f"no partition of {n} layers into {positions} stages fits in device memory, even with recomputation "
+                        f"{options}; use more stages, fewer micro-batches in flight or a larger --memory", where="--memory")
+    hi = max(float(np.max(np.where(np.isfinite(c), c, 0))) for c in comm) + max(
+        float(m.X[o][-1]) for m in stage_model.values() for o in options)
+    lo = 0.0
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        if feasible(mid):
+            hi = mid
+        else:
+            lo = mid
+    limit = hi
+    # Pass 2: least total time (stages + cuts) among partitions whose stages and cuts all stay within the limit.
+    S = np.full((positions + 1, n + 1), np.inf)
+    S[0, 0] = 0.0
+    back: dict[tuple[int, int], tuple[int, int]] = {}
+    for d in range(1, positions + 1):
+        for r in replica_choices:
+            if r > d:
+                continue
+            prev = S[d - r]
+            c = comm[d - r]
+            model = stage_model[(d - 1, r)]
+            for o in options:
+                X = model.X[o]
+                key = np.where(np.isfinite(prev) & (c <= limit), prev + c - X, np.inf)
+                if not np.isfinite(key).any():
+                    continue
+                jm = model.jmax(o, limit)
+                first_start = np.searchsorted(jm, ends, side="left")     # smallest i whose span can reach j
+                val, arg = _SparseMin(key).query(first_start, ends)
+                val = val + X
+                better = val < S[d]
+                for j in np.nonzero(better)[0]:
+                    back[(d, int(j))] = (r, int(arg[j]))
+                S[d] = np.where(better, val, S[d])
+    out: list[StageAssignment] = []
+    d, j = positions, n
+    while d > 0:
+        r, i = back[(d, j)]
+        model = stage_model[(d - 1, r)]
+        t, option, mem = model.at(i, j)
+        first = d - r
+        out.append(StageAssignment(
+            layers=(i, j), devices=tuple(positions_devices[k] for k in range(first, d)), recompute=option, time_s=t,
+            comm_s=float(comm[first][i]), memory_bytes=mem, in_flight=model.flight,
+        ))
+        d, j = first, i
+    out.reverse()
+    bottleneck = max(max(s.time_s, s.comm_s) for s in out)
+    return Partition(stages=tuple(out), bottleneck_s=bottleneck, sum_s=float(sum(s.time_s + s.comm_s for s in out)), family=family,
+                     microbatches=microbatches, meta={"chunks": chunks, "max_replicas": max_replicas})
+
+
+def uniform_partition(profile: ModelProfile, stages: int) -> list[tuple[int, int]]:
+    """Equal layer counts per stage (the earlier stages take the remainder): the usual default split."""
+    n = len(profile.layers)
+    if stages > n:
+        raise PlanError(f"{stages} stages but the model has only {n} layers", where="--stages")
+    base, extra = divmod(n, stages)
+    spans, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        spans.append((start, start + size))
+        start += size
+    return spans
+
+
+def evaluate_partition(profile: ModelProfile, spans: Sequence[tuple[int, int]], devices: Sequence[Device], links: LinkModel, *,
+                       microbatches: int, family: str = "1f1b", chunks: int = 1, recompute: str | None = None,
+                       options: Sequence[str] = RECOMPUTE_OPTIONS) -> Partition:
+    """Cost a given partition (one position per span, loop placement for interleaved) the way the DP does.
+
+    ``recompute`` forces one option on every stage (e.g. Megatron-style uniform recomputation); otherwise each
+    stage takes its cheapest feasible option. A stage that does not fit gets ``time_s = inf``.
+    """
+    p = len(devices)
+    px = _Prefix(profile, family in SPLIT_BACKWARD)
+    positions = len(spans)
+    mem_div = chunks if family == "interleaved" else 2 if family == "chimera" else 1
+    out = []
+    for k, (i, j) in enumerate(spans):
+        dev_index = k % p
+        dev = devices[dev_index]
+        flight = in_flight(family, k, positions, microbatches, ranks=p, chunks=chunks)
+        model = _StageModel(px, dev.speed, dev.memory_bytes / mem_div, flight, 1, math.inf, microbatches, [recompute] if recompute else options)
+        t, chosen, mem = model.at(i, j)
+        comm = 0.0
+        if k > 0:
+            a = (k - 1) % p
+            comm = 0.0 if a == dev_index else 2.0 * links.time(a, dev_index, px.out[i])
+        out.append(StageAssignment((i, j), (dev_index,), chosen, t, comm, mem, flight))
+    bottleneck = max(max(s.time_s, s.comm_s) for s in out)
+    return Partition(tuple(out), bottleneck, sum(s.time_s + s.comm_s for s in out), family, microbatches, meta={"chunks": chunks})

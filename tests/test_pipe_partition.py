@@ -1,0 +1,170 @@
+"""Partition DP (PipeDream + AdaPipe recompute): brute-force optimality, errors, heterogeneity."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+
+from pipesched.devices import Device, LinkModel
+from pipesched.partition import PlanError, evaluate_partition, in_flight, partition, uniform_partition
+from pipesched.profile import RECOMPUTE_OPTIONS, GPTConfig, LayerProfile, ModelProfile, analytic_profile
+
+
+def random_profile(rng: random.Random, n: int) -> ModelProfile:
+    layers = []
+    for i in range(n):
+        f = rng.uniform(0.5, 3.0)
+        none = rng.randint(20, 100)
+        sel = rng.randint(5, none)
+        full = rng.randint(1, sel)
+        layers.append(LayerProfile(
+            name=f"l{i}", fwd_s=f, bwd_input_s=rng.uniform(0.5, 3), bwd_weight_s=rng.uniform(0.2, 2), output_bytes=rng.randint(1, 50),
+            param_bytes=rng.randint(1, 20), saved_bytes={"none": none, "selective": sel, "full": full},
+            recompute_s={"none": 0.0, "selective": rng.uniform(0, 0.5) * f, "full": f}, weight_grad_bytes=0,
+        ))
+    return ModelProfile("rand", tuple(layers), state_factor=2.0)
+
+
+def random_links(rng: random.Random, p: int) -> LinkModel:
+    bw = [[rng.uniform(5, 50) for _ in range(p)] for _ in range(p)]
+    lat = [[rng.uniform(0, 0.2) for _ in range(p)] for _ in range(p)]
+    return LinkModel.from_matrices(bw, lat)
+
+
+def brute_force(profile, devices, links, m, family, max_replicas):
+    """Every composition into stages x replica counts x recompute options, costed from first principles."""
+    lays = profile.layers
+    n, P = len(lays), len(devices)
+    split = family == "zbh1"
+    best = []
+
+    def stage_time(i, j, first, r):
+        devs = devices[first:first + r]
+        speed = sum(d.speed for d in devs)
+        memory = min(d.memory_bytes for d in devs)
+        flight = math.ceil(in_flight(family, first, P, m) / r)
+        params = sum(lay.param_bytes for lay in lays[i:j])
+        sync = 0.0
+        if r > 1:
+            bw = min(links.bandwidth(a, a + 1) for a in range(first, first + r - 1))
+            sync = 4 * (r - 1) * params / (r * bw) / m
+        times = []
+        for o in RECOMPUTE_OPTIONS:
+            mem = params * profile.state_factor + flight * sum(lay.saved_bytes[o] for lay in lays[i:j]) + max(
+                lay.saved_bytes["none"] - lay.saved_bytes[o] for lay in lays[i:j])
+            if mem <= memory:
+                work = sum(lay.fwd_s + (lay.bwd_input_s + lay.bwd_weight_s if split else lay.bwd_s) + lay.recompute_s[o] for lay in lays[i:j])
+                times.append(work / speed + sync)
+        return min(times, default=math.inf)
+
+    def rec(j, d, acc_max, acc_sum):
+        if j == n and d == P:
+            best.append((acc_max, acc_sum))
+            return
+        if j == n or d == P:
+            return
+        for r in range(1, max_replicas + 1):
+            if d + r > P:
+                break
+            for k in range(j + 1, n + 1):
+                t = stage_time(j, k, d, r)
+                c = 0.0 if d == 0 else 2 * links.time(d - 1, d, lays[j - 1].output_bytes)
+                rec(k, d + r, max(acc_max, t, c), acc_sum + t + c)
+
+    rec(0, 0, 0.0, 0.0)
+    bottleneck = min(b for b, _ in best)
+    least_sum = min(s for b, s in best if b <= bottleneck * (1 + 1e-9))
+    return bottleneck, least_sum
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_equals_brute_force(seed):
+    rng = random.Random(seed)
+    n = rng.randint(2, 7)
+    P = rng.randint(1, min(n, 4))
+    prof = random_profile(rng, n)
+    devices = [Device(f"d{i}", speed=rng.choice([1.0, 0.5, 2.0]), memory_bytes=rng.uniform(150, 600)) for i in range(P)]
+    links = random_links(rng, P)
+    m = rng.randint(1, 6)
+    family = rng.choice(["1f1b", "gpipe", "zbh1"])
+    max_replicas = rng.choice([1, 1, 2, 3])
+    expect_b, expect_s = brute_force(prof, devices, links, m, family, max_replicas)
+    if math.isinf(expect_b):
+        with pytest.raises(PlanError):
+            partition(prof, devices, links, microbatches=m, family=family, max_replicas=max_replicas)
+        return
+    part = partition(prof, devices, links, microbatches=m, family=family, max_replicas=max_replicas)
+    assert part.bottleneck_s == pytest.approx(expect_b, rel=1e-9)
+    assert part.sum_s == pytest.approx(expect_s, rel=1e-9)
+    assert part.boundaries[0] == 0 and part.boundaries[-1] == n
+    assert sum(len(s.devices) for s in part.stages) == P
+    for s in part.stages:
+        assert s.memory_bytes <= min(devices[d].memory_bytes for d in s.devices) + 1e-9
+
+
+def test_recompute_chosen_only_where_memory_is_short():
+    """AdaPipe: early 1F1B stages hold more micro-batches, so they recompute while later stages do not."""
+    prof = analytic_profile(GPTConfig(layers=16, hidden=4096, heads=32, seq_len=4096, vocab=32000, microbatch_size=1))
+    devs = [Device(f"g{i}", memory_bytes=40 * 2**30) for i in range(4)]
+    part = partition(prof, devs, LinkModel.uniform(4, 100e9, 1e-6), microbatches=16)
+    options = [s.recompute for s in part.stages]
+    assert options[0] != "none" and options[-1] == "none"
+    order = [RECOMPUTE_OPTIONS.index(o) for o in options]
+    assert order == sorted(order, reverse=True)
+    for s in part.stages:
+        assert s.memory_bytes <= 40 * 2**30
+
+
+def test_heterogeneous_speed_gets_more_layers():
+    prof = analytic_profile(GPTConfig(layers=30, hidden=1024, heads=16, seq_len=1024, vocab=1000))
+    devs = [Device("slow", speed=1.0), Device("fast", speed=3.0)]
+    part = partition(prof, devs, LinkModel.uniform(2, 100e9, 1e-6), microbatches=8)
+    sizes = [s.layers[1] - s.layers[0] for s in part.stages]
+    assert sizes[1] > 2 * sizes[0]
+
+
+def test_slow_link_moves_the_cut_to_a_small_activation():
+    layers = [LayerProfile(f"l{i}", 1.0, 1.0, 1.0, 1000 if i != 2 else 1, 1, {o: 1 for o in RECOMPUTE_OPTIONS},
+                           {o: 0.0 for o in RECOMPUTE_OPTIONS}) for i in range(6)]
+    prof = ModelProfile("cut", tuple(layers))
+    slow = LinkModel.uniform(2, 1000.0, 0.0)    # 1000 B/s: a 1000-byte activation costs 2 s each way
+    part = partition(prof, [Device("a"), Device("b")], slow, microbatches=4)
+    assert part.stages[0].layers == (0, 3)       # the cut after layer 2, whose output is 1 byte
+
+
+def test_errors_are_clear():
+    prof = analytic_profile(GPTConfig(layers=2, hidden=256, heads=4, seq_len=128, vocab=1000))
+    devs = [Device(f"g{i}") for i in range(8)]
+    with pytest.raises(PlanError, match="only 4 layers"):
+        partition(prof, devs, LinkModel.uniform(8, 1e9, 0), microbatches=4)
+    with pytest.raises(PlanError, match="layer 0 .* needs"):
+        partition(prof, [Device("tiny", memory_bytes=1000)], LinkModel.uniform(1, 1e9, 0), microbatches=4)
+    with pytest.raises(PlanError, match="unknown schedule family"):
+        partition(prof, devs[:2], LinkModel.uniform(2, 1e9, 0), microbatches=4, family="bogus")
+
+
+def test_uniform_partition_and_evaluation_agree_with_dp_cost_model():
+    rng = random.Random(7)
+    prof = random_profile(rng, 8)
+    devs = [Device(f"d{i}", memory_bytes=1e9) for i in range(4)]
+    links = random_links(rng, 4)
+    spans = uniform_partition(prof, 4)
+    assert spans == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    ev = evaluate_partition(prof, spans, devs, links, microbatches=4)
+    best = partition(prof, devs, links, microbatches=4)
+    assert best.bottleneck_s <= ev.bottleneck_s + 1e-12
+    # every composition is at least as slow as the DP's
+    for cuts in itertools.combinations(range(1, 8), 3):
+        b = [0, *cuts, 8]
+        ev = evaluate_partition(prof, list(zip(b, b[1:], strict=False)), devs, links, microbatches=4)
+        assert ev.bottleneck_s >= best.bottleneck_s * (1 - 1e-9)
+
+
+def test_interleaved_uses_loop_placement():
+    prof = analytic_profile(GPTConfig(layers=14, hidden=512, heads=8, seq_len=256, vocab=1000))
+    part = partition(prof, [Device(f"g{i}") for i in range(4)], LinkModel.uniform(4, 1e10, 1e-6), microbatches=8,
+                     family="interleaved", chunks=2)
+    assert [s.devices[0] for s in part.stages] == [0, 1, 2, 3, 0, 1, 2, 3]
