@@ -1,0 +1,975 @@
+"""HiveD: virtual clusters of cells, buddy cell allocation, guaranteed and opportunistic jobs.
+
+A re-implementation of the mechanism of HiveD (Zhao et al., "HiveD: Sharing a
+GPU Cluster for Deep Learning with Guarantees", OSDI 2020;
+``microsoft/hivedscheduler``) over the cells of :mod:`placement.cells`.
+
+Mechanism (as in HiveD):
+
+* A **virtual cluster (VC)** owns a quota of *preassigned* virtual cells per
+  level (``{"host": 2, "numa": 1}``). Virtual cells are split buddy-style inside
+  the VC to serve smaller requests and merge back when freed.
+* A preassigned virtual cell **binds** to a physical cell of its level only when
+  a job first uses it, through **buddy allocation** on the physical free list
+  (take a free cell of that level, else split the smallest larger free cell);
+  it unbinds, and the physical cell merges with its free buddies, when the VC
+  no longer uses it. Virtual children map to the bound cell's children, so a
+  VC always sees the intra-cell topology it was promised.
+* The **safety check** (HiveD's ``initCellNums``) walks each chain top-down:
+  ``left = available - sum of VC demand`` at each level, ``available`` at the
+  next level being ``left * fan-out`` plus free cells of that level. A quota
+  assignment that makes ``left`` negative is refused, naming the chain, level
+  and number of missing cells (:class:`QuotaError`).
+* **Guaranteed** jobs (priority 0..1000) run only in their VC's cells; within a
+  VC a higher priority preempts a lower one. **Opportunistic** jobs (priority
+  -1) use any idle GPU, preferring GPUs outside bound cells ("stay away from
+  guaranteed jobs"); a guaranteed job whose cells they occupy preempts them.
+* Jobs are **gangs**: all of a job's cells are allocated or none.
+* **Bad hardware**: a failed GPU or host makes its cells bad (a cell is bad when
+  any leaf is). Allocation avoids bad cells; when healthy free cells no longer
+  cover every VC's quota the shortfall is *reported* per level and VC
+  (:meth:`HivedScheduler.guarantee_report`), never silently absorbed.
+
+Deviations, stated: requests are GPU counts decomposed into cells of the
+derived levels (largest first), not HiveD's pod/leaf-cell affinity groups;
+virtual children bind to the physical children at the same position rather
+than by a search (equivalent, as virtual siblings are interchangeable and the
+choice among them avoids bad and busy counterparts); buddies may be
+non-identical (see :mod:`placement.cells`); lazy preemption and pinned cells
+are not implemented. Job placements use a second buddy structure over *idle*
+GPUs (the occupancy free list) so that opportunistic and baseline placement is
+O(levels) as well.
+
+>>> import topology
+>>> s = HivedScheduler(topology.default_cluster(), {"a": {"host": 2}, "b": {"numa": 3}})
+>>> r = s.allocate("j1", 8, vc="a")
+>>> r.ok, len(r.gpus), s.allocate("j2", 8, vc="b").reason["level"]
+(True, 8, 'host')
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from topology.errors import InputError
+from topology.io import atomic_write_text
+from topology.model import Topology
+
+from .cells import Cell, CellTree, cell_hierarchy
+
+OPPORTUNISTIC = -1
+MIN_GUARANTEED, MAX_GUARANTEED = 0, 1000
+STATE_FORMAT = "netweave-hived-state"
+SCAN_LIMIT = 48  # free-list entries examined per choice (HiveD scans all; a bound keeps choices O(1))
+
+
+class QuotaError(InputError):
+    """A virtual-cluster quota assignment that the physical cluster cannot guarantee."""
+
+
+@dataclass
+class AllocationResult:
+    """Outcome of :meth:`HivedScheduler.allocate`: the GPUs, or a reason naming the resource and level."""
+
+    job: str
+    ok: bool
+    gpus: list[str] = field(default_factory=list)
+    cells: list[str] = field(default_factory=list)
+    chain: str | None = None
+    preempted: list[str] = field(default_factory=list)
+    reason: dict[str, Any] | None = None
+    plan: list[tuple] | None = None  # exact pieces, for committing a candidate
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "ok": self.ok, "gpus": self.gpus, "cells": self.cells, "chain": self.chain,
+                "preempted": self.preempted, "reason": self.reason}
+
+
+class VirtualCell:
+    __slots__ = ("vc", "level", "parent", "pos", "children", "physical", "job", "root_index")
+
+    def __init__(self, vc: str, level: int, parent: VirtualCell | None, pos: int, root_index: int):
+        self.vc, self.level, self.parent, self.pos, self.root_index = vc, level, parent, pos, root_index
+        self.children: list[VirtualCell] | None = None
+        self.physical: Cell | None = None  # set on preassigned (root) cells only
+        self.job: str | None = None
+
+    def path(self) -> list[int]:
+        out, c = [], self
+        while c.parent is not None:
+            out.append(c.pos)
+            c = c.parent
+        return [c.root_index, *reversed(out)]
+
+
+class _VCChain:
+    """One VC's virtual cells in one chain: preassigned roots and a virtual buddy free list."""
+
+    def __init__(self, vc: str, tree: CellTree, quota: dict[int, int]):
+        self.vc, self.tree = vc, tree
+        self.roots: list[VirtualCell] = []
+        self.free: list[dict[int, VirtualCell]] = [{} for _ in tree.levels]
+        for level in sorted(quota, reverse=True):
+            for _ in range(quota[level]):
+                v = VirtualCell(vc, level, None, 0, len(self.roots))
+                self.roots.append(v)
+                self.free[level][id(v)] = v
+        self.quota = dict(quota)
+
+
+@dataclass
+class _Job:
+    id: str
+    vc: str | None
+    priority: int
+    chain: str
+    leaves: list[int]
+    virtual: list[VirtualCell]  # guaranteed pieces
+    physical: list[Cell]  # opportunistic pieces (and the physical counterparts of guaranteed ones)
+    seq: int = 0
+
+
+class _Chain:
+    """Physical state of one chain: binding free list, occupancy free list and per-cell counters."""
+
+    def __init__(self, tree: CellTree):
+        self.tree = tree
+        n, nl = len(tree.cells), len(tree.levels)
+        self.bind_free: list[dict[int, Cell]] = [{} for _ in range(nl)]
+        self.occ_free: list[dict[int, Cell]] = [{} for _ in range(nl)]
+        for top in tree.tops:
+            self.bind_free[top.level][top.index] = top
+            self.occ_free[top.level][top.index] = top
+        self.bound: list[VirtualCell | None] = [None] * n
+        self.bound_in = [0] * n  # bound roots in the subtree
+        self.busy = [0] * n  # leaves used by a job or bad
+        self.bad = [0] * n
+        self.opp = [0] * n  # leaves used by opportunistic jobs
+        self.leaf_job: list[str | None] = [None] * len(tree.leaves)
+        self.leaf_bad = [False] * len(tree.leaves)
+        self.leaf_cell = [None] * len(tree.leaves)
+        for c in tree.cells:
+            if c.level == 0:
+                self.leaf_cell[c.lo] = c
+        self.desc_at = {}  # (cell index, level) -> number of descendants at level (full cells only)
+        # cells are stored in post-order, so a subtree is the index range [first[c], c]
+        self.first = [0] * n
+        for c in tree.cells:
+            self.first[c.index] = self.first[c.children[0].index] if c.children else c.index
+
+    def ancestors(self, cell: Cell) -> Iterable[Cell]:
+        c = cell
+        while c is not None:
+            yield c
+            c = c.parent
+
+    def count_at(self, cell: Cell, level: int) -> int:
+        key = (cell.index, level)
+        if key not in self.desc_at:
+            if cell.level == level:
+                v = 1
+            elif cell.level < level:
+                v = 0
+            else:
+                v = sum(self.count_at(k, level) for k in cell.children)
+            self.desc_at[key] = v
+        return self.desc_at[key]
+
+    # -- occupancy buddy: maximal idle (no job, healthy) cells --------------------------
+    def mark_busy(self, leaf: int) -> None:
+        cell = self.leaf_cell[leaf]
+        top = cell
+        while top.parent is not None and self.busy[top.parent.index] == 0:
+            top = top.parent
+        if self.busy[top.index] == 0:
+            self.occ_free[top.level].pop(top.index, None)
+            node = top
+            while node is not cell:
+                nxt = next(k for k in node.children if k.lo <= leaf < k.hi)
+                for k in node.children:
+                    if k is not nxt:
+                        self.occ_free[k.level][k.index] = k
+                node = nxt
+        for a in self.ancestors(cell):
+            self.busy[a.index] += 1
+
+    def mark_busy_cell(self, cell: Cell) -> None:
+        """Mark a wholly idle cell busy in one step (split its maximal idle ancestor down to it)."""
+        top = cell
+        while top.parent is not None and self.busy[top.parent.index] == 0:
+            top = top.parent
+        self.occ_free[top.level].pop(top.index, None)
+        node = top
+        while node is not cell:
+            nxt = next(k for k in node.children if k.lo <= cell.lo < k.hi)
+            for k in node.children:
+                if k is not nxt:
+                    self.occ_free[k.level][k.index] = k
+            node = nxt
+        self.add_subtree(self.busy, cell, +1)
+
+    def mark_idle_cell(self, cell: Cell) -> None:
+        """Inverse of :meth:`mark_busy_cell` for a cell whose leaves are all busy with one healthy job."""
+        self.add_subtree(self.busy, cell, -1)
+        cur = cell
+        self.occ_free[cur.level][cur.index] = cur
+        while cur.parent is not None and self.busy[cur.parent.index] == 0:
+            for k in cur.parent.children:
+                self.occ_free[k.level].pop(k.index, None)
+            cur = cur.parent
+            self.occ_free[cur.level][cur.index] = cur
+
+    def add_subtree(self, counter: list[int], cell: Cell, sign: int) -> None:
+        """Count every leaf of ``cell`` once more (``sign=+1``) or less in ``counter`` for the cell, its subtree and ancestors."""
+        cells = self.tree.cells
+        for i in range(self.first[cell.index], cell.index + 1):
+            counter[i] += sign * (cells[i].hi - cells[i].lo)
+        a = cell.parent
+        while a is not None:
+            counter[a.index] += sign * cell.size
+            a = a.parent
+
+    def mark_idle(self, leaf: int) -> None:
+        cell = self.leaf_cell[leaf]
+        for a in self.ancestors(cell):
+            self.busy[a.index] -= 1
+        cur = cell
+        self.occ_free[cur.level][cur.index] = cur
+        while cur.parent is not None and self.busy[cur.parent.index] == 0:
+            for k in cur.parent.children:
+                self.occ_free[k.level].pop(k.index, None)
+            cur = cur.parent
+            self.occ_free[cur.level][cur.index] = cur
+
+    # -- binding buddy ----------------------------------------------------------------
+    def bind_take(self, target: Cell) -> None:
+        """Remove ``target`` from the binding free list, splitting its maximal free ancestor."""
+        path = []
+        a = target
+        while a is not None and a.index not in self.bind_free[a.level]:
+            path.append(a)
+            a = a.parent
+        if a is None:
+            raise InputError(f"cell {target.address} is not free for binding")
+        del self.bind_free[a.level][a.index]
+        node = a
+        for nxt in reversed(path):
+            for k in node.children:
+                if k is not nxt:
+                    self.bind_free[k.level][k.index] = k
+            node = nxt
+
+    def bind_give(self, cell: Cell) -> None:
+        """Return ``cell`` to the binding free list and merge with free buddies (HiveD addCellToFreeList)."""
+        cur = cell
+        self.bind_free[cur.level][cur.index] = cur
+        while cur.parent is not None and all(k.index in self.bind_free[k.level] for k in cur.parent.children):
+            for k in cur.parent.children:
+                del self.bind_free[k.level][k.index]
+            cur = cur.parent
+            self.bind_free[cur.level][cur.index] = cur
+
+
+def _parse_quota(spec: Any, trees: dict[str, CellTree], vc: str) -> dict[str, dict[int, int]]:
+    if not isinstance(spec, Mapping):
+        raise InputError(f"expected a mapping of cell level to count, got {type(spec).__name__}", where=f"virtual_clusters.{vc}")
+    out: dict[str, dict[int, int]] = {}
+
+    def add(chain: str, level_name: str, count: Any, where: str) -> None:
+        tree = trees[chain]
+        names = [lv.name for lv in tree.levels]
+        if level_name not in names:
+            raise InputError(f"unknown cell level {level_name!r}; chain {chain} has {', '.join(names)}", where=where)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise InputError(f"expected a non-negative integer cell count, got {count!r}", where=where)
+        if count:
+            lv = names.index(level_name)
+            out.setdefault(chain, {})[lv] = out.setdefault(chain, {}).get(lv, 0) + count
+
+    for key, value in spec.items():
+        where = f"virtual_clusters.{vc}.{key}"
+        if key in trees:
+            if not isinstance(value, Mapping):
+                raise InputError("expected a mapping of cell level to count", where=where)
+            for lv, cnt in value.items():
+                add(key, lv, cnt, f"{where}.{lv}")
+            continue
+        chains = [c for c, t in trees.items() if any(lv.name == key for lv in t.levels)]
+        if not chains:
+            known = sorted({lv.name for t in trees.values() for lv in t.levels})
+            raise InputError(f"unknown cell level {key!r}; expected one of {', '.join(known)} or a chain ({', '.join(trees)})", where=where)
+        if len(chains) > 1:
+            raise InputError(f"level {key!r} exists in chains {', '.join(chains)}; write {{chain: {{{key}: n}}}}", where=where)
+        add(chains[0], key, value, where)
+    return out
+
+
+def decompose(tree: CellTree, gpus: int) -> list[int]:
+    """Split a GPU count into cell levels, largest first (12 GPUs on DGX H100: host + numa).
+
+    >>> import topology
+    >>> t = cell_hierarchy(topology.default_cluster())["H100-SXM5-80GB"]
+    >>> [t.levels[i].name for i in decompose(t, 12)]
+    ['host', 'numa']
+    """
+    out, rem = [], gpus
+    for level in range(len(tree.levels) - 1, -1, -1):
+        size = tree.levels[level].size
+        while rem >= size:
+            out.append(level)
+            rem -= size
+    return out
+
+
+class HivedScheduler:
+    """HiveD's allocator over a topology: VCs, buddy cells, gangs, preemption, bad hardware.
+
+    ``virtual_clusters`` maps a VC name to its quota, ``{level: count}`` or
+    ``{chain: {level: count}}``; infeasible quotas raise :class:`QuotaError`.
+    """
+
+    def __init__(self, topo: Topology, virtual_clusters: Mapping[str, Any] | None = None, *, forge: bool = True,
+                 trees: dict[str, CellTree] | None = None):
+        self.topo = topo
+        self.forge = forge
+        self.trees = trees or cell_hierarchy(topo, forge=forge)
+        self.chains = {name: _Chain(t) for name, t in self.trees.items()}
+        self.vc_spec = {str(k): v for k, v in (virtual_clusters or {}).items()}
+        self.vcs: dict[str, dict[str, _VCChain]] = {}
+        for vc, spec in self.vc_spec.items():
+            quota = _parse_quota(spec, self.trees, vc)
+            self.vcs[vc] = {chain: _VCChain(vc, self.trees[chain], q) for chain, q in quota.items()}
+        self.jobs: dict[str, _Job] = {}
+        self._seq = 0
+        self.host_of_gpu = {g: self.topo.host_of(g) for g in self.topo.gpus()}
+        for chain, report in self._walk(healthy=False).items():
+            if report["deficits"]:
+                d = report["deficits"][0]
+                raise QuotaError(
+                    f"illegal virtual cluster assignment: chain {chain} level {d['level']!r} is short of {d['missing']} cell(s) "
+                    f"(VCs demand {d['demand']}, the cluster can provide {d['available']} after higher levels)",
+                    where="virtual_clusters")
+
+    # -- public queries -----------------------------------------------------------------
+    def levels(self, chain: str | None = None) -> list[str]:
+        return [lv.name for lv in self._tree(chain).levels]
+
+    def _tree(self, chain: str | None) -> CellTree:
+        if chain is None:
+            return next(iter(self.trees.values()))
+        try:
+            return self.trees[chain]
+        except KeyError:
+            raise InputError(f"unknown GPU chain {chain!r}; expected one of {', '.join(self.trees)}") from None
+
+    def free_lists(self) -> dict[str, dict[str, dict[str, list[str]]]]:
+        """The binding and occupancy free lists, by chain and level, as cell addresses (in list order)."""
+        out = {}
+        for name, ch in self.chains.items():
+            out[name] = {
+                "binding": {ch.tree.levels[lv].name: [c.address for c in d.values()] for lv, d in enumerate(ch.bind_free) if d},
+                "occupancy": {ch.tree.levels[lv].name: [c.address for c in d.values()] for lv, d in enumerate(ch.occ_free) if d},
+            }
+        return out
+
+    def idle_gpus(self, chain: str | None = None) -> int:
+        """Healthy GPUs that no job uses."""
+        return sum(len(ch.tree.leaves) - ch.busy[top.index] for ch in self._chains(chain) for top in ch.tree.tops)
+
+    def _chains(self, chain: str | None) -> list[_Chain]:
+        return list(self.chains.values()) if chain is None else [self.chains[self._tree(chain).chain]]
+
+    # -- the safety walk -----------------------------------------------------------------
+    def _walk(self, *, healthy: bool) -> dict[str, dict[str, Any]]:
+        """HiveD's top-down cell-count check against every VC's unbound quota."""
+        out = {}
+        for name, ch in self.chains.items():
+            tree = ch.tree
+            nl = len(tree.levels)
+            usable = [0] * nl
+            stack = [c for lv in range(nl) for c in ch.bind_free[lv].values()]
+            while stack:  # maximal usable (full, healthy when asked) cells inside the free cells
+                c = stack.pop()
+                if c.full and not (healthy and ch.bad[c.index]):
+                    usable[c.level] += 1
+                else:
+                    stack.extend(c.children)
+            demand = [0] * nl
+            for vcs in self.vcs.values():
+                vch = vcs.get(name)
+                if vch:
+                    for r in vch.roots:
+                        if r.physical is None:
+                            demand[r.level] += 1
+            carry, deficits, rows = 0, [], []
+            for lv in range(nl - 1, -1, -1):
+                avail = carry + usable[lv]
+                left = avail - demand[lv]
+                rows.append({"level": tree.levels[lv].name, "available": avail, "demand": demand[lv]})
+                if left < 0:
+                    deficits.append({"level": tree.levels[lv].name, "missing": -left, "demand": demand[lv], "available": avail})
+                    left = 0
+                carry = left * tree.levels[lv].fanout if lv > 0 else 0
+            out[name] = {"levels": rows, "deficits": deficits}
+        return out
+
+    def guarantee_report(self) -> dict[str, Any]:
+        """Per chain: whether healthy free cells still cover every VC's unbound quota; per VC: bad GPUs in its bound cells.
+
+        ``ok`` is False when bad hardware has degraded a guarantee; ``deficits``
+        say at which level and by how many cells.
+        """
+        walk = self._walk(healthy=True)
+        vcs = {}
+        for vc, chains in self.vcs.items():
+            entry = {}
+            for name, vch in chains.items():
+                ch = self.chains[name]
+                bad_bound = sum(ch.bad[r.physical.index] for r in vch.roots if r.physical is not None)
+                entry[name] = {"quota": {ch.tree.levels[lv].name: n for lv, n in sorted(vch.quota.items())},
+                               "bound_cells": sum(r.physical is not None for r in vch.roots), "bad_gpus_in_bound_cells": bad_bound}
+            vcs[vc] = entry
+        ok = all(not w["deficits"] for w in walk.values()) and all(
+            e["bad_gpus_in_bound_cells"] == 0 for chains in vcs.values() for e in chains.values())
+        return {"ok": ok, "chains": walk, "virtual_clusters": vcs}
+
+    # -- allocation ------------------------------------------------------------------------
+    def allocate(self, job: str, gpus: int, *, vc: str | None = None, priority: int = 0, chain: str | None = None,
+                 plan: list[tuple] | None = None, exclude: set[str] | None = None, dry: bool = False) -> AllocationResult:
+        """Place a gang of ``gpus`` GPUs for ``job``: in VC ``vc`` (guaranteed) or anywhere (``vc=None``, opportunistic).
+
+        ``plan`` commits a candidate found by :meth:`candidates`; ``exclude`` names
+        cells the first piece must avoid (used to enumerate alternatives); ``dry``
+        finds the placement (and whom it would preempt) and changes nothing.
+        """
+        if job in self.jobs:
+            raise InputError(f"job {job!r} is already running")
+        if not isinstance(gpus, int) or gpus < 1:
+            raise InputError(f"job {job!r}: gpus must be a positive integer, got {gpus!r}")
+        if vc is None:
+            priority = OPPORTUNISTIC
+        elif vc not in self.vcs:
+            raise InputError(f"job {job!r}: unknown virtual cluster {vc!r}; expected one of {', '.join(self.vcs) or '(none)'}")
+        elif not MIN_GUARANTEED <= priority <= MAX_GUARANTEED:
+            raise InputError(f"job {job!r}: guaranteed priority must be in {MIN_GUARANTEED}..{MAX_GUARANTEED}, got {priority}")
+        chains = [self._tree(chain).chain] if chain else list(self.trees)
+        if vc is not None:
+            chains = [c for c in chains if c in self.vcs[vc]]
+            if not chains:
+                return AllocationResult(job, False, reason={"resource": "quota", "level": None, "chain": chain,
+                                                            "message": f"VC {vc} has no quota in chain {chain or 'any'}"})
+        last: dict[str, Any] | None = None
+        for name in chains:
+            if plan is not None and plan and plan[0][0] != name:
+                continue
+            if vc is None:
+                res = self._alloc_opportunistic(job, gpus, name, plan, exclude or set(), dry)
+            else:
+                res = self._alloc_guaranteed(job, gpus, vc, priority, name, plan, exclude or set(), dry)
+                if not res.ok and not dry and res.reason and res.reason.get("resource") == "quota":
+                    pre = self._try_priority_preemption(job, gpus, vc, priority, name)
+                    if pre is not None:
+                        return pre
+            if res.ok:
+                return res
+            last = res.reason
+        return AllocationResult(job, False, reason=last)
+
+    def _physical_of(self, v: VirtualCell) -> Cell | None:
+        if v.parent is None:
+            return v.physical
+        p = self._physical_of(v.parent)
+        return None if p is None else p.children[v.pos]
+
+    def _alloc_guaranteed(self, job: str, gpus: int, vc: str, priority: int, chain: str, plan: list[tuple] | None,
+                          exclude: set[str], dry: bool = False) -> AllocationResult:
+        ch, vch = self.chains[chain], self.vcs[vc][chain]
+        tree = ch.tree
+        levels = decompose(tree, gpus) if plan is None else [p[1] for p in plan]
+        taken: list[VirtualCell] = []
+        for i, lv in enumerate(levels):
+            if plan is not None:
+                v = self._vtake_path(ch, vch, plan[i][2], plan[i][3], plan[i][4])
+            else:
+                v = self._valloc(ch, vch, lv, taken, exclude if i == 0 else set())
+            if v is None:
+                for t in taken:
+                    self._vfree(ch, vch, t)
+                healthy_short = self._vc_has_only_bad(ch, vch, lv)
+                msg = (f"VC {vc} has no healthy free cell of level {tree.levels[lv].name!r} (bad hardware degrades its guarantee)"
+                       if healthy_short else f"VC {vc} quota exhausted: no free {tree.levels[lv].name!r} cell ({tree.levels[lv].size} GPUs) left")
+                return AllocationResult(job, False, chain=chain, reason={"resource": "bad_hardware" if healthy_short else "quota",
+                                                                         "level": tree.levels[lv].name, "chain": chain, "vc": vc, "message": msg})
+            v.job = job
+            taken.append(v)
+        # occupy: preempt opportunistic jobs first (inter-VC preemption)
+        phys = [self._physical_of(v) for v in taken]
+        victims = {ch.leaf_job[leaf] for p in phys for leaf in range(p.lo, p.hi) if ch.leaf_job[leaf] is not None}
+        plan_out = [(chain, v.level, v.vc, v.path(), vch.roots[v.root_index].physical.address) for v in taken]
+        if dry:
+            result = self._result(job, chain, phys, sorted(victims), plan_out)
+            for v in reversed(taken):
+                self._vfree(ch, vch, v)
+            return result
+        for victim in sorted(victims):
+            self.free(victim)
+        leaves = [leaf for p in phys for leaf in range(p.lo, p.hi)]
+        self._occupy(ch, job, phys, opportunistic=False)
+        self._seq += 1
+        self.jobs[job] = _Job(job, vc, priority, chain, leaves, taken, phys, self._seq)
+        return self._result(job, chain, phys, sorted(victims), plan_out)
+
+    def _vc_has_only_bad(self, ch: _Chain, vch: _VCChain, lv: int) -> bool:
+        """True when the VC still has free quota of level >= ``lv`` but bad hardware makes all of it unusable."""
+        any_free = False
+        for lvl in range(lv, len(vch.free)):
+            for v in vch.free[lvl].values():
+                any_free = True
+                p = self._physical_of(v)
+                if p is None:
+                    if self._bind_choice(ch, lvl, lv, set()) is not None:
+                        return False
+                elif ch.bad[p.index] < ch.count_at(p, lv):
+                    return False
+        return any_free
+
+    def _valloc(self, ch: _Chain, vch: _VCChain, lv: int, near: list[VirtualCell], exclude: set[str]) -> VirtualCell | None:
+        """Virtual buddy allocation inside a VC, binding the preassigned cell on first use."""
+        anchor = self._physical_of(near[0]) if near else None
+        for lvl in range(lv, len(vch.free)):
+            best, best_key, unbound = None, None, None
+            for n, v in enumerate(vch.free[lvl].values()):
+                if n >= SCAN_LIMIT and best is not None:
+                    break
+                p = self._physical_of(v)
+                if p is None:  # an unbound preassigned cell; all are alike, so consider the first one only
+                    unbound = unbound or v
+                    continue
+                else:
+                    if ch.bad[p.index] >= ch.count_at(p, lv) or (lvl == lv and (ch.bad[p.index] or p.address in exclude)):
+                        continue
+                    key = (0, self._affinity(anchor, p), ch.bad[p.index], ch.opp[p.index])
+                if best_key is None or key < best_key:
+                    best, best_key = v, key
+            if best is None and unbound is not None and self._bind_choice(ch, lvl, lv, exclude) is not None:
+                best = unbound  # binding needs a healthy physical cell with a healthy level-lv part
+            if best is None:
+                continue
+            v = best
+            if v.parent is None and v.physical is None:
+                self._bind(ch, v, self._bind_choice(ch, lvl, lv, exclude))
+            del vch.free[lvl][id(v)]
+            while v.level > lv:  # split down, choosing the healthiest, least-busy child
+                self._vsplit(vch, v)
+                p = self._physical_of(v)
+                kids = v.children
+                choices = [k for k in kids if ch.bad[p.children[k.pos].index] < ch.count_at(p.children[k.pos], lv)]
+                if v.level - 1 == lv:
+                    choices = [k for k in choices if not ch.bad[p.children[k.pos].index]]
+                def rank(k: VirtualCell, p: Cell = p) -> tuple:
+                    pc = p.children[k.pos]
+                    return (pc.address in exclude, self._affinity(anchor, pc), ch.bad[pc.index], ch.opp[pc.index], k.pos)
+
+                k = min(choices, key=rank)
+                del vch.free[k.level][id(k)]
+                v = k
+            return v
+        return None
+
+    def _vsplit(self, vch: _VCChain, v: VirtualCell) -> None:
+        fan = vch.tree.levels[v.level].fanout
+        v.children = [VirtualCell(v.vc, v.level - 1, v, i, v.root_index) for i in range(fan)]
+        for k in v.children:
+            vch.free[k.level][id(k)] = k
+
+    def _vtake_path(self, ch: _Chain, vch: _VCChain, vc: str, path: list[int], root_cell: str) -> VirtualCell:
+        """Take the virtual cell at ``path`` (root index, child positions), binding its root to ``root_cell`` if unbound."""
+        v = vch.roots[path[0]]
+        if v.physical is None:
+            self._bind(ch, v, ch.tree.by_address[root_cell])
+        elif v.physical.address != root_cell:
+            raise InputError(f"VC {vc}: preassigned cell {path[0]} is bound to {v.physical.address}, not {root_cell}")
+        for pos in path[1:]:
+            if id(v) in vch.free[v.level]:
+                del vch.free[v.level][id(v)]
+                self._vsplit(vch, v)
+            elif v.children is None:
+                raise InputError(f"VC {vc}: virtual cell {v.path()} is in use")
+            v = v.children[pos]
+        if id(v) not in vch.free[v.level]:
+            raise InputError(f"VC {vc}: virtual cell {path} is not free")
+        del vch.free[v.level][id(v)]
+        return v
+
+    def _vfree(self, ch: _Chain, vch: _VCChain, v: VirtualCell) -> None:
+        v.job = None
+        vch.free[v.level][id(v)] = v
+        while v.parent is not None and all(id(k) in vch.free[k.level] and k.children is None for k in v.parent.children):
+            for k in v.parent.children:
+                del vch.free[k.level][id(k)]
+            v = v.parent
+            v.children = None
+            vch.free[v.level][id(v)] = v
+        if v.parent is None and v.physical is not None and v.children is None:
+            self._unbind(ch, v)
+
+    def _affinity(self, anchor: Cell | None, p: Cell) -> int:
+        """Level of the lowest common ancestor of ``anchor`` and ``p`` (lower is closer)."""
+        if anchor is None:
+            return 0
+        a, b = anchor, p
+        while a is not None and b is not None and a is not b:
+            if a.level <= b.level:
+                a = a.parent
+            else:
+                b = b.parent
+        return 99 if a is None or b is None else a.level
+
+    def _bind_choice(self, ch: _Chain, level: int, need: int, exclude: set[str]) -> Cell | None:
+        """Buddy allocation on the binding free list: a full cell of ``level`` with a healthy level-``need`` part."""
+        def ok(c: Cell) -> bool:
+            return c.full and ch.bad[c.index] < ch.count_at(c, need) and c.address not in exclude and not (level == need and ch.bad[c.index])
+
+        def key(c: Cell) -> tuple:
+            return (ch.bad[c.index] > 0, ch.opp[c.index], ch.bad[c.index], c.index)
+
+        for lvl in range(level, len(ch.bind_free)):
+            cands = []
+            for n, c in enumerate(ch.bind_free[lvl].values()):
+                if n >= SCAN_LIMIT and cands:
+                    break
+                if lvl == level:
+                    if ok(c):
+                        cands.append(c)
+                elif self._has_bindable(ch, c, level, ok, bool(exclude)):
+                    cands.append(c)
+            if not cands:
+                continue
+            c = min(cands, key=key)
+            while c.level > level:
+                c = min((k for k in c.children if self._has_bindable(ch, k, level, ok, bool(exclude))), key=key)
+            return c
+        return None
+
+    def _has_bindable(self, ch: _Chain, c: Cell, level: int, ok, excluding: bool) -> bool:
+        if c.level == level:
+            return ok(c)
+        if c.full and ch.bad[c.index] == 0 and not excluding:
+            return True  # a healthy full cell has healthy full descendants at every lower level
+        return any(self._has_bindable(ch, k, level, ok, excluding) for k in c.children)
+
+    def _bind(self, ch: _Chain, v: VirtualCell, cell: Cell) -> None:
+        ch.bind_take(cell)
+        v.physical = cell
+        ch.bound[cell.index] = v
+        for a in ch.ancestors(cell):
+            ch.bound_in[a.index] += 1
+
+    def _unbind(self, ch: _Chain, v: VirtualCell) -> None:
+        cell = v.physical
+        v.physical = None
+        ch.bound[cell.index] = None
+        for a in ch.ancestors(cell):
+            ch.bound_in[a.index] -= 1
+        ch.bind_give(cell)
+
+    def _alloc_opportunistic(self, job: str, gpus: int, chain: str, plan: list[tuple] | None, exclude: set[str],
+                             dry: bool = False) -> AllocationResult:
+        ch = self.chains[chain]
+        tree = ch.tree
+        if plan is not None:
+            cells = [tree.by_address[p[2]] for p in plan]
+            for c in cells:
+                if ch.busy[c.index]:
+                    raise InputError(f"job {job!r}: planned cell {c.address} is no longer idle")
+        else:
+            cells = []
+            for i, lv in enumerate(decompose(tree, gpus)):
+                c = self._occ_choice(ch, lv, cells[0] if cells else None, exclude if i == 0 else set())
+                if c is None:
+                    for t in cells:
+                        ch.mark_idle_cell(t)
+                    return AllocationResult(job, False, chain=chain, reason={
+                        "resource": "gpus", "level": tree.levels[lv].name, "chain": chain,
+                        "message": f"no idle healthy {tree.levels[lv].name!r} cell ({tree.levels[lv].size} GPUs) in chain {chain}"})
+                cells.append(c)
+                ch.mark_busy_cell(c)  # reserve now so the next piece does not pick the same GPUs
+            for c in reversed(cells):
+                ch.mark_idle_cell(c)
+        leaves = [leaf for c in cells for leaf in range(c.lo, c.hi)]
+        if dry:
+            return self._result(job, chain, cells, [], [(chain, c.level, c.address) for c in cells])
+        self._occupy(ch, job, cells, opportunistic=True)
+        self._seq += 1
+        self.jobs[job] = _Job(job, None, OPPORTUNISTIC, chain, leaves, [], cells, self._seq)
+        return self._result(job, chain, cells, [], [(chain, c.level, c.address) for c in cells])
+
+    def _occ_choice(self, ch: _Chain, lv: int, anchor: Cell | None, exclude: set[str]) -> Cell | None:
+        """Buddy choice on the occupancy list: the lowest level with an idle cell, first outside VC-bound cells."""
+        def key(c: Cell) -> tuple:
+            return (self._affinity(anchor, c), c.index)
+
+        for outside_only in (True, False):
+            for lvl in range(lv, len(ch.occ_free)):
+                best, bkey = None, None
+                for n, c in enumerate(ch.occ_free[lvl].values()):
+                    if n >= SCAN_LIMIT and best is not None:
+                        break
+                    if (lvl == lv and (not c.full or c.address in exclude)) or (lvl > lv and ch.count_at(c, lv) == 0):
+                        continue
+                    if outside_only and self._inside_bound(ch, c) and (lvl == lv or not self._has_unbound_part(ch, c, lv)):
+                        continue
+                    k = key(c)
+                    if bkey is None or k < bkey:
+                        best, bkey = c, k
+                if best is None:
+                    continue
+                c = best
+                while c.level > lv:
+                    kids = [k for k in c.children if ((k.level > lv and ch.count_at(k, lv)) or (k.level == lv and k.full))
+                            and not (outside_only and ch.bound_in[k.index] and (k.level == lv or not self._has_unbound_part(ch, k, lv)))]
+                    if not kids:
+                        break
+                    c = min(kids, key=key)
+                if c.level == lv:
+                    return c
+        return None
+
+    def _has_unbound_part(self, ch: _Chain, c: Cell, lv: int) -> bool:
+        """Whether ``c`` (not itself inside a bound cell) has a full level-``lv`` descendant free of bindings."""
+        if ch.bound[c.index] is not None:
+            return False
+        if ch.bound_in[c.index] == 0:
+            return True
+        if c.level == lv:
+            return False
+        return any(self._has_unbound_part(ch, k, lv) for k in c.children if k.level > lv or k.full)
+
+    def _inside_bound(self, ch: _Chain, c: Cell) -> int:
+        if ch.bound_in[c.index]:
+            return 1
+        a = c.parent
+        while a is not None:
+            if ch.bound[a.index] is not None:
+                return 1
+            a = a.parent
+        return 0
+
+    def _occupy(self, ch: _Chain, job: str, cells: list[Cell], *, opportunistic: bool) -> None:
+        for c in cells:
+            for leaf in range(c.lo, c.hi):
+                ch.leaf_job[leaf] = job
+            ch.mark_busy_cell(c)
+            if opportunistic:
+                ch.add_subtree(ch.opp, c, +1)
+
+    def _result(self, job: str, chain: str, cells: list[Cell], preempted: list[str], plan: list[tuple]) -> AllocationResult:
+        tree = self.trees[chain]
+        return AllocationResult(job, True, gpus=[tree.leaves[leaf] for c in cells for leaf in range(c.lo, c.hi)],
+                                cells=[c.address for c in cells], chain=chain, preempted=preempted, plan=plan)
+
+    def _try_priority_preemption(self, job: str, gpus: int, vc: str, priority: int, chain: str) -> AllocationResult | None:
+        """Intra-VC preemption: free lower-priority jobs of the same VC, lowest priority and newest first, until the job fits."""
+        victims = sorted((j for j in self.jobs.values() if j.vc == vc and j.chain == chain and j.priority < priority),
+                         key=lambda j: (j.priority, -j.seq))
+        if not victims:
+            return None
+        saved = self.to_state()
+        freed = []
+        for v in victims:
+            self.free(v.id)
+            freed.append(v.id)
+            res = self._alloc_guaranteed(job, gpus, vc, priority, chain, None, set())
+            if res.ok:
+                res.preempted = sorted(set(freed) | set(res.preempted))
+                return res
+        self._restore(saved)
+        return None
+
+    def free(self, job: str) -> list[str]:
+        """Release a job's GPUs and cells (buddies merge back); returns its GPU ids."""
+        j = self.jobs.pop(job, None)
+        if j is None:
+            raise InputError(f"unknown job {job!r}")
+        ch = self.chains[j.chain]
+        for leaf in j.leaves:
+            ch.leaf_job[leaf] = None
+        for c in reversed(j.physical):
+            ch.mark_idle_cell(c)
+            if j.vc is None:
+                ch.add_subtree(ch.opp, c, -1)
+        if j.vc is not None:
+            vch = self.vcs[j.vc][j.chain]
+            for v in j.virtual:
+                self._vfree(ch, vch, v)
+        return [ch.tree.leaves[leaf] for leaf in j.leaves]
+
+    # -- candidates (for CASSINI) ------------------------------------------------------------
+    def candidates(self, job: str, gpus: int, *, vc: str | None = None, priority: int = 0, chain: str | None = None,
+                   limit: int = 4) -> list[AllocationResult]:
+        """Up to ``limit`` distinct placements the allocator would accept (dry runs; nothing changes).
+
+        Each alternative excludes the first cells of the previous ones; commit one
+        with ``allocate(..., plan=result.plan)``.
+        """
+        out, exclude, seen = [], set(), set()
+        for _ in range(limit):
+            res = self.allocate(job, gpus, vc=vc, priority=priority, chain=chain, exclude=exclude, dry=True)
+            if not res.ok:
+                if not out:
+                    out.append(res)
+                break
+            key = frozenset(res.gpus)
+            if key in seen:
+                break
+            seen.add(key)
+            out.append(res)
+            exclude.add(res.cells[0])
+            if vc is not None:
+                exclude.add(res.plan[0][4])  # the preassigned cell it bound: try another one next
+        return out
+
+    # -- bad hardware ---------------------------------------------------------------------
+    def _leaves_named(self, names: Iterable[str]) -> list[tuple[_Chain, int]]:
+        out = []
+        hosts = set(self.topo.hosts())
+        for name in names:
+            gpus = self.topo.gpus(host=name) if name in hosts else [self.topo.resolve_gpu(name)]
+            for g in gpus:
+                for ch in self.chains.values():
+                    if g in ch.tree.leaf_of_gpu:
+                        out.append((ch, ch.tree.leaf_of_gpu[g]))
+        return out
+
+    def fail(self, names: Iterable[str]) -> dict[str, Any]:
+        """Mark GPUs or whole hosts bad; jobs on them are stopped. Returns what happened and the guarantee report."""
+        killed, failed = set(), []
+        for ch, leaf in self._leaves_named(names):
+            if ch.leaf_bad[leaf]:
+                continue
+            if ch.leaf_job[leaf] is not None:
+                killed.add(ch.leaf_job[leaf])
+                self.free(ch.leaf_job[leaf])
+            ch.leaf_bad[leaf] = True
+            ch.mark_busy(leaf)
+            for a in ch.ancestors(ch.leaf_cell[leaf]):
+                ch.bad[a.index] += 1
+            failed.append(ch.tree.leaves[leaf])
+        return {"failed_gpus": failed, "stopped_jobs": sorted(killed), "guarantees": self.guarantee_report()}
+
+    def recover(self, names: Iterable[str]) -> dict[str, Any]:
+        """Mark GPUs or hosts healthy again."""
+        healed = []
+        for ch, leaf in self._leaves_named(names):
+            if not ch.leaf_bad[leaf]:
+                continue
+            ch.leaf_bad[leaf] = False
+            for a in ch.ancestors(ch.leaf_cell[leaf]):
+                ch.bad[a.index] -= 1
+            ch.mark_idle(leaf)
+            healed.append(ch.tree.leaves[leaf])
+        return {"recovered_gpus": healed, "guarantees": self.guarantee_report()}
+
+    # -- state files -------------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        """A JSON-ready snapshot: VCs, bad GPUs, bindings, jobs and both free lists (in order)."""
+        bindings = {vc: {chain: [None if r.physical is None else r.physical.address for r in vch.roots] for chain, vch in chains.items()}
+                    for vc, chains in self.vcs.items()}
+        jobs = []
+        for j in sorted(self.jobs.values(), key=lambda j: j.seq):
+            if j.vc is None:
+                pieces = [[c.level, c.address] for c in j.physical]
+            else:
+                pieces = [[v.level, v.path(), self.vcs[j.vc][j.chain].roots[v.root_index].physical.address] for v in j.virtual]
+            jobs.append({"id": j.id, "vc": j.vc, "priority": j.priority, "chain": j.chain, "pieces": pieces, "seq": j.seq})
+        bad = [ch.tree.leaves[i] for ch in self.chains.values() for i, b in enumerate(ch.leaf_bad) if b]
+        return {"format": STATE_FORMAT, "version": 1, "topology": self.topo.name, "forge": self.forge,
+                "virtual_clusters": self.vc_spec, "bad_gpus": bad, "bindings": bindings, "jobs": jobs,
+                "free_lists": self.free_lists(), "seq": self._seq}
+
+    def save(self, path: str) -> None:
+        """Write the state atomically (readers see the old file or the new one)."""
+        atomic_write_text(path, json.dumps(self.to_state(), indent=1) + "\n")
+
+    @classmethod
+    def from_state(cls, topo: Topology, state: Mapping[str, Any], *, source: str | None = None,
+                   trees: dict[str, CellTree] | None = None) -> HivedScheduler:
+        """Rebuild a scheduler from :meth:`to_state`; the free lists come back identical, in order."""
+        if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
+            raise InputError(f"expected a JSON object with \"format\": \"{STATE_FORMAT}\"", source=source)
+        if state.get("version") != 1:
+            raise InputError(f"unsupported version {state.get('version')!r}, expected 1", source=source, where="version")
+        s = cls(topo, state.get("virtual_clusters") or {}, forge=bool(state.get("forge", True)), trees=trees)
+        try:
+            for g in state.get("bad_gpus", []):
+                for ch, leaf in s._leaves_named([g]):
+                    ch.leaf_bad[leaf] = True
+                    ch.mark_busy(leaf)
+                    for a in ch.ancestors(ch.leaf_cell[leaf]):
+                        ch.bad[a.index] += 1
+            for i, item in enumerate(state.get("jobs", [])):
+                where = f"jobs[{i}]"
+                if item["chain"] not in s.chains:
+                    raise InputError(f"unknown chain {item['chain']!r}", source=source, where=where)
+                if item["vc"] is None:
+                    plan = [(item["chain"], lv, addr) for lv, addr in item["pieces"]]
+                    res = s._alloc_opportunistic(item["id"], 0, item["chain"], plan, set())
+                else:
+                    plan = [(item["chain"], lv, item["vc"], path, root) for lv, path, root in item["pieces"]]
+                    res = s._alloc_guaranteed(item["id"], 0, item["vc"], item["priority"], item["chain"], plan, set())
+                if not res.ok:
+                    raise InputError(f"job {item['id']!r} cannot be restored: {res.reason}", source=source, where=where)
+                s.jobs[item["id"]].seq = item.get("seq", i)
+            s._seq = int(state.get("seq", len(s.jobs)))
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            if isinstance(exc, InputError):
+                raise
+            raise InputError(f"state does not match the topology or is malformed ({exc!r})", source=source) from None
+        s._reorder_free_lists(state.get("free_lists") or {}, source)
+        return s
+
+    def _reorder_free_lists(self, saved: Mapping[str, Any], source: str | None) -> None:
+        for chain, lists in saved.items():
+            ch = self.chains[chain]
+            for kind, store in (("binding", ch.bind_free), ("occupancy", ch.occ_free)):
+                for lv_name, addrs in lists.get(kind, {}).items():
+                    lv = ch.tree.level_index(lv_name)
+                    if set(addrs) != {c.address for c in store[lv].values()}:
+                        raise InputError(f"{kind} free list of level {lv_name!r} differs after replaying the jobs; the state is inconsistent",
+                                         source=source, where=f"free_lists.{chain}.{kind}.{lv_name}")
+                    store[lv] = {ch.tree.by_address[a].index: ch.tree.by_address[a] for a in addrs}
+
+    @classmethod
+    def load(cls, topo: Topology, path: str) -> HivedScheduler:
+        try:
+            with open(path, encoding="utf-8") as f:
+                state = json.load(f)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"invalid JSON ({exc.msg})", source=str(path), where=exc.lineno) from None
+        except OSError as exc:
+            raise InputError(f"cannot read ({exc.strerror})", source=str(path)) from None
+        return cls.from_state(topo, state, source=str(path))
+
+    def _restore(self, state: Mapping[str, Any]) -> None:
+        other = HivedScheduler.from_state(self.topo, state, trees=self.trees)
+        self.__dict__.update(other.__dict__)
+
+    # -- reporting ---------------------------------------------------------------------------
+    def job_gpus(self, job: str) -> list[str]:
+        j = self.jobs[job]
+        return [self.chains[j.chain].tree.leaves[leaf] for leaf in j.leaves]
+
+    def fragmentation(self, chain: str | None = None) -> float:
+        """Share of idle healthy GPUs outside fully idle hosts: 0 when every idle GPU sits in a free whole server."""
+        idle = whole = 0
+        for ch in self._chains(chain):
+            host_lv = next((i for i, lv in enumerate(ch.tree.levels) if lv.node_level), 0)
+            for c in ch.tree.cells:
+                if c.level == host_lv:
+                    free = c.size - ch.busy[c.index]
+                    idle += free
+                    whole += free if ch.busy[c.index] == 0 else 0
+        return 0.0 if idle == 0 else 1.0 - whole / idle
