@@ -429,80 +429,92 @@ def to_slurm_topology(topo: Topology) -> str:
     switches = topo.switches()
     if not switches:
         raise TopologyError("cannot write a Slurm topology: the topology has no network switches")
+    g = topo.graph
     height = _switch_height(topo)
     sw_set = set(switches)
-    # Level 0: the switches host NICs reach; merge those that share a host (rails of one scalable unit).
-    uf = _UnionFind()
     host_leaves: dict[str, set[str]] = {}
     for nic in topo.nodes(NodeKind.NIC):
-        host = topo.host_of(nic)
-        for _, v in topo.graph.out_edges(nic):
+        for _, v in g.out_edges(nic):
             if v in sw_set:
-                host_leaves.setdefault(host, set()).add(v)
+                host_leaves.setdefault(topo.host_of(nic), set()).add(v)
+    up: dict[str, set[str]] = {s: set() for s in switches}
+    for s in switches:
+        for _, v in g.out_edges(s):
+            if v in sw_set and v != s:
+                if height[v] > height[s]:
+                    up[s].add(v)
+                elif height[v] == height[s]:
+                    raise TopologyError(f"switches {s!r} and {v!r} are linked at the same level; Slurm's topology/tree needs a strict hierarchy")
+    # Group switches: leaves that share a host (the rails of one scalable unit), then, until nothing
+    # changes, all parents of one group's members (co-parents must be one Slurm switch).
+    uf = _UnionFind()
+    for s in switches:
+        uf.find(s)
     for leaves in host_leaves.values():
         first = min(leaves)
         for leaf in leaves:
             uf.union(first, leaf)
-    members: dict[str, list[str]] = {}
-    for leaves in host_leaves.values():
-        for leaf in leaves:
-            members.setdefault(uf.find(leaf), [])
-    for leaf in {leaf for leaves in host_leaves.values() for leaf in leaves}:
-        members[uf.find(leaf)].append(leaf)
-    counter: dict[str, int] = {}
-    lines: list[str] = []
-    group_of_leaf = {}
-    names_used: set[str] = set()
-    level_groups = []
-    for root in sorted(members, key=lambda r: _sort_key(sorted(members[r])[0])):
-        mem = sorted(members[root], key=_sort_key)
-        name = _unique(_group_name(topo, mem, counter), names_used)
-        for m in mem:
-            group_of_leaf[m] = name
-        level_groups.append((name, mem))
-    hosts_by_group: dict[str, list[str]] = {}
+    changed = True
+    while changed:
+        changed = False
+        members: dict[str, list[str]] = {}
+        for s in switches:
+            members.setdefault(uf.find(s), []).append(s)
+        for mem in members.values():
+            parents = sorted({p for m in mem for p in up[m]} - set(mem))
+            for p in parents[1:]:
+                if uf.find(p) != uf.find(parents[0]):
+                    uf.union(parents[0], p)
+                    changed = True
+    members = {}
+    for s in switches:
+        members.setdefault(uf.find(s), []).append(s)
+    hosts_of: dict[str, list[str]] = {}
     for host, leaves in host_leaves.items():
-        hosts_by_group.setdefault(group_of_leaf[next(iter(leaves))], []).append(host)
-    for name, mem in level_groups:
-        lines.append(f"SwitchName={name} Nodes={compress_hostlist(hosts_by_group[name])}{_link_speed(topo, mem)}")
-    # Upper levels: the parents of a group are the higher switches linked to its members;
-    # groups sharing a parent hang under one Slurm switch made of all those parents.
-    placed = {m for _, mem in level_groups for m in mem}
-    while level_groups:
-        uf = _UnionFind()
-        parents_of: dict[str, set[str]] = {}
-        for name, mem in level_groups:
-            ps: set[str] = set()
-            for m in mem:
-                for _, v in topo.graph.out_edges(m):
-                    if v in sw_set and v not in mem:
-                        if height[v] > height[m]:
-                            ps.add(v)
-                        elif height[v] == height[m] and v not in placed:
-                            raise TopologyError(
-                                f"switches {m!r} and {v!r} are linked at the same level; Slurm's topology/tree needs a strict hierarchy"
-                            )
-            ps -= placed
-            parents_of[name] = ps
-            if ps:
-                first = min(ps)
-                for p in ps:
-                    uf.union(first, p)
-        groups: dict[str, list[str]] = {}
-        for ps in parents_of.values():
-            for p in ps:
-                groups.setdefault(uf.find(p), [])
-        for p in {p for ps in parents_of.values() for p in ps}:
-            groups[uf.find(p)].append(p)
-        next_groups = []
-        for root in sorted(groups, key=lambda r: _sort_key(sorted(groups[r], key=_sort_key)[0])):
-            mem = sorted(groups[root], key=_sort_key)
-            name = _unique(_group_name(topo, mem, counter), names_used)
-            children = [child for child, ps in parents_of.items() if ps and uf.find(next(iter(ps))) == root]
-            lines.append(f"SwitchName={name} Switches={compress_hostlist(children)}{_link_speed(topo, mem)}")
-            next_groups.append((name, mem))
-            placed.update(mem)
-        level_groups = next_groups
+        hosts_of.setdefault(uf.find(next(iter(leaves))), []).append(host)
+    parent_of: dict[str, str] = {}
+    for root, mem in members.items():
+        parents = {uf.find(p) for m in mem for p in up[m]} - {root}
+        if parents:
+            parent_of[root] = parents.pop()
+    children: dict[str, list[str]] = {}
+    for child, parent in parent_of.items():
+        children.setdefault(parent, []).append(child)
+    # Keep groups that have hosts below them; Slurm wants every switch to have children.
+    level: dict[str, int] = {}
+
+    def settle(root: str) -> int | None:
+        if root in level:
+            return level[root]
+        kids = [k for k in (settle(c) for c in children.get(root, [])) if k is not None]
+        if hosts_of.get(root):
+            if children.get(root) and kids:
+                raise TopologyError(
+                    f"switch {members[root][0]!r} has both hosts and child switches below it; Slurm's topology/tree wants one or the other"
+                )
+            level[root] = 0
+        elif kids:
+            level[root] = 1 + max(kids)
+        else:
+            return None
+        return level[root]
+
+    for root in members:
+        settle(root)
+    counter: dict[str, int] = {}
+    used: set[str] = set()
+    name: dict[str, str] = {}
+    ordered = sorted(level, key=lambda r: (level[r], _sort_key(sorted(members[r], key=_sort_key)[0])))
+    for root in ordered:
+        name[root] = _unique(_group_name(topo, sorted(members[root], key=_sort_key), counter), used)
+    lines = []
+    for root in ordered:
+        mem = sorted(members[root], key=_sort_key)
+        if level[root] == 0:
+            lines.append(f"SwitchName={name[root]} Nodes={compress_hostlist(hosts_of[root])}{_link_speed(topo, mem)}")
+        else:
+            kids = [name[c] for c in children[root] if c in level]
+            lines.append(f"SwitchName={name[root]} Switches={compress_hostlist(kids)}{_link_speed(topo, mem)}")
     unconnected = [h for h in topo.hosts() if h not in host_leaves]
     if unconnected:
         lines.append(f"# not connected to any switch: {compress_hostlist(unconnected)}")
