@@ -349,7 +349,7 @@ def _read_nic(
         h.nics.append((nic_id, attrs))
         h.pcie_links.append((nic_id, parent, bw, link))
     if busid is not None:
-        h.by_busid.setdefault(busid, h.nics[-1][0])
+        _claim_busid(reader, h, busid, h.nics[-1][0], where)
 
 
 def _build_host(reader: _Reader, topo: Topology, h: _Host) -> None:
