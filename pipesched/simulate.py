@@ -1,0 +1,401 @@
+"""Event-driven simulation of a pipeline schedule: durations, transfers, memory over time, lower bounds.
+
+Each rank runs its actions in order; an action starts when the rank is free and its inputs are there:
+a forward needs the previous stage's activation, a backward (``B`` or ``I``) the next stage's gradient (or,
+on the last stage, its own forward), ``W`` its ``I``, and Chimera's ``REDUCE_GRAD`` the other replica's last
+backward. Activations and gradients travel over the link between the two ranks (``LinkModel``: latency +
+bytes / bandwidth), one message at a time per direction, overlapped with compute as torch's runtime does
+with asynchronous sends. With ``cores=c`` the ranks share ``c`` processors (processor sharing: with more
+than ``c`` ranks computing, each runs at ``c / active`` speed), which is how a CPU run with more processes
+than cores behaves.
+
+Memory per rank: model states of its stages, plus per micro-batch the saved activations from F until the
+backward frees them (all at B; at I except what W still needs, the rest at W), plus, during a backward,
+the activations recomputation re-materialises.
+
+>>> from pipesched.schedules import one_f_one_b
+>>> res = simulate(one_f_one_b(4, 8), {s: StageCost(f=1.0, b=2.0) for s in range(4)})
+>>> res.makespan, round(res.bubble_fraction, 4), 3 / 11
+(33.0, 0.2727, 0.2727272727272727)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .schedules import Action, Schedule, ScheduleError
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-micro-batch costs of one stage id on its rank (seconds, bytes)."""
+
+    f: float
+    b: float                      # fused backward (recomputation included)
+    i: float | None = None        # input-gradient backward (recomputation included); default b/2
+    w: float | None = None        # weight-gradient backward; default b - i
+    out_bytes: float = 0.0        # activation sent to the next stage (its gradient comes back the same size)
+    saved_bytes: float = 0.0      # activations held from F to the backward
+    wgrad_bytes: float = 0.0      # part of saved_bytes still needed by W after I
+    transient_bytes: float = 0.0  # re-materialised by recomputation during a backward
+    state_bytes: float = 0.0      # weights, gradients and optimizer state
+    reduce_s: float = 0.0         # REDUCE_GRAD duration (Chimera replica all-reduce)
+
+    @property
+    def i_s(self) -> float:
+        return self.b / 2 if self.i is None else self.i
+
+    @property
+    def w_s(self) -> float:
+        return self.b - self.i_s if self.w is None else self.w
+
+    def duration(self, kind: str) -> float:
+        return {"F": self.f, "B": self.b, "I": self.i_s, "W": self.w_s, "REDUCE_GRAD": self.reduce_s}[kind]
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    what: str          # "act 2F5" / "grad 3B5"
+    nbytes: float
+    start: float
+    end: float
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    timeline: list[Span]
+    transfers: list[Transfer]
+    busy: list[float]
+    peak_memory: list[float]
+    memory_trace: list[list[tuple[float, float]]]
+    peak_in_flight: dict[int, int]
+    ranks: int
+    names: list[str] = field(default_factory=list)
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the ranks' time: ``1 - sum(busy) / (ranks * makespan)``."""
+        return 1.0 - sum(self.busy) / (self.ranks * self.makespan) if self.makespan > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        return {"makespan_s": self.makespan, "bubble_fraction": self.bubble_fraction, "busy_s": self.busy,
+                "peak_memory_bytes": self.peak_memory, "peak_in_flight": {str(k): v for k, v in self.peak_in_flight.items()},
+                "transfers": len(self.transfers)}
+
+
+def _partner_stages(schedule: Schedule) -> dict[int, list[int]]:
+    """Stage ids that are replicas of the same partition stage (Chimera), for REDUCE_GRAD."""
+    groups: dict[int, list[int]] = {}
+    for sid, layer_stage in enumerate(schedule.stage_layers):
+        groups.setdefault(layer_stage, []).append(sid)
+    return {sid: [o for o in groups[schedule.stage_layers[sid]] if o != sid] for sid in range(schedule.num_stages)}
+
+
+def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = None, *, cores: float | None = None) -> SimResult:
+    """Run ``schedule`` with per-stage ``costs`` over ``links`` (a ``LinkModel``; None = free transfers)."""
+    R = schedule.ranks
+    acts = schedule.actions
+    neighbours = {s: schedule.neighbours(s) for s in range(schedule.num_stages)}
+    partners = _partner_stages(schedule)
+    backward_total = {s: len(schedule.microbatches_of(s)) for s in range(schedule.num_stages)}
+    backward_count: dict[int, int] = {s: 0 for s in range(schedule.num_stages)}
+    last_backward: dict[int, float] = {}
+    finish: dict[tuple[int, str, int | None], float] = {}
+    arrive: dict[tuple[int, str, int | None], float] = {}   # (stage, "act"|"grad", mb) -> time its input is on the rank
+    link_free: dict[tuple[int, int], float] = {}
+    transfers: list[Transfer] = []
+    timeline: list[Span] = []
+    mem_events: list[list[tuple[float, float]]] = [[] for _ in range(R)]
+    flight_events: dict[int, list[tuple[float, int]]] = {s: [] for s in range(schedule.num_stages)}
+    busy = [0.0] * R
+    ptr = [0] * R
+    running: dict[int, list[Any]] = {}     # rank -> [action, remaining work, start, duration]
+    now = 0.0
+
+    def cost(stage: int) -> StageCost:
+        try:
+            return costs[stage]
+        except KeyError:
+            raise ScheduleError(f"no cost for stage {stage}") from None
+
+    def send(src_stage: int, dst_stage: int, kind: str, mb: int | None, t: float, nbytes: float, label: str) -> None:
+        a, b = schedule.stage_rank[src_stage], schedule.stage_rank[dst_stage]
+        if a == b or links is None:
+            arrive[(dst_stage, kind, mb)] = t
+            return
+        bw, lat = links.link(a, b)
+        start = max(t, link_free.get((a, b), 0.0))
+        serial = nbytes / bw if nbytes > 0 else 0.0
+        link_free[(a, b)] = start + serial
+        end = start + serial + lat
+        arrive[(dst_stage, kind, mb)] = end
+        transfers.append(Transfer(a, b, label, nbytes, start, end))
+
+    def ready_at(a: Action) -> float | None:
+        prev, nxt = neighbours[a.stage]
+        if a.kind == "F":
+            return 0.0 if prev is None else arrive.get((a.stage, "act", a.mb))
+        if a.kind in ("B", "I"):
+            own = finish.get((a.stage, "F", a.mb))
+            if own is None:
+                return None
+            if nxt is None:
+                return own
+            g = arrive.get((a.stage, "grad", a.mb))
+            return None if g is None else max(own, g)
+        if a.kind == "W":
+            return finish.get((a.stage, "I", a.mb))
+        if a.kind == "REDUCE_GRAD":
+            times = []
+            for s in [a.stage, *partners[a.stage]]:
+                if backward_count[s] < backward_total[s]:
+                    return None
+                times.append(last_backward.get(s, 0.0))
+            return max(times)
+        raise ScheduleError(f"cannot simulate action {a}")
+
+    def start(r: int, a: Action) -> None:
+        c = cost(a.stage)
+        dur = c.duration(a.kind)
+        running[r] = [a, dur, now, dur]
+        if a.kind == "F":
+            mem_events[r].append((now, c.saved_bytes))
+            flight_events[a.stage].append((now, 1))
+        elif a.kind in ("B", "I"):
+            mem_events[r].append((now, c.transient_bytes))
+
+    def complete(r: int, t: float) -> None:
+        a, _, t0, _ = running.pop(r)
+        c = cost(a.stage)
+        ptr[r] += 1
+        finish[(a.stage, a.kind, a.mb)] = t
+        busy[r] += t - t0
+        timeline.append(Span(r, a, t0, t))
+        prev, nxt = neighbours[a.stage]
+        if a.kind == "F" and nxt is not None:
+            send(a.stage, nxt, "act", a.mb, t, c.out_bytes, f"act {a}")
+        if a.kind in ("B", "I") and prev is not None:
+            send(a.stage, prev, "grad", a.mb, t, cost(prev).out_bytes, f"grad {a}")
+        if a.kind == "B":
+            mem_events[r].append((t, -(c.transient_bytes + c.saved_bytes)))
+        elif a.kind == "I":
+            mem_events[r].append((t, -(c.transient_bytes + c.saved_bytes - c.wgrad_bytes)))
+        elif a.kind == "W":
+            mem_events[r].append((t, -c.wgrad_bytes))
+        if a.kind in ("B", "W"):
+            backward_count[a.stage] += 1
+            last_backward[a.stage] = t
+            flight_events[a.stage].append((t, -1))
+
+    total = sum(len(v) for v in acts.values())
+    done = 0
+    while done < total:
+        # Start every idle rank whose next action is ready now.
+        future: list[float] = []
+        for r in range(R):
+            if r in running or ptr[r] >= len(acts[r]):
+                continue
+            t = ready_at(acts[r][ptr[r]])
+            if t is None:
+                continue
+            if t <= now:
+                start(r, acts[r][ptr[r]])
+            else:
+                future.append(t)
+        if not running and not future:
+            waiting = [f"rank {r} at {acts[r][ptr[r]]}" for r in range(R) if ptr[r] < len(acts[r])]
+            raise ScheduleError("deadlock: " + ", ".join(waiting))
+        rate = 1.0 if cores is None or len(running) <= cores else cores / len(running)
+        ends = {r: (v[2] + v[3] if cores is None else now + v[1] / rate) for r, v in running.items()}
+        t_next = min(list(ends.values()) + future)
+        for v in running.values():
+            v[1] -= (t_next - now) * rate
+        now = t_next
+        for r in [r for r, e in ends.items() if e <= now]:
+            complete(r, now)
+            done += 1
+    makespan = max((s.end for s in timeline), default=0.0)
+    peaks, traces = [], []
+    for r in range(R):
+        base = sum(cost(s).state_bytes for s in range(schedule.num_stages) if schedule.stage_rank[s] == r)
+        level, peak, trace = base, base, [(0.0, base)]
+        for t, delta in sorted(mem_events[r], key=lambda e: (e[0], e[1])):   # frees before allocations at equal times
+            level += delta
+            peak = max(peak, level)
+            trace.append((t, level))
+        peaks.append(peak)
+        traces.append(trace)
+    flights = {}
+    for s, events in flight_events.items():
+        level = best = 0
+        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+            level += delta
+            best = max(best, level)
+        flights[s] = best
+    return SimResult(makespan, sorted(timeline, key=lambda x: (x.rank, x.start)), transfers, busy, peaks, traces, flights, R,
+                     names=list(getattr(links, "names", []) or []))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Lower bounds
+# --------------------------------------------------------------------------------------------------------------
+
+def lower_bound(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = None) -> dict[str, Any]:
+    """A makespan no schedule with this placement and backward style can beat.
+
+    For each rank: it cannot start before the first micro-batch's forward reaches its earliest stage
+    (``head``: forwards and transfers of the stages before it in the chain), it must do all its work, and
+    after its last backward the gradient must still go back through the stages before it (``tail``). Without
+    a B/W split this is ``head + work + tail``; with it, W's may trail, so the bound is the larger of
+    ``head + work`` and ``head + forwards + input backwards + tail`` where the tail ends with the first
+    stage's W. For uniform stages and free links it is GPipe's/1F1B's ``(m + p - 1)(F + B)``, interleaved
+    ``m(F+B) + (p-1)(F+B)/v``, ZB-H1 ``m(F+I+W) + (p-1)(F+I-W)`` when it binds, and Chimera's
+    ``(D-2)/(2N+D-2)`` bubble with B = 2F. ``work_bound`` is the busiest rank's work alone.
+    """
+    split = schedule.split_backward
+
+    def hop(a: int, b: int, nbytes: float) -> float:
+        if links is None:
+            return 0.0
+        ra, rb = schedule.stage_rank[a], schedule.stage_rank[b]
+        return 0.0 if ra == rb else links.time(ra, rb, nbytes)
+
+    head: dict[int, float] = {}
+    tail: dict[int, float] = {}
+    for chain in schedule.chains:
+        acc = 0.0
+        for k, s in enumerate(chain):
+            head[s] = acc
+            acc += costs[s].f + (hop(s, chain[k + 1], costs[s].out_bytes) if k + 1 < len(chain) else 0.0)
+        acc = costs[chain[0]].w_s if split else 0.0
+        for k, s in enumerate(chain):
+            tail[s] = acc
+            back = costs[s].i_s if split else costs[s].b
+            acc += back + (hop(s, chain[k - 1], costs[chain[k - 1]].out_bytes) if k > 0 else 0.0)
+    per_rank = []
+    work_bound = 0.0
+    for r in range(schedule.ranks):
+        stages = sorted({a.stage for a in schedule.actions[r] if a.kind != "REDUCE_GRAD"})
+        counts = {s: len(schedule.microbatches_of(s)) for s in stages}
+        work = sum(costs[a.stage].duration(a.kind) for a in schedule.actions[r])
+        h = min(head[s] for s in stages)
+        t = min(tail[s] for s in stages)
+        if split:
+            fi = sum(counts[s] * (costs[s].f + costs[s].i_s) for s in stages)
+            bound = max(h + work, h + fi + t)
+        else:
+            reduce = sum(costs[a.stage].reduce_s for a in schedule.actions[r] if a.kind == "REDUCE_GRAD")
+            bound = h + (work - reduce) + t + reduce
+        per_rank.append(bound)
+        work_bound = max(work_bound, work)
+    return {"bound_s": max(per_rank), "per_rank_s": per_rank, "work_bound_s": work_bound,
+            "family": schedule.name, "split_backward": split}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Pictures and traces
+# --------------------------------------------------------------------------------------------------------------
+
+COLOURS = {"F": "#4c78a8", "B": "#e45756", "I": "#f58518", "W": "#54a24b", "REDUCE_GRAD": "#9d755d"}
+
+
+def gantt_png(result: SimResult, path: str | Path, *, title: str = "", max_actions: int = 20000) -> Path:
+    """Draw the simulated timeline (one row per rank, colour per action kind, labels when they fit)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    R = result.ranks
+    fig, ax = plt.subplots(figsize=(12, 0.45 * R + 1.6))
+    scale, unit = (1e3, "ms") if result.makespan < 10 else (1.0, "s")
+    spans = result.timeline[:max_actions]
+    for kind, colour in COLOURS.items():
+        for r in range(R):
+            bars = [((s.start) * scale, (s.end - s.start) * scale) for s in spans if s.rank == r and s.action.kind == kind]
+            if bars:
+                ax.broken_barh(bars, (r - 0.4, 0.8), facecolors=colour, edgecolors="white", linewidth=0.3)
+    if len(spans) <= 400:
+        for s in spans:
+            width = (s.end - s.start) * scale
+            if width > result.makespan * scale / 60:
+                ax.text((s.start * scale) + width / 2, s.rank, f"{s.action.stage}{s.action.kind}{'' if s.action.mb is None else s.action.mb}",
+                        ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(R))
+    ax.set_yticklabels([result.names[r] if r < len(result.names) else f"rank {r}" for r in range(R)], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_title(title or f"makespan {result.makespan * scale:.3g} {unit}, bubble {result.bubble_fraction:.1%}")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right", fontsize=7, ncol=5)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def chrome_trace(result: SimResult, *, label: str = "predicted", pid_offset: int = 0) -> list[dict[str, Any]]:
+    """Chrome/Perfetto trace events: one process per rank, compute on thread 0, outgoing transfers on thread 1."""
+    events: list[dict[str, Any]] = []
+    for r in range(result.ranks):
+        name = result.names[r] if r < len(result.names) else f"rank {r}"
+        events.append({"ph": "M", "name": "process_name", "pid": pid_offset + r, "args": {"name": f"{label} {name}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid_offset + r, "tid": 0, "args": {"name": "compute"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid_offset + r, "tid": 1, "args": {"name": "send"}})
+    for s in result.timeline:
+        events.append({"ph": "X", "name": str(s.action), "cat": s.action.kind, "pid": pid_offset + s.rank, "tid": 0,
+                       "ts": s.start * 1e6, "dur": (s.end - s.start) * 1e6})
+    for t in result.transfers:
+        events.append({"ph": "X", "name": t.what, "cat": "p2p", "pid": pid_offset + t.src, "tid": 1, "ts": t.start * 1e6,
+                       "dur": (t.end - t.start) * 1e6, "args": {"bytes": t.nbytes, "dst": t.dst}})
+    for r, trace in enumerate(result.memory_trace):
+        for t, level in trace:
+            events.append({"ph": "C", "name": "memory", "pid": pid_offset + r, "ts": t * 1e6, "args": {"bytes": level}})
+    return events
+
+
+def write_chrome_trace(path: str | Path, *results: tuple[str, SimResult]) -> Path:
+    """Write one or more labelled timelines (e.g. predicted and measured) into one trace file."""
+    from topology.io import atomic_write_text
+
+    events: list[dict[str, Any]] = []
+    offset = 0
+    for label, result in results:
+        events += chrome_trace(result, label=label, pid_offset=offset)
+        offset += result.ranks
+    atomic_write_text(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return Path(path)
+
+
+def uniform_costs(stages: int, f: float, b: float, i: float | None = None, w: float | None = None) -> dict[int, StageCost]:
+    """Identical costs for ``stages`` stage ids (closed-form checks)."""
+    return {s: StageCost(f=f, b=b, i=i, w=w) for s in range(stages)}
+
+
+def closed_form_bubble(family: str, ranks: int, microbatches: int, chunks: int = 1) -> float:
+    """Textbook bubble fraction at balanced stages and free links (GPipe/1F1B, interleaved, Chimera with B = 2F)."""
+    p, m = ranks, microbatches
+    if family in ("gpipe", "1f1b"):
+        return (p - 1) / (m + p - 1)
+    if family == "interleaved":
+        return (p - 1) / (chunks * m + p - 1)
+    if family == "chimera":
+        return (p - 2) / (2 * m + p - 2)
+    raise ValueError(family)
