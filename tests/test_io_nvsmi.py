@@ -231,3 +231,13 @@ def test_inconsistent_matrix_is_rejected():
     text = "\tGPU0\tGPU1\tGPU2\nGPU0\t X \tPIX\tPXB\nGPU1\tPIX\t X \tPIX\nGPU2\tPXB\tPIX\t X \n"
     with pytest.raises(InputError, match=r"^t.txt: line 2: GPU0-GPU2 is PXB in the matrix, but .* gives PIX"):
         parse_nvidia_smi(text, source="t.txt")
+
+
+def test_cells_without_separator_parse_the_same():
+    text = (DATA / "nvsmi_dgx_h100.txt").read_text()
+    squashed = text
+    for a in ("NV18", "PIX", "NODE", "SYS"):
+        for b in ("PIX", "NODE", "SYS"):
+            squashed = squashed.replace(f"{a}\t{b}", f"{a}{b}")
+    assert "NV18PIX" in squashed and "NODESYS" in squashed
+    assert parse_nvidia_smi(squashed).to_dict() == parse_nvidia_smi(text).to_dict()

@@ -26,7 +26,8 @@ def test_expand_hostlist_examples():
 def test_compress_hostlist_examples():
     assert compress_hostlist(["tux0", "tux1", "tux2", "tux3", "tux7"]) == "tux[0-3,7]"
     assert compress_hostlist(["n9", "n10", "n11"]) == "n[9-11]"
-    assert compress_hostlist(["n009", "n010", "n100"]) == "n100,n[009-010]"
+    assert compress_hostlist(["n009", "n010", "n100", "n7"]) == "n7,n[009-010,100]"
+    assert compress_hostlist([f"node{i:02d}" for i in range(70)]) == "node[00-69]"
     assert compress_hostlist(["login"]) == "login"
     assert compress_hostlist(["node5"]) == "node5"
 
@@ -182,3 +183,18 @@ def test_errors_name_file_and_line(text, line, fragment):
     assert message.startswith(prefix), message
     assert fragment in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("fabric", ["rail-optimized", "leaf-spine", "fat-tree"])
+def test_every_fabric_exports_a_valid_tree(fabric):
+    topo = build_cluster(8, fabric=fabric)
+    text = to_slurm_topology(topo)
+    again = parse_slurm_topology(text)
+    leaves_of = {}
+    for nic in again.nodes(NodeKind.NIC):
+        leaves_of.setdefault(again.host_of(nic), []).extend(v for _, v in again.graph.out_edges(nic))
+    assert sorted(leaves_of) == sorted(topo.hosts())
+    assert all(len(v) == 1 for v in leaves_of.values())  # one leaf per node, as topology/tree wants
+    level = {s: again.graph.nodes[s]["level"] for s in again.switches()}
+    roots = [s for s in again.switches() if not any(level.get(v, -1) > level[s] for _, v in again.graph.out_edges(s))]
+    assert len(roots) == 1  # every fabric is connected, so one tree

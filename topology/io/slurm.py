@@ -159,6 +159,15 @@ def compress_hostlist(names: Iterable[str]) -> str:
         prefix, digits = m.groups()
         width = len(digits) if digits.startswith("0") and len(digits) > 1 else 0
         groups.setdefault((prefix, width), set()).add(int(digits))
+    # Numbers as wide as a padded group of the same prefix join it: node[00-69], not node[00-09],node[10-69].
+    for (prefix, width) in [k for k in groups if k[1] > 0]:
+        loose = groups.get((prefix, 0), set())
+        fitting = {n for n in loose if len(str(n)) == width}
+        if fitting:
+            groups[(prefix, width)] |= fitting
+            loose -= fitting
+            if not loose:
+                del groups[(prefix, 0)]
     parts = [(name, name) for name in plain]
     for (prefix, width), numbers in groups.items():
         ordered = sorted(numbers)
@@ -407,11 +416,16 @@ def _slurm_name(topo: Topology, switch: str) -> str:
 def _group_name(topo: Topology, members: list[str], counter: dict[str, int]) -> str:
     if len(members) == 1:
         return _slurm_name(topo, members[0])
-    pods = {topo.graph.nodes[m].get("pod") for m in members}
-    if len(pods) == 1 and None not in pods:
-        return f"su{pods.pop()}"
-    tiers = {str(topo.graph.nodes[m]["tier"]) for m in members}
-    tier = tiers.pop() if len(tiers) == 1 else "switch"
+    g = topo.graph
+    pods = {g.nodes[m].get("pod") for m in members}
+    tiers = {str(g.nodes[m]["tier"]) for m in members}
+    tier = next(iter(tiers)) if len(tiers) == 1 else "switch"
+    if len(pods) == 1 and None not in pods and len(tiers) == 1:
+        # All the switches of one tier of a scalable unit (pod): name the group after the unit.
+        pod = next(iter(pods))
+        whole = {s for s in topo.switches(tier) if g.nodes[s].get("pod") == pod}
+        if whole == set(members):
+            return f"su{pod}" if tier == "leaf" else f"su{pod}-{tier}"
     k = counter.get(tier, 0)
     counter[tier] = k + 1
     return f"{tier}group{k}"
