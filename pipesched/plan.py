@@ -1,0 +1,227 @@
+"""Planning end to end: partition (per family) -> schedule -> simulation -> lower bound -> best plan.
+
+>>> import topology
+>>> from pipesched.profile import GPTConfig, analytic_profile
+>>> prof = analytic_profile(GPTConfig(layers=16, hidden=2048, heads=16, seq_len=2048, vocab=50257))
+>>> devs, links = devices_from_topology(topology.default_cluster(), count=4)
+>>> p = plan(prof, devs, links, microbatches=8, schedule="1f1b")
+>>> p.family, len(p.partition.stages), p.sim.makespan >= p.bound["bound_s"]
+('1f1b', 4, True)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .devices import Device, LinkModel, devices_from_topology
+from .partition import Partition, PlanError, evaluate_partition, partition
+from .profile import RECOMPUTE_OPTIONS, ModelProfile
+from .schedules import Schedule, ScheduleError, make_schedule, validate
+from .simulate import SimResult, StageCost, lower_bound, simulate
+
+__all__ = ["Plan", "check_plan", "devices_from_topology", "plan", "plan_partition", "stage_costs", "uniform_plan"]
+
+AUTO_FAMILIES = ("1f1b", "zbh1", "interleaved", "gpipe", "chimera")
+
+
+@dataclass
+class Plan:
+    """A partition, a schedule over it, its simulated run and the lower bound for its family."""
+
+    family: str
+    partition: Partition
+    schedule: Schedule
+    costs: dict[int, StageCost]
+    sim: SimResult
+    bound: dict[str, Any]
+    devices: list[Device]
+    profile_name: str
+    chunks: int = 1
+    memory_ok: bool = True
+    problems: list[str] = field(default_factory=list)
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    links: LinkModel | None = None
+
+    @property
+    def gap(self) -> float:
+        """How far the simulated iteration is above the lower bound (0 = provably optimal for its family)."""
+        return self.sim.makespan / self.bound["bound_s"] - 1.0 if self.bound["bound_s"] > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile_name, "schedule": self.family, "chunks": self.chunks, "microbatches": self.schedule.microbatches,
+            "devices": [d.to_dict() for d in self.devices], "partition": self.partition.to_dict(),
+            "predicted": self.sim.summary(), "lower_bound": self.bound, "gap": self.gap, "memory_ok": self.memory_ok,
+            "problems": self.problems, "alternatives": self.alternatives, "actions": self.schedule.rows(),
+        }
+
+    def text(self) -> str:
+        unit, scale = ("ms", 1e3) if self.sim.makespan < 10 else ("s", 1.0)
+        lines = [f"pipeline plan for {self.profile_name}: schedule {self.family}"
+                 + (f" (v={self.chunks})" if self.family == "interleaved" else "")
+                 + f", {len(self.partition.stages)} stages on {len(self.devices)} devices, {self.schedule.microbatches} micro-batches"]
+        lines.append(f"{'stage':>5} {'layers':>11} {'device':<16} {'recompute':<9} {'t/mb ' + unit:>11} {'in-flight':>9} {'mem GiB':>8}")
+        for k, st in enumerate(self.partition.stages):
+            dev = ",".join(self.devices[d].name for d in st.devices)
+            lines.append(f"{k:>5} {st.layers[0]:>5}-{st.layers[1] - 1:<5} {dev:<16} {st.recompute:<9} {st.time_s * scale:>11.4g} "
+                         f"{st.in_flight:>9} {st.memory_bytes / 2**30:>8.2f}")
+        peak = max(self.sim.peak_memory) / 2**30
+        lines.append(f"predicted iteration {self.sim.makespan * scale:.4g} {unit}, bubble {self.sim.bubble_fraction:.1%}, "
+                     f"peak memory {peak:.2f} GiB")
+        lines.append(f"lower bound ({self.family}, this partition) {self.bound['bound_s'] * scale:.4g} {unit}: gap {self.gap:.1%}; "
+                     f"busiest rank's work alone {self.bound['work_bound_s'] * scale:.4g} {unit}")
+        if self.alternatives:
+            alts = ", ".join(f"{a['schedule']} {a['makespan_s'] * scale:.4g} {unit} (bound {a['bound_s'] * scale:.4g})"
+                             + ("" if a["memory_ok"] else " over memory") for a in self.alternatives if "makespan_s" in a)
+            lines.append(f"candidates: {alts}")
+        if self.problems:
+            lines.append("problems: " + "; ".join(self.problems))
+        return "\n".join(lines)
+
+
+def stage_costs(profile: ModelProfile, part: Partition, schedule: Schedule, devices: Sequence[Device],
+                links: LinkModel | None) -> dict[int, StageCost]:
+    """Per-stage-id costs for the simulator from the profile, the partition and the device each stage runs on.
+
+    A stage runs at the speed of its rank's device (for a replicated PipeDream stage the rank is a pseudo
+    device standing for the replica group, with the group's summed speed). Chimera's ``REDUCE_GRAD`` costs a
+    two-rank all-reduce of the stage's gradients (one gradient's bytes over the link plus two latencies).
+    """
+    split = schedule.split_backward
+    lays = profile.layers
+    costs: dict[int, StageCost] = {}
+    for sid in range(schedule.num_stages):
+        st = part.stages[schedule.stage_layers[sid]]
+        speed = devices[schedule.stage_rank[sid]].speed
+        i, j = st.layers
+        o = st.recompute
+        span = lays[i:j]
+        f = sum(lay.fwd_s for lay in span) / speed
+        rec = sum(lay.recompute_s[o] for lay in span) / speed
+        bi = sum(lay.bwd_input_s for lay in span) / speed + rec
+        bw = sum(lay.bwd_weight_s for lay in span) / speed
+        b = bi + bw if split else sum(lay.bwd_s for lay in span) / speed + rec
+        saved = float(sum(lay.saved_bytes[o] for lay in span))
+        params = float(sum(lay.param_bytes for lay in span))
+        reduce_s = 0.0
+        partners = [x for x in range(schedule.num_stages) if x != sid and schedule.stage_layers[x] == schedule.stage_layers[sid]]
+        if partners and links is not None:
+            a, c = schedule.stage_rank[sid], schedule.stage_rank[partners[0]]
+            if a != c:
+                bw_link, lat = links.link(a, c)
+                reduce_s = 2 * lat + params / bw_link
+        costs[sid] = StageCost(
+            f=f, b=b, i=bi, w=bw, out_bytes=float(span[-1].output_bytes), saved_bytes=saved,
+            wgrad_bytes=min(saved, float(sum(lay.weight_grad_bytes for lay in span))),
+            transient_bytes=float(max(lay.saved_bytes["none"] - lay.saved_bytes[o] for lay in span)),
+            state_bytes=params * profile.state_factor, reduce_s=reduce_s,
+        )
+    return costs
+
+
+def _schedule_for(family: str, ranks: int, microbatches: int, chunks: int) -> Schedule:
+    return make_schedule(family, ranks, microbatches, chunks=chunks)
+
+
+def plan_partition(profile: ModelProfile, part: Partition, devices: Sequence[Device], links: LinkModel | None, *, family: str,
+                   microbatches: int, chunks: int = 1, cores: float | None = None) -> Plan:
+    """Schedule, simulate and bound a given partition (e.g. a uniform split, for comparison)."""
+    ranks = len(devices) if family in ("interleaved", "chimera") else len(part.stages)
+    if family == "chimera" and len(part.stages) != ranks:
+        raise PlanError("Chimera needs one partition stage per device", where="--schedule")
+    sched = _schedule_for(family, ranks, microbatches, chunks)
+    costs = stage_costs(profile, part, sched, devices, links)
+    sim = simulate(sched, costs, links, cores=cores)
+    if not sim.names:
+        sim.names = [devices[r].name for r in range(ranks)]
+    bound = lower_bound(sched, costs, links)
+    limits = [devices[r].memory_bytes for r in range(ranks)]
+    problems = [f"rank {r} ({devices[r].name}): peak {peak / 2**30:.2f} GiB over {limits[r] / 2**30:.2f} GiB"
+                for r, peak in enumerate(sim.peak_memory) if peak > limits[r] * (1 + 1e-9)]
+    return Plan(family, part, sched, costs, sim, bound, list(devices), profile.name, chunks=chunks if family == "interleaved" else 1,
+                memory_ok=not problems, problems=problems, links=links)
+
+
+def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | None, *, microbatches: int, schedule: str = "auto",
+         chunks: int = 2, recompute: Sequence[str] = RECOMPUTE_OPTIONS, max_replicas: int = 1, cores: float | None = None) -> Plan:
+    """The best plan over the requested schedule family (or all of them with ``schedule="auto"``).
+
+    For each family: the DP partition under that family's in-flight memory model, its schedule, a simulated
+    run (per-rank memory checked against each device) and the family's lower bound. ``auto`` returns the
+    fastest simulated plan that fits in memory; every candidate is listed in ``alternatives``.
+    """
+    if microbatches < 1:
+        raise PlanError("need at least one micro-batch", where="--microbatches")
+    p = len(devices)
+    links = links if links is not None else LinkModel.uniform(p, math.inf, 0.0)
+    families = list(AUTO_FAMILIES) if schedule == "auto" else [schedule]
+    candidates: list[Plan] = []
+    alternatives: list[dict[str, Any]] = []
+    last_error: Exception | None = None
+    for fam in families:
+        try:
+            if fam == "chimera" and (p % 2 or microbatches % 2):
+                raise PlanError("Chimera needs an even number of stages and of micro-batches", where="--schedule")
+            if fam == "interleaved" and len(profile.layers) < chunks * p:
+                raise PlanError(f"interleaving {chunks} chunks on {p} devices needs at least {chunks * p} layers", where="--chunks")
+            part = partition(profile, devices, links, microbatches=microbatches, family=fam, chunks=chunks if fam == "interleaved" else 1,
+                             max_replicas=max_replicas if fam not in ("interleaved", "chimera") else 1, recompute=recompute)
+            if any(len(st.devices) > 1 for st in part.stages):
+                # A replicated stage runs on one rank standing for its replica group.
+                cand = plan_partition(profile, part, _group_devices(devices, part), _group_links(links, part), family=fam,
+                                      microbatches=microbatches, cores=cores)
+            else:
+                cand = plan_partition(profile, part, devices, links, family=fam, microbatches=microbatches, chunks=chunks, cores=cores)
+            candidates.append(cand)
+            alternatives.append({"schedule": fam, "makespan_s": cand.sim.makespan, "bound_s": cand.bound["bound_s"],
+                                 "bubble_fraction": cand.sim.bubble_fraction, "peak_memory_bytes": max(cand.sim.peak_memory),
+                                 "memory_ok": cand.memory_ok})
+        except (PlanError, ScheduleError) as exc:
+            if schedule != "auto":
+                raise
+            last_error = exc
+            alternatives.append({"schedule": fam, "error": str(exc)})
+    fitting = [c for c in candidates if c.memory_ok]
+    if not fitting:
+        if candidates:
+            raise PlanError("no schedule fits in device memory: " + "; ".join(candidates[0].problems), where="--memory")
+        raise last_error or PlanError("no plan found")
+    best = min(fitting, key=lambda c: c.sim.makespan)
+    best.alternatives = alternatives
+    return best
+
+
+def _group_devices(devices: Sequence[Device], part: Partition) -> list[Device]:
+    """One pseudo-device per replicated stage: summed speed, the smallest memory of its replicas."""
+    return [Device("+".join(devices[d].name for d in st.devices), speed=sum(devices[d].speed for d in st.devices),
+                   memory_bytes=min(devices[d].memory_bytes for d in st.devices)) for st in part.stages]
+
+
+def _group_links(links: LinkModel, part: Partition) -> LinkModel:
+    """Links between replica groups: forward from a group's last device to the next group's first, back the other way."""
+    firsts = [st.devices[0] for st in part.stages]
+    lasts = [st.devices[-1] for st in part.stages]
+
+    def resolve(a: int, b: int) -> tuple[float, float]:
+        return links.link(lasts[a], firsts[b]) if a < b else links.link(firsts[a], lasts[b])
+
+    return LinkModel(len(part.stages), resolve)
+
+
+def uniform_plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | None, *, microbatches: int,
+                 family: str = "1f1b", cores: float | None = None) -> Plan:
+    """Equal layer counts per stage with ``family``'s schedule: the usual hand-made default, as a baseline."""
+    from .partition import uniform_partition
+
+    spans = uniform_partition(profile, len(devices))
+    links = links if links is not None else LinkModel.uniform(len(devices), math.inf, 0.0)
+    part = evaluate_partition(profile, spans, devices, links, microbatches=microbatches, family=family)
+    return plan_partition(profile, part, devices, links, family=family, microbatches=microbatches, cores=cores)
+
+
+def check_plan(p: Plan) -> list[str]:
+    """The validator on the plan's schedule with its costs, links and each device's memory."""
+    return validate(p.schedule, p.costs, [d.memory_bytes for d in p.devices[: p.schedule.ranks]], p.links)
