@@ -1,0 +1,224 @@
+"""Job specifications and per-job communication profiles (CASSINI's per-link demand over one iteration).
+
+A :class:`JobSpec` is what a user asks for: a GPU count and a parallel plan
+(tensor parallelism ``tp`` inside an NVLink domain, data parallelism across the
+rest) with the compute time and gradient volume of one iteration. Once the
+job has GPUs, :func:`comm_profile` turns it into a :class:`CommProfile`: the
+iteration is a compute phase followed by a communication phase (the
+gradient all-reduce of each data-parallel group, ``grad_bytes / tp`` bytes
+each), and during the communication phase every network link the routed
+collective crosses carries ``bytes_on_link / comm_time`` GB/s.
+
+The collective is decomposed with :func:`topology.collectives.collective_flows`
+and routed with :func:`topology.routing.route_flows`; its duration is the
+alpha-beta cost of :func:`topology.collectives.collective_time` for the
+slowest group. Only network links (NIC, leaf, spine) enter the profile: GPUs
+are exclusive to one job, so NVLink and PCIe inside a job's servers are not
+shared between jobs (a stated simplification: two jobs splitting one server
+share its PCIe switches to the CPU, which is ignored).
+
+>>> import topology
+>>> t = topology.default_cluster()
+>>> spec = JobSpec("a", gpus=16, compute_s=0.2, grad_bytes=2e9)
+>>> p = comm_profile(t, spec, t.gpus()[:16])
+>>> p.comm_s > 0 and p.period_s == p.compute_s + p.comm_s and len(p.link_rates) > 0
+True
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from topology.errors import InputError
+from topology.model import LinkKind, Topology
+
+Edge = tuple[str, str, Any]
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """A training job request: GPUs, parallel plan and per-iteration work.
+
+    ``compute_s``: forward+backward time of one iteration (s). ``grad_bytes``:
+    gradient bytes all-reduced per iteration across data-parallel replicas.
+    ``tp``: tensor-parallel degree (ranks of one replica share an NVLink
+    domain). ``vc``/``priority``: HiveD virtual cluster and priority (no VC:
+    opportunistic). ``arrival``: submission time (s) for replays.
+    """
+
+    name: str
+    gpus: int
+    compute_s: float = 0.1
+    grad_bytes: float = 0.0
+    iterations: int = 100
+    tp: int = 1
+    vc: str | None = None
+    priority: int = 0
+    arrival: float = 0.0
+    gpu_model: str | None = None
+    algorithm: str = "ring"
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        if not d["meta"]:
+            del d["meta"]
+        return d
+
+
+@dataclass(frozen=True)
+class CommProfile:
+    """One iteration of a placed job: compute for ``compute_s`` then communicate for ``comm_s``.
+
+    ``link_rates`` maps each network link the job uses to its demand (GB/s)
+    during the communication phase, which occupies ``[compute_s, period_s)`` of
+    the iteration (CASSINI's "Up" arc).
+    """
+
+    job: str
+    gpus: tuple[str, ...]
+    compute_s: float
+    comm_s: float
+    link_rates: dict[Edge, float]
+    link_bytes: dict[Edge, float]
+
+    @property
+    def period_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"job": self.job, "compute_s": self.compute_s, "comm_s": self.comm_s, "period_s": self.period_s,
+                "links": {f"{u}->{v}": round(r, 6) for (u, v, _), r in sorted(self.link_rates.items(), key=lambda x: (x[0][0], x[0][1]))}}
+
+
+def dp_groups(gpus: Sequence[str], tp: int) -> list[list[str]]:
+    """Data-parallel groups of a rank-ordered GPU list: rank ``d*tp + t`` is replica ``d``'s tensor rank ``t``.
+
+    >>> dp_groups(["a", "b", "c", "d"], 2)
+    [['a', 'c'], ['b', 'd']]
+    """
+    if tp < 1 or len(gpus) % tp:
+        raise InputError(f"tp={tp} must divide the job's {len(gpus)} GPUs", where="tp")
+    dp = len(gpus) // tp
+    return [[gpus[d * tp + t] for d in range(dp)] for t in range(tp)]
+
+
+_PROFILE_CACHE: dict[tuple, CommProfile] = {}
+_CACHE_LIMIT = 50_000
+
+
+def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: str = "rail") -> CommProfile:
+    """The communication profile of ``spec`` running on ``gpus`` (rank order) of ``topo``, routed with ``policy``.
+
+    Results are cached per (topology, job shape, GPUs, policy).
+    """
+    key = (id(topo), topo.graph.number_of_edges(), spec.gpus, spec.tp, spec.compute_s, spec.grad_bytes, spec.algorithm, tuple(gpus), policy)
+    hit = _PROFILE_CACHE.get(key)
+    if hit is not None:
+        return hit if hit.job == spec.name else CommProfile(spec.name, hit.gpus, hit.compute_s, hit.comm_s, hit.link_rates, hit.link_bytes)
+    if len(gpus) != spec.gpus:
+        raise InputError(f"job {spec.name!r}: placed on {len(gpus)} GPUs, asked for {spec.gpus}")
+    groups = dp_groups(list(gpus), spec.tp)
+    link_bytes: dict[Edge, float] = {}
+    comm_s = 0.0
+    if spec.grad_bytes > 0 and spec.dp > 1:
+        from topology.collectives import collective_flows, collective_time
+        from topology.routing import route_flows
+
+        nbytes = spec.grad_bytes / spec.tp
+        flows: list[tuple[str, str, float]] = []
+        for group in groups:
+            # identical consecutive steps (a ring's 2(n-1)) are one list object: route each distinct step once
+            counts: dict[int, tuple[list, int]] = {}
+            for step in collective_flows(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm):
+                seen = counts.get(id(step))
+                counts[id(step)] = (step, 1 if seen is None else seen[1] + 1)
+            for step, n in counts.values():
+                flows.extend((f.src, f.dst, float(f.nbytes) * n) for f in step)
+            cost = collective_time(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm, policy=policy)
+            comm_s = max(comm_s, float(cost.time_s))
+        g = topo.graph
+        for e, b in route_flows(topo, flows, policy).items():
+            if g.edges[e]["kind"] == LinkKind.NETWORK and b > 0:
+                link_bytes[e] = b / 1e9  # GB
+        # the phase can be no shorter than its busiest shared link allows
+        if link_bytes:
+            comm_s = max(comm_s, max(b / g.edges[e]["bw"] for e, b in link_bytes.items()))
+    rates = {e: b / comm_s for e, b in link_bytes.items()} if comm_s > 0 else {}
+    prof = CommProfile(spec.name, tuple(gpus), float(spec.compute_s), comm_s, rates, link_bytes)
+    if len(_PROFILE_CACHE) > _CACHE_LIMIT:
+        _PROFILE_CACHE.clear()
+    _PROFILE_CACHE[key] = prof
+    return prof
+
+
+def solo_iteration_time(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: str = "rail") -> float:
+    """Iteration time of ``spec`` alone on ``gpus``: compute then the alpha-beta all-reduce time."""
+    return comm_profile(topo, spec, gpus, policy=policy).period_s
+
+
+def parse_job(item: Any, where: str, source: str | None = None, *, defaults: Mapping[str, Any] | None = None) -> JobSpec:
+    """A :class:`JobSpec` from a jobs-file entry; errors name the field (see ``docs/placement.md``)."""
+    from emu.workload import parse_duration, parse_size
+
+    if not isinstance(item, Mapping):
+        raise InputError("expected a mapping with at least 'name' and 'gpus'", source=source, where=where)
+    data = {**(defaults or {}), **item}
+    known = {"name", "gpus", "compute", "compute_s", "compute_ms", "grad_bytes", "iterations", "tp", "vc", "priority", "arrival",
+             "gpu_model", "algorithm", "model"}
+    for k in data:
+        if k not in known:
+            raise InputError(f"unknown field {k!r}; expected one of {', '.join(sorted(known))}", source=source, where=f"{where}.{k}")
+    name = data.get("name")
+    if not isinstance(name, str) or not name:
+        raise InputError("expected a non-empty job name", source=source, where=f"{where}.name")
+    gpus = data.get("gpus")
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise InputError(f"expected a positive integer GPU count, got {gpus!r}", source=source, where=f"{where}.gpus")
+
+    def num(field_name: str, parse, default, *, positive: bool = False, integer: bool = False):
+        if field_name not in data:
+            return default
+        value = data[field_name]
+        try:
+            if integer:
+                if isinstance(value, bool) or not isinstance(value, int):
+                    raise ValueError
+                out = value
+            else:
+                out = parse(value)
+        except (ValueError, TypeError):
+            kind = "an integer" if integer else "a number"
+            raise InputError(f"expected {kind}, got {value!r}", source=source, where=f"{where}.{field_name}") from None
+        if not math.isfinite(out) or out < 0 or (positive and out == 0):
+            sign = "positive" if positive else "non-negative"
+            raise InputError(f"expected a {sign} value, got {value!r}", source=source, where=f"{where}.{field_name}")
+        return out
+
+    compute = num("compute_s", parse_duration, None)
+    if compute is None and "compute_ms" in data:
+        compute = num("compute_ms", float, 0.0) / 1e3
+    if compute is None:
+        compute = num("compute", parse_duration, 0.1)
+    tp = num("tp", None, 1, positive=True, integer=True)
+    if gpus % tp:
+        raise InputError(f"tp={tp} must divide gpus={gpus}", source=source, where=f"{where}.tp")
+    vc = data.get("vc")
+    if vc is not None and not isinstance(vc, str):
+        raise InputError(f"expected a virtual-cluster name, got {vc!r}", source=source, where=f"{where}.vc")
+    algorithm = data.get("algorithm", "ring")
+    if algorithm not in ("ring", "tree", "hierarchical"):
+        raise InputError(f"expected ring, tree or hierarchical, got {algorithm!r}", source=source, where=f"{where}.algorithm")
+    return JobSpec(
+        name=name, gpus=gpus, compute_s=compute, grad_bytes=num("grad_bytes", parse_size, 0.0),
+        iterations=num("iterations", None, 100, positive=True, integer=True), tp=tp, vc=vc,
+        priority=num("priority", None, 0, integer=True), arrival=num("arrival", parse_duration, 0.0),
+        gpu_model=data.get("gpu_model"), algorithm=algorithm, meta={"model": data["model"]} if "model" in data else {},
+    )
