@@ -177,3 +177,8 @@ def test_errors_name_file_and_element(text, where):
     message = str(exc.value)
     assert message.startswith(f"topo.xml: {where}"), message
     assert "\n" not in message
+
+
+def test_byte_order_mark_is_ignored():
+    text = (DATA / "nccl_hgx_h100.xml").read_text()
+    assert parse_nccl_xml("\ufeff" + text).to_dict() == parse_nccl_xml(text).to_dict()

@@ -241,3 +241,8 @@ def test_cells_without_separator_parse_the_same():
             squashed = squashed.replace(f"{a}\t{b}", f"{a}{b}")
     assert "NV18PIX" in squashed and "NODESYS" in squashed
     assert parse_nvidia_smi(squashed).to_dict() == parse_nvidia_smi(text).to_dict()
+
+
+def test_byte_order_mark_is_ignored():
+    text = (DATA / "nvsmi_dgx_h100.txt").read_text()
+    assert parse_nvidia_smi("\ufeff" + text).to_dict() == parse_nvidia_smi(text).to_dict()

@@ -85,7 +85,7 @@ def test_import_with_servers_and_oversubscription():
 
 
 def test_import_format_details():
-    text = "# comment only\nswitchname=a NODES=n[1-2] # trailing\nSWITCHNAME=b \\\n   switches=a\n\n"
+    text = "# comment only\nswitchname=a NODES=\"n[1-2]\" # trailing\nSWITCHNAME=b \\\n   switches=a\n\n"
     topo = loads(text, "slurm", source="t.conf")
     assert topo.graph.nodes["b"]["tier"] is SwitchTier.SPINE
     assert topo.hosts() == ["n1", "n2"]
@@ -198,3 +198,8 @@ def test_every_fabric_exports_a_valid_tree(fabric):
     level = {s: again.graph.nodes[s]["level"] for s in again.switches()}
     roots = [s for s in again.switches() if not any(level.get(v, -1) > level[s] for _, v in again.graph.out_edges(s))]
     assert len(roots) == 1  # every fabric is connected, so one tree
+
+
+def test_byte_order_mark_is_ignored():
+    text = (DATA / "slurm_tree.conf").read_text()
+    assert parse_slurm_topology("\ufeff" + text).to_dict() == parse_slurm_topology(text).to_dict()

@@ -225,7 +225,7 @@ def parse_nccl_xml(text: str, source: str | None = None, *, host: str | None = N
     """
     reader = _Reader(source)
     try:
-        root = ET.fromstring(text)
+        root = ET.fromstring(text.lstrip("\ufeff"))
     except ET.ParseError as exc:
         line = exc.position[0] if exc.position else None
         msg = str(exc).split(":")[0]

@@ -144,6 +144,7 @@ def read_matrix(text: str, source: str | None = None) -> Matrix:
     Tolerates ANSI escapes, tabs or spaces, and cells printed without a
     separator (``PIXNODE``, ``NV18SYS``).
     """
+    text = text.lstrip("\ufeff")  # a byte-order mark from Windows editors
     lines = [_ANSI.sub("", raw).replace("\r", "") for raw in text.splitlines()]
     host = None
     for line in lines:

@@ -229,6 +229,8 @@ def _read_switches(text: str, source: str | None) -> list[_Switch]:
         fields: dict[str, str] = {}
         for token in content.split():
             key, eq, value = token.partition("=")
+            if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+                value = value[1:-1]  # Slurm's parser accepts quoted values
             if not eq or not key:
                 raise InputError(f"expected KEY=VALUE, got {token!r}", source=source, where=line)
             lower = key.lower()
@@ -320,6 +322,7 @@ def parse_slurm_topology(
     """
     if oversubscription < 1:
         raise InputError(f"oversubscription must be >= 1, got {oversubscription}", source=source)
+    text = text.lstrip("\ufeff")  # a byte-order mark from Windows editors
     switches = _read_switches(text, source)
     levels = _levels(switches, source)
     topo = Topology(source or "slurm-topology", imported={"format": "slurm", "source": source, "node": node})
