@@ -409,7 +409,6 @@ static ncclResult_t net_props_v12(int dev, ncclNetProperties_v12_t* p) {
 
 /* ---------------------------------------------------------- listen/accept -- */
 static ncclResult_t net_listen_v11(void* ctx, int dev, void* opaque, void** listenComm) {
-  (void)ctx;
   *listenComm = NULL;
   ncclResult_t r = ensure_devs();
   if (r != ncclSuccess) return r;
@@ -420,6 +419,10 @@ static ncclResult_t net_listen_v11(void* ctx, int dev, void* opaque, void** list
   if (a.sa.sa_family == AF_INET) a.in4.sin_port = 0; else a.in6.sin6_port = 0;
   int fd = socket(a.sa.sa_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) { NW_WARN("socket: %s", strerror(errno)); return ncclSystemError; }
+  /* accepted sockets inherit the listener's TOS and the SYN-ACK carries it: mark the listener with
+   * this communicator's class (v11+; v10's listen has no communicator, its accepted sockets are
+   * marked from the sender's handshake) */
+  if (ctx != NULL) nw_sock_mark(fd, ((nw_ctx_t*)ctx)->mark.dscp, ((nw_ctx_t*)ctx)->mark.prio, NW_UNSET);
   if (bind(fd, &a.sa, addr_len(&a)) != 0 || listen(fd, 1024) != 0 || set_nonblock(fd) != 0) {
     NW_WARN("listen on %s: %s", devs[dev].name, strerror(errno));
     close(fd);

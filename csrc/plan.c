@@ -398,3 +398,19 @@ int nw_sock_mark(int fd, int dscp, int prio, int64_t rate) {
   }
   return rc;
 }
+
+/* Exported for tests (ctypes): parse plan text and resolve one communicator's marks.
+ * out = {class, dscp, prio, rate, nsocks, sockchunk} (-1 = unset). Returns 0, or -1 with err. */
+NW_EXPORT int netweave_plan_resolve_text(const char* text, uint64_t commId, int order, int ncclClass, int64_t* out, char* err,
+                                         size_t errlen) {
+  nw_plan_t* plan = malloc(sizeof(*plan));
+  if (plan == NULL) return -1;
+  int rc = nw_plan_parse(text, plan, err, errlen);
+  if (rc == 0) {
+    nw_mark_t m;
+    nw_plan_resolve(plan, commId, order, ncclClass, &m);
+    out[0] = m.cls; out[1] = m.dscp; out[2] = m.prio; out[3] = m.rate; out[4] = m.nsocks; out[5] = m.sockchunk;
+  }
+  free(plan);
+  return rc;
+}

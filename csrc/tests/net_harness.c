@@ -128,7 +128,12 @@ static void report_marks(void) {
     getsockopt(fd, SOL_SOCKET, SO_PRIORITY, &prio, &l);
     l = sizeof(pacing);
     getsockopt(fd, SOL_SOCKET, SO_MAX_PACING_RATE, &pacing, &l);
-    printf("MARK %s fd=%d tos=%d prio=%d pacing=%llu\n", role, fd, tos, prio, (unsigned long long)pacing);
+    struct sockaddr_storage self;
+    socklen_t sl = sizeof(self);
+    getsockname(fd, (struct sockaddr*)&self, &sl);
+    int lport = self.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6*)&self)->sin6_port) : ntohs(((struct sockaddr_in*)&self)->sin_port);
+    int rport = peer.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6*)&peer)->sin6_port) : ntohs(((struct sockaddr_in*)&peer)->sin_port);
+    printf("MARK %s fd=%d tos=%d prio=%d pacing=%llu lport=%d rport=%d\n", role, fd, tos, prio, (unsigned long long)pacing, lport, rport);
   }
   closedir(d);
   fflush(stdout);
@@ -204,6 +209,7 @@ static long long run_receiver(void* comm, int iters, int window, int multi, int 
         printf("OVERSIZE rejected with %d\n", (int)r);
         fflush(stdout);
         CHECK(((close_t)T(closeRecv))(comm));
+        for (int w = 0; w < window; w++) free(bufs[w]);
         return -1 - total;
       }
       if (multi > 1) {

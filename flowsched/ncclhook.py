@@ -1,0 +1,618 @@
+"""The Python side of the NCCL hook in ``csrc/``.
+
+``csrc/`` builds one library, ``libnccl-net-netweave.so``, that NCCL loads three times: as the
+network plugin (``ncclNetPlugin_v12/v11/v10``: TCP sockets marked with DSCP, ``SO_PRIORITY``
+and ``SO_MAX_PACING_RATE`` per communicator), as the tuner (``ncclTunerPlugin_v6/v5``) and as the
+profiler (``ncclProfiler_v6/v5``, events into a shared-memory ring); plus ``libnetweave-mark.so``,
+an ``LD_PRELOAD`` marker for processes that do not use NCCL (gloo). This module
+
+* builds and locates them (:func:`build`, :func:`plugin_env`, :func:`marker_env`),
+* writes and reads the *flow plan* file the plugins follow (:class:`FlowPlan`, :func:`write_plan`,
+  :func:`read_plan`; the C parser in ``csrc/plan.c`` reads the same grammar),
+* reads the profiler ring (:class:`ProfilerRing`) and pairs its events (:func:`collective_spans`),
+* generates the HTB priority tree that enforces the marks on a Linux egress (:func:`htb_commands`).
+
+Traffic classes map to marks in one place: class ``k`` -> DSCP ``8k`` (class selector CS\\ *k*) and
+``SO_PRIORITY k`` unless the plan says otherwise; :func:`htb_commands` gives DSCP CS\\ *k* the HTB
+priority ``7 - k`` (higher class, served first). Example (no NCCL needed)::
+
+    >>> plan = FlowPlan(classes={2: ClassMark(dscp=46, prio=6)}, tunes=[TuneRule(selector="class:2", algo="ring", proto="simple")])
+    >>> print(format_plan(plan), end="")
+    netweave-plan 1
+    class 2 dscp=46 prio=6
+    tune class:2 algo=ring proto=simple
+    >>> parse_plan(format_plan(plan)) == plan
+    True
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import mmap
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from topology.errors import InputError
+from topology.io import atomic_write_text
+
+REPO = Path(__file__).resolve().parent.parent
+CSRC = REPO / "csrc"
+BUILD = CSRC / "build"
+PLUGIN_NAME = "netweave"
+PLUGIN_LIB = "libnccl-net-netweave.so"
+MARK_LIB = "libnetweave-mark.so"
+NUM_CLASSES = 8
+
+ALGORITHMS = ("tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat")
+PROTOCOLS = ("ll", "ll128", "simple")
+FUNCS = ("broadcast", "reduce", "allgather", "reducescatter", "allreduce", "sendrecv", "send", "recv",
+         "alltoall", "scatter", "gather", "allgatherv")
+
+
+class NcclHookError(InputError):
+    """A bad plan file, ring file or build of the NCCL hook."""
+
+
+# ----------------------------------------------------------------- building --
+def build(*, sanitize: bool = False, force: bool = False, quiet: bool = True) -> Path:
+    """Build ``csrc/`` with ``make`` when an output is missing or older than a source; return the build directory.
+
+    ``sanitize=True`` builds the ASan/UBSan variant into ``csrc/build/sanitize``.
+    """
+    out = BUILD / "sanitize" if sanitize else BUILD
+    wanted = [out / PLUGIN_LIB, out / "net_harness", out / "ring_harness"] + ([] if sanitize else [out / MARK_LIB])
+    sources = list(CSRC.glob("*.c")) + list(CSRC.glob("*.h")) + list(CSRC.glob("include/*.h")) + list(CSRC.glob("tests/*.c"))
+    newest = max((p.stat().st_mtime for p in sources), default=0.0)
+    stale = force or any(not p.exists() or p.stat().st_mtime < newest for p in wanted)
+    if stale:
+        if shutil.which("make") is None or shutil.which(os.environ.get("CC", "cc")) is None:
+            raise NcclHookError("building csrc/ needs make and a C compiler (cc)", source=str(CSRC))
+        cmd = ["make", "-C", str(CSRC)] + (["sanitize"] if sanitize else ["all"])
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            raise NcclHookError(f"make failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}", source=str(CSRC / "Makefile"))
+        if not quiet:
+            print(res.stdout, end="")
+    return out
+
+
+def plugin_env(*, plan: str | os.PathLike[str] | None = None, ring: str | None = None, build_dir: Path | None = None,
+               tuner: bool = True, profiler: bool = True) -> dict[str, str]:
+    """Environment that makes NCCL load the hook as net (and tuner/profiler) plugin.
+
+    >>> env = plugin_env(plan="/tmp/p.plan", build_dir=Path("/x"))
+    >>> env["NCCL_NET_PLUGIN"], env["NCCL_NET"], env["NETWEAVE_PLAN"]
+    ('/x/libnccl-net-netweave.so', 'netweave', '/tmp/p.plan')
+    """
+    lib = str((build_dir or BUILD) / PLUGIN_LIB)
+    env = {"NCCL_NET_PLUGIN": lib, "NCCL_NET": PLUGIN_NAME}
+    if tuner:
+        env["NCCL_TUNER_PLUGIN"] = lib
+    if profiler:
+        env["NCCL_PROFILER_PLUGIN"] = lib
+    if plan is not None:
+        env["NETWEAVE_PLAN"] = str(plan)
+    if ring is not None:
+        env["NETWEAVE_PROF_RING"] = ring
+    return env
+
+
+def marker_env(*, dscp: int | None = None, priority: int | None = None, ports: dict[int, tuple[int, int | None]] | None = None,
+               plan: str | os.PathLike[str] | None = None, log: str | None = None, build_dir: Path | None = None) -> dict[str, str]:
+    """Environment for ``LD_PRELOAD=libnetweave-mark.so``: mark every TCP socket (``dscp``/``priority``) or per port.
+
+    ``ports`` maps a port (peer port for connect, local port for accept) to ``(dscp, priority or None)``.
+
+    >>> marker_env(dscp=46, priority=1, ports={29500: (48, None)}, build_dir=Path("/x"))["NETWEAVE_MARK_PORTS"]
+    '29500:48'
+    """
+    env = {"LD_PRELOAD": str((build_dir or BUILD) / MARK_LIB)}
+    if dscp is not None:
+        _check_range("dscp", dscp, 0, 63)
+        env["NETWEAVE_DSCP"] = str(dscp)
+    if priority is not None:
+        _check_range("priority", priority, 0, 2**31 - 1)
+        env["NETWEAVE_PRIORITY"] = str(priority)
+    if ports:
+        items = []
+        for port, (d, p) in sorted(ports.items()):
+            _check_range("port", port, 1, 65535)
+            _check_range("dscp", d, 0, 63)
+            items.append(f"{port}:{d}" + (f":{p}" if p is not None else ""))
+        env["NETWEAVE_MARK_PORTS"] = ",".join(items)
+    if plan is not None:
+        env["NETWEAVE_PLAN"] = str(plan)
+    if log is not None:
+        env["NETWEAVE_MARK_LOG"] = log
+    return env
+
+
+def _check_range(name: str, value: int, lo: int, hi: int, source: str | None = None, where: int | str | None = None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+        raise NcclHookError(f"{name} must be an integer {lo}..{hi}, got {value!r}", source=source, where=where)
+
+
+# --------------------------------------------------------------------- plan --
+def default_dscp(traffic_class: int) -> int:
+    """DSCP of a traffic class without a plan entry: the class selector CS<k> = 8k."""
+    _check_range("traffic class", traffic_class, 0, NUM_CLASSES - 1)
+    return 8 * traffic_class
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassMark:
+    """Marks for one traffic class (unset fields keep the default CS<k> / priority k / no pacing)."""
+
+    dscp: int | None = None
+    prio: int | None = None
+    rate: int | None = None       # bytes/s for a whole connection, split over its data sockets; 0 = unlimited
+    nsocks: int | None = None     # data sockets per connection
+    sockchunk: int | None = None  # stripe size on one data socket
+
+
+@dataclasses.dataclass(frozen=True)
+class CommRule:
+    """Per-communicator override, by NCCL commId (``kind="comm"``) or init order in the process (``kind="order"``)."""
+
+    kind: str
+    ident: int
+    cls: int | None = None
+    mark: ClassMark = ClassMark()
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneRule:
+    """Tuner hint: first matching rule wins. ``selector`` is ``*``, ``class:K``, ``comm:ID`` or ``order:N``."""
+
+    selector: str = "*"
+    coll: str | None = None
+    min_bytes: int | None = None
+    max_bytes: int | None = None
+    algo: str | None = None
+    proto: str | None = None
+    channels: int | None = None
+    chunk: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MarkRule:
+    """LD_PRELOAD marker rule: ``port`` None = every TCP socket."""
+
+    port: int | None
+    dscp: int | None = None
+    prio: int | None = None
+
+
+@dataclasses.dataclass
+class FlowPlan:
+    """Everything the plugins read from the plan file (``$NETWEAVE_PLAN``); a plain data object."""
+
+    classes: dict[int, ClassMark] = dataclasses.field(default_factory=dict)
+    comms: list[CommRule] = dataclasses.field(default_factory=list)
+    tunes: list[TuneRule] = dataclasses.field(default_factory=list)
+    marks: list[MarkRule] = dataclasses.field(default_factory=list)
+
+    def resolve(self, traffic_class: int | None, *, comm_id: int | None = None, order: int | None = None) -> dict[str, int | None]:
+        """The marks the net plugin applies to a communicator (mirror of ``nw_plan_resolve`` in C).
+
+        >>> FlowPlan().resolve(3)["dscp"], FlowPlan().resolve(None)["dscp"]
+        (24, None)
+        """
+        own: dict[str, int | None] = {}
+        cls_override = None
+        for kind, ident in (("order", order), ("comm", comm_id)):
+            for r in self.comms:
+                if r.kind == kind and ident is not None and r.ident == ident:
+                    if r.cls is not None:
+                        cls_override = r.cls
+                    own.update({k: v for k, v in dataclasses.asdict(r.mark).items() if v is not None})
+        cls = cls_override if cls_override is not None else traffic_class
+        out: dict[str, int | None] = {"cls": None, "dscp": None, "prio": None, "rate": None, "nsocks": None, "sockchunk": None}
+        if cls is not None and 0 <= cls < NUM_CLASSES:
+            out.update(cls=cls, dscp=8 * cls, prio=cls)
+            out.update({k: v for k, v in dataclasses.asdict(self.classes.get(cls, ClassMark())).items() if v is not None})
+        out.update(own)
+        return out
+
+
+_MARK_KEYS = ("dscp", "prio", "rate", "nsocks", "sockchunk")
+
+
+def _fmt_mark(m: ClassMark) -> list[str]:
+    return [f"{k}={getattr(m, k)}" for k in _MARK_KEYS if getattr(m, k) is not None]
+
+
+def format_plan(plan: FlowPlan) -> str:
+    """The plan file text (grammar in ``csrc/plan.c``)."""
+    lines = ["netweave-plan 1"]
+    for k in sorted(plan.classes):
+        _check_range("class", k, 0, NUM_CLASSES - 1)
+        lines.append(" ".join([f"class {k}", *_fmt_mark(plan.classes[k])]))
+    for r in plan.comms:
+        if r.kind not in ("comm", "order"):
+            raise NcclHookError(f"comm rule kind must be 'comm' or 'order', got {r.kind!r}")
+        ident = f"{r.ident:#x}" if r.kind == "comm" else str(r.ident)
+        lines.append(" ".join([f"{r.kind} {ident}", *([f"class={r.cls}"] if r.cls is not None else []), *_fmt_mark(r.mark)]))
+    for t in plan.tunes:
+        parts = [f"tune {t.selector}"]
+        for key, val in (("coll", t.coll), ("min", t.min_bytes), ("max", t.max_bytes), ("algo", t.algo), ("proto", t.proto),
+                         ("channels", t.channels), ("chunk", t.chunk)):
+            if val is not None:
+                parts.append(f"{key}={val}")
+        lines.append(" ".join(parts))
+    for m in plan.marks:
+        parts = [f"mark {'*' if m.port is None else m.port}"]
+        if m.dscp is not None:
+            parts.append(f"dscp={m.dscp}")
+        if m.prio is not None:
+            parts.append(f"prio={m.prio}")
+        lines.append(" ".join(parts))
+    text = "\n".join(lines) + "\n"
+    parse_plan(text, source="<format_plan>")  # refuse to write what the C parser would reject
+    return text
+
+
+def _int(value: str, name: str, lo: int, hi: int, source: str, lineno: int) -> int:
+    try:
+        mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(value[-1:].lower(), 1)
+        v = int(value[:-1] if mult > 1 else value, 0) * mult
+    except ValueError:
+        raise NcclHookError(f"{name} must be an integer, got {value!r}", source=source, where=lineno) from None
+    _check_range(name, v, lo, hi, source, lineno)
+    return v
+
+
+def _norm(name: str) -> str:
+    name = name[8:] if name.startswith("ncclFunc") else name
+    return name.replace("_", "").lower()
+
+
+def _mark_fields(kv: dict[str, str], allow_class: bool, source: str, lineno: int) -> tuple[ClassMark, int | None]:
+    fields: dict[str, int] = {}
+    cls = None
+    limits = {"dscp": (0, 63), "prio": (0, 2**31 - 1), "rate": (0, 2**64 - 1), "nsocks": (1, 16), "sockchunk": (4096, 1 << 30)}
+    for k, v in kv.items():
+        key = "prio" if k == "priority" else k
+        if key in limits:
+            fields[key] = _int(v, key, *limits[key], source, lineno)
+        elif allow_class and key == "class":
+            cls = _int(v, "class", 0, NUM_CLASSES - 1, source, lineno)
+        else:
+            raise NcclHookError(f"unknown key {k!r}", source=source, where=lineno)
+    return ClassMark(**fields), cls
+
+
+def parse_plan(text: str, source: str = "<plan>") -> FlowPlan:
+    """Parse plan text with the same rules as the C parser; errors name the line.
+
+    >>> parse_plan("netweave-plan 1\\nclass 9 dscp=1\\n", source="p.plan")
+    Traceback (most recent call last):
+    ...
+    flowsched.ncclhook.NcclHookError: p.plan: line 2: class must be an integer 0..7, got 9
+    """
+    plan = FlowPlan()
+    seen_header = False
+    big = 2**64 - 1
+    lineno = 0
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        toks = raw.split("#", 1)[0].split()
+        if not toks:
+            continue
+        if not seen_header:
+            if toks[0] != "netweave-plan" or len(toks) != 2:
+                raise NcclHookError("expected the header 'netweave-plan 1'", source=source, where=lineno)
+            if toks[1] != "1":
+                raise NcclHookError(f"unsupported plan version {toks[1]!r} (this reader knows 1)", source=source, where=lineno)
+            seen_header = True
+            continue
+        if len(toks) < 2:
+            raise NcclHookError(f"{toks[0]!r} needs a selector", source=source, where=lineno)
+        kv: dict[str, str] = {}
+        for t in toks[2:]:
+            if "=" not in t:
+                raise NcclHookError(f"expected key=value, got {t!r}", source=source, where=lineno)
+            k, v = t.split("=", 1)
+            kv[k] = v
+
+        kind = toks[0]
+        if kind == "class":
+            k = _int(toks[1], "class", 0, NUM_CLASSES - 1, source, lineno)
+            mark, _ = _mark_fields(kv, False, source, lineno)
+            plan.classes[k] = mark
+        elif kind in ("comm", "order"):
+            ident = _int(toks[1], f"{kind} id", 0, big, source, lineno)
+            mark, cls = _mark_fields(kv, True, source, lineno)
+            plan.comms.append(CommRule(kind, ident, cls, mark))
+        elif kind == "tune":
+            sel = toks[1]
+            if sel != "*":
+                head, _, num = sel.partition(":")
+                if head not in ("class", "comm", "order") or not num:
+                    raise NcclHookError(f"tune selector must be *, class:K, comm:ID or order:N, got {sel!r}", source=source, where=lineno)
+                _int(num, head, 0, NUM_CLASSES - 1 if head == "class" else big, source, lineno)
+            args: dict[str, object] = {"selector": sel}
+            for k, v in kv.items():
+                if k == "coll":
+                    if _norm(v) not in FUNCS:
+                        raise NcclHookError(f"unknown collective {v!r}", source=source, where=lineno)
+                    args["coll"] = v
+                elif k == "algo":
+                    if _norm(v) not in ALGORITHMS:
+                        raise NcclHookError(f"unknown algorithm {v!r} ({', '.join(ALGORITHMS)})", source=source, where=lineno)
+                    args["algo"] = v
+                elif k == "proto":
+                    if _norm(v) not in PROTOCOLS:
+                        raise NcclHookError(f"unknown protocol {v!r} ({', '.join(PROTOCOLS)})", source=source, where=lineno)
+                    args["proto"] = v
+                elif k == "channels":
+                    args["channels"] = _int(v, "channels", 1, 64, source, lineno)
+                elif k == "chunk":
+                    args["chunk"] = _int(v, "chunk", 1, big, source, lineno)
+                elif k in ("min", "max"):
+                    args[f"{k}_bytes"] = _int(v, k, 0, big, source, lineno)
+                else:
+                    raise NcclHookError(f"unknown tune key {k!r}", source=source, where=lineno)
+            if ("algo" in args) != ("proto" in args):
+                raise NcclHookError("give algo and proto together (NCCL takes both or neither)", source=source, where=lineno)
+            if args.get("min_bytes", 0) > args.get("max_bytes", big):  # type: ignore[operator]
+                raise NcclHookError("min > max", source=source, where=lineno)
+            plan.tunes.append(TuneRule(**args))  # type: ignore[arg-type]
+        elif kind == "mark":
+            port = None if toks[1] == "*" else _int(toks[1], "mark port", 1, 65535, source, lineno)
+            if set(kv) - {"dscp", "prio"}:
+                raise NcclHookError(f"mark takes dscp= and prio= only, got {sorted(set(kv) - {'dscp', 'prio'})}", source=source, where=lineno)
+            m, _ = _mark_fields(kv, False, source, lineno)
+            plan.marks.append(MarkRule(port, m.dscp, m.prio))
+        else:
+            raise NcclHookError(f"unknown rule {kind!r} (class, comm, order, tune, mark)", source=source, where=lineno)
+    if not seen_header:
+        raise NcclHookError("empty plan, expected the header 'netweave-plan 1'", source=source, where=lineno)
+    return plan
+
+
+def write_plan(plan: FlowPlan, path: str | os.PathLike[str]) -> Path:
+    """Write the plan atomically (the plugins re-read it within 100 ms of a change)."""
+    atomic_write_text(path, format_plan(plan))
+    return Path(path)
+
+
+def read_plan(path: str | os.PathLike[str]) -> FlowPlan:
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise NcclHookError(f"cannot read plan: {e.strerror}", source=str(path)) from None
+    return parse_plan(text, source=str(path))
+
+
+# ------------------------------------------------------------ profiler ring --
+RING_MAGIC = 0x314647505745574E
+RING_VERSION = 1
+RING_HEADER = 128
+RECORD_DTYPE = np.dtype([
+    ("seq", "<u8"), ("t_ns", "<u8"), ("comm_id", "<u8"), ("coll_seq", "<u8"), ("bytes", "<u8"),
+    ("event_id", "<u4"), ("parent_id", "<u4"), ("kind", "<u2"), ("func", "u1"), ("algo", "u1"), ("proto", "u1"),
+    ("channel", "u1"), ("is_send", "u1"), ("traffic_class", "i1"), ("peer", "<i4"), ("step", "<i4"),
+])
+assert RECORD_DTYPE.itemsize == 64
+EVENT_KINDS = {1: "coll_start", 2: "coll_stop", 3: "proxyop_start", 4: "proxyop_stop", 5: "step_start", 6: "step_state",
+               7: "step_stop", 8: "net_send", 9: "net_recv", 10: "p2p_start", 11: "p2p_stop", 15: "user"}
+# header words (uint64 index): 0 magic, 1 version|header_size, 2 record_size|capacity, 3 write_seq, 4 read_seq, 5 dropped, 6 pid|flags
+_W_WRITE, _W_READ, _W_DROPPED = 3, 4, 5
+
+
+class ProfilerRing:
+    """Reader of the profiler ring file written by the plugin (layout in ``csrc/ring.c`` and ``docs/ncclhook.md``).
+
+    The reader is the ring's only consumer: :meth:`read` returns the committed records in order and frees
+    their slots. Records the writers could not place because the ring was full are counted in
+    :attr:`dropped`, never overwritten. Relies on x86-64 load ordering (TSO) for the commit check.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, wait_s: float = 0.0):
+        self.path = Path(path)
+        deadline = time.monotonic() + wait_s
+        while True:  # the writer creates the file, sizes it, then publishes the magic: wait for all three
+            mm = None
+            try:
+                fd = os.open(self.path, os.O_RDWR)
+                try:
+                    size = os.fstat(fd).st_size
+                    if size >= RING_HEADER:
+                        mm = mmap.mmap(fd, size)
+                finally:
+                    os.close(fd)
+            except FileNotFoundError:
+                pass
+            if mm is not None and int.from_bytes(mm[:8], "little") == RING_MAGIC:
+                break
+            if mm is not None and time.monotonic() >= deadline:
+                magic = int.from_bytes(mm[:8], "little")
+                mm.close()
+                raise NcclHookError(f"not a netweave profiler ring (magic {magic:#x})", source=str(self.path))
+            if mm is not None:
+                mm.close()
+            if time.monotonic() >= deadline:
+                raise NcclHookError("no profiler ring (is NETWEAVE_PROF_RING set for the NCCL process?)", source=str(self.path))
+            time.sleep(0.01)
+        self._mm = mm
+        self._hdr = np.frombuffer(self._mm, dtype="<u8", count=RING_HEADER // 8)
+        head = np.frombuffer(self._mm, dtype="<u4", count=8, offset=8)
+        version, header_size, record_size, capacity = (int(x) for x in head[:4])
+        if version != RING_VERSION or header_size != RING_HEADER or record_size != RECORD_DTYPE.itemsize:
+            raise NcclHookError(f"ring version {version} / header {header_size} / record {record_size} bytes; "
+                                f"this reader knows {RING_VERSION} / {RING_HEADER} / {RECORD_DTYPE.itemsize}", source=str(self.path))
+        if size < RING_HEADER + capacity * record_size:
+            raise NcclHookError(f"ring file is {size} bytes, its header announces {capacity} records", source=str(self.path))
+        self.capacity = capacity
+        self.pid = int(np.frombuffer(self._mm, dtype="<i4", count=1, offset=48)[0])
+        self._recs = np.frombuffer(self._mm, dtype=RECORD_DTYPE, count=capacity, offset=RING_HEADER)
+
+    @property
+    def dropped(self) -> int:
+        """Records refused since the ring was created because it was full."""
+        return int(self._hdr[_W_DROPPED])
+
+    @property
+    def pending(self) -> int:
+        """Records claimed by writers and not yet read."""
+        return int(self._hdr[_W_WRITE]) - int(self._hdr[_W_READ])
+
+    def read(self, max_records: int | None = None) -> np.ndarray:
+        """Consume the committed records in order; returns a structured array (dtype :data:`RECORD_DTYPE`)."""
+        rd = int(self._hdr[_W_READ])
+        n = int(self._hdr[_W_WRITE]) - rd
+        if max_records is not None:
+            n = min(n, max_records)
+        if n <= 0:
+            return np.empty(0, dtype=RECORD_DTYPE)
+        idx = (rd + np.arange(n, dtype=np.uint64)) % np.uint64(self.capacity)
+        out = self._recs[idx.astype(np.intp)]  # copy; seq (offset 0) is read before the payload
+        ok = out["seq"] == (np.uint64(rd + 1) + np.arange(n, dtype=np.uint64))
+        k = n if ok.all() else int(np.argmin(ok))  # stop at the first slot a writer has not published yet
+        self._hdr[_W_READ] = rd + k
+        return out[:k]
+
+    def close(self) -> None:
+        del self._hdr, self._recs
+        self._mm.close()
+
+    def __enter__(self) -> ProfilerRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def events_to_dicts(records: np.ndarray) -> list[dict[str, object]]:
+    """Records as plain dicts with names for kind/func/algo/proto (255 = not given)."""
+    out = []
+    for r in records:
+        d = {name: r[name].item() for name in RECORD_DTYPE.names}
+        d["kind"] = EVENT_KINDS.get(d["kind"], d["kind"])
+        for key, names in (("func", FUNCS), ("algo", ALGORITHMS), ("proto", PROTOCOLS)):
+            d[key] = names[d[key]] if d[key] < len(names) else None
+        out.append(d)
+    return out
+
+
+def collective_spans(records: np.ndarray) -> list[dict[str, object]]:
+    """Pair coll_start/coll_stop records into spans (comm_id, coll_seq, func, bytes, start_ns, end_ns), in start order."""
+    starts: dict[int, np.void] = {}
+    spans = []
+    for r in records:
+        kind = int(r["kind"])
+        if kind == 1:
+            starts[int(r["event_id"])] = r
+        elif kind == 2 and int(r["event_id"]) in starts:
+            s = starts.pop(int(r["event_id"]))
+            f = int(s["func"])
+            spans.append({"comm_id": int(s["comm_id"]), "coll_seq": int(s["coll_seq"]), "func": FUNCS[f] if f < len(FUNCS) else None,
+                          "bytes": int(s["bytes"]), "traffic_class": int(s["traffic_class"]), "start_ns": int(s["t_ns"]),
+                          "end_ns": int(r["t_ns"])})
+    spans.sort(key=lambda s: s["start_ns"])
+    return spans
+
+
+# --------------------------------------------------------------------- HTB --
+def htb_commands(dev: str, rate_mbit: float, dscp_prio: dict[int, int] | None = None, *, floor_mbit: float = 1.0,
+                 default_prio: int = 7, disable_offloads: bool = True) -> list[list[str]]:
+    """``tc`` commands for a strict-priority HTB tree on ``dev``'s egress that serves DSCP marks.
+
+    One leaf per distinct HTB priority (0 = served first), each with a small guaranteed ``floor_mbit`` and a
+    ceiling of the full link, so the lowest backlogged priority takes all spare bandwidth (§4.2 of the
+    research digest); u32 filters match the TOS byte (``dscp << 2``, ECN bits masked). Unmarked traffic
+    goes to a default leaf at ``default_prio``. ``dscp_prio`` defaults to CS<k> -> priority 7-k.
+
+    >>> cmds = htb_commands("eth0", 100, {46: 1})
+    >>> " ".join(cmds[-1])
+    'tc filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip tos 0xb8 0xfc flowid 1:11'
+    """
+    if rate_mbit <= 0 or floor_mbit <= 0 or floor_mbit * 9 > rate_mbit:
+        raise NcclHookError(f"need rate_mbit > 9 * floor_mbit > 0, got rate {rate_mbit}, floor {floor_mbit}")
+    mapping = dscp_prio if dscp_prio is not None else {8 * k: 7 - k for k in range(1, NUM_CLASSES)}
+    for d, p in mapping.items():
+        _check_range("dscp", d, 0, 63)
+        _check_range("htb prio", p, 0, 7)
+    _check_range("default prio", default_prio, 0, 7)
+    rate, floor = f"{rate_mbit:g}mbit", f"{floor_mbit:g}mbit"
+    cmds: list[list[str]] = []
+    if disable_offloads:  # one 64 KB TSO segment would block a slow link for milliseconds
+        cmds.append(["ethtool", "-K", dev, "tso", "off", "gso", "off"])
+    cmds.append(["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", f"{20 + default_prio}"])
+    cmds.append(["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate,
+                 "burst", "64k", "cburst", "64k"])
+    for prio in sorted(set(mapping.values()) | {default_prio}):
+        leaf = f"1:{10 + prio}" if prio != default_prio else f"1:{20 + default_prio}"
+        cmds.append(["tc", "class", "add", "dev", dev, "parent", "1:1", "classid", leaf, "htb", "rate", floor, "ceil", rate,
+                     "prio", str(prio), "quantum", "1514"])
+        cmds.append(["tc", "qdisc", "add", "dev", dev, "parent", leaf, "pfifo", "limit", "200"])
+    for i, (d, prio) in enumerate(sorted(mapping.items()), start=1):
+        leaf = f"1:{10 + prio}" if prio != default_prio else f"1:{20 + default_prio}"
+        cmds.append(["tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", str(i), "u32", "match", "ip",
+                     "tos", f"{d << 2:#04x}", "0xfc", "flowid", leaf])
+    return cmds
+
+
+def run_commands(cmds: Iterable[Sequence[str]], *, netns: str | None = None) -> None:
+    """Run commands (optionally inside ``ip netns exec``); ethtool failures are ignored (veth may lack offloads)."""
+    for cmd in cmds:
+        full = (["ip", "netns", "exec", netns] if netns else []) + list(cmd)
+        res = subprocess.run(full, capture_output=True, text=True)
+        if res.returncode != 0 and cmd[0] != "ethtool":
+            raise NcclHookError(f"{' '.join(full)} failed: {res.stderr.strip()}")
+
+
+def htb_class_bytes(dev: str, *, netns: str | None = None) -> dict[str, int]:
+    """Bytes sent per HTB class (``tc -s class show``), e.g. ``{"1:11": 123456, ...}``."""
+    cmd = (["ip", "netns", "exec", netns] if netns else []) + ["tc", "-s", "class", "show", "dev", dev]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    result: dict[str, int] = {}
+    current = None
+    for line in out.splitlines():
+        parts = line.split()
+        if parts[:2] == ["class", "htb"]:
+            current = parts[2]
+        elif parts[:1] == ["Sent"] and current is not None:
+            result[current] = int(parts[1])
+            current = None
+    return result
+
+
+# ---------------------------------------------------------------------- CLI --
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m flowsched.ncclhook build|check-plan FILE|ring FILE``."""
+    ap = argparse.ArgumentParser(prog="python -m flowsched.ncclhook", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="build csrc/ (make) and print the library path")
+    b.add_argument("--sanitize", action="store_true")
+    c = sub.add_parser("check-plan", help="parse a plan file and print it normalised")
+    c.add_argument("path")
+    r = sub.add_parser("ring", help="print the events in a profiler ring")
+    r.add_argument("path")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "build":
+            print(build(sanitize=args.sanitize) / PLUGIN_LIB)
+        elif args.cmd == "check-plan":
+            print(format_plan(read_plan(args.path)), end="")
+        else:
+            with ProfilerRing(args.path) as ring:
+                for ev in events_to_dicts(ring.read()):
+                    print(ev)
+                print(f"dropped={ring.dropped}")
+    except InputError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
