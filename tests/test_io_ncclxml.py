@@ -45,6 +45,29 @@ def test_builder_round_trip_is_exact_with_nccl_rates(kind):
     assert _pairs(again) == _pairs(built)
 
 
+@pytest.mark.parametrize("kind", ["pcie-server", "gb200-nvl72"])
+def test_other_servers_keep_classes_and_rates(kind):
+    import inspect
+
+    from topology.builders import NODE_BUILDERS
+
+    options = {"nccl_model": True} if "nccl_model" in inspect.signature(NODE_BUILDERS[kind]).parameters else {}
+    built = build_node(kind, **options)
+    host = built.hosts()[0]
+    text = to_nccl_xml(built, host)
+    again = parse_nccl_xml(text, host=host)
+    assert to_nccl_xml(again) == text
+    gpus, nics = built.gpus(host), built.nodes(NodeKind.NIC, host)
+    for a in gpus:
+        for b in gpus + nics:
+            if a != b:
+                p, q = device_path(built, a, b), device_path(again, a, b)
+                assert (q.path_type, q.bw) == pytest.approx((p.path_type, p.bw)), (a, b)
+    if kind == "gb200-nvl72":
+        c2c = [d for _, v, d in again.graph.out_edges(gpus[0], data=True) if d.get("c2c")]
+        assert len(c2c) == 1 and c2c[0]["bw"] == pytest.approx(225.0)  # half a Grace's 450 GB/s NVLink-C2C
+
+
 def test_spec_rates_come_back_as_nccl_rates():
     built = build_node("dgx-h100")  # spec-sheet rates: PCIe Gen5 x16 = 63, NVLink4 = 25 per link
     again = parse_nccl_xml(to_nccl_xml(built))

@@ -48,7 +48,12 @@ Deliberate differences from NCCL: ports of a multi-port NIC are separate NIC
 nodes with their own copy of the PCI link (NCCL shares one); two-level
 Broadcom PEX switches are not flattened into one (NCCL's
 ``ncclTopoFlattenBcmSwitches``), so their GPU-NIC pairs read PXB, not PIX;
-``<c2c>`` and ``<pcilink>`` elements are ignored. Everything else the XML says
+``<pcilink>`` elements are ignored; multi-node NVLink domains are not read
+(NVSwitches belong to the host whose GPUs name them). ``<c2c bw count>``
+(NVLink-C2C to the local CPU on Grace systems; ``bw x count / 1000`` GB/s) becomes
+the GPU's host link, kind ``pcie`` with ``c2c=True`` as in
+:mod:`topology.builders`, replacing the PCI link when the GPU sits directly
+on its CPU. Everything else the XML says
 (bus ids, PCI ids, NCCL's GPU/NET attributes, CPU affinity) is kept on the
 nodes (``busid``, ``pci``, ``nccl``) so that an exported file repeats it.
 
@@ -84,7 +89,7 @@ __all__ = ["NCCL_CPU_BW", "NCCL_LOC_BW", "nccl_nvlink_bw", "parse_nccl_xml", "to
 # AMD_BW 16, P9_BW 32, ARM_BW 6, ZPI_BW 6, YONGFENG_ZPI_BW 9), keyed by our CPU names.
 NCCL_CPU_BW = {
     "broadwell": 6.0, "skylake": 10.0, "sapphire-rapids": 22.0, "emerald-rapids": 40.0, "amd": 16.0,
-    "power9": 32.0, "arm": 6.0, "zhaoxin": 6.0, "yongfeng": 9.0,
+    "power9": 32.0, "arm": 6.0, "zhaoxin": 6.0, "yongfeng": 9.0, "grace": 6.0,
 }
 NCCL_LOC_BW = 5000.0  # LOC_BW: what NCCL gives a link that is no wire (a NIC without a PCI device)
 
@@ -102,6 +107,7 @@ _CPU_IDENTITY = {
     "amd": {"arch": "x86_64", "vendor": "AuthenticAMD", "familyid": "23", "modelid": "49"},
     "power9": {"arch": "ppc64"},
     "arm": {"arch": "arm64"},
+    "grace": {"arch": "arm64"},
     "zhaoxin": {"arch": "x86_64", "vendor": "CentaurHauls", "familyid": "7", "modelid": "59"},
     "yongfeng": {"arch": "x86_64", "vendor": "CentaurHauls", "familyid": "7", "modelid": "91"},
 }
@@ -146,6 +152,7 @@ class _Host:
     nics: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     pcie_links: list[tuple[str, str, float, dict[str, Any]]] = field(default_factory=list)
     nvlinks: list[tuple[str, str, str, int, str]] = field(default_factory=list)  # gpu, target busid, tclass, count, where
+    c2c: dict[str, tuple[float, str]] = field(default_factory=dict)  # gpu -> (GB/s, its CPU)
     by_busid: dict[str, str] = field(default_factory=dict)
 
 
@@ -296,7 +303,15 @@ def _read_pci(reader: _Reader, h: _Host, el: ET.Element, parent: str, numa: int,
             raise reader.fail(gw, f'a second GPU with dev="{dev}"')
         _claim_busid(reader, h, busid, gpu_id, where)
         h.gpus.append((gpu_id, attrs))
-        h.pcie_links.append((gpu_id, parent, bw, link))
+        c2c = gpu.findall("c2c")
+        if c2c:
+            cw = f"<c2c> of <gpu dev={dev}> (pci {busid})"
+            c2c_bw = sum(reader.int_attr(c, "bw", cw) * reader.int_attr(c, "count", cw) for c in c2c) / 1000.0
+            if not c2c_bw > 0:
+                raise reader.fail(cw, "NVLink-C2C bandwidth must be positive")
+            h.c2c[gpu_id] = (c2c_bw, f"{h.name}/cpu{numa}")
+        if not (c2c and parent == f"{h.name}/cpu{numa}"):
+            h.pcie_links.append((gpu_id, parent, bw, link))
         for nv in gpu.findall("nvlink"):
             nw = f"<nvlink> of <gpu dev={dev}> (pci {busid})"
             target = reader.attr(nv, "target", nw).lower()
@@ -392,6 +407,8 @@ def _build_host(reader: _Reader, topo: Topology, h: _Host) -> None:
             topo.add_link(cpu_ids[a], cpu_ids[b], LinkKind.CPU, bw, latency_us=hw.LATENCY_US["cpu"])
     for child, parent, bw, link in h.pcie_links:
         topo.add_link(child, parent, LinkKind.PCIE, bw, latency_us=hw.LATENCY_US["pcie"], **link)
+    for gpu, (bw, cpu) in h.c2c.items():
+        topo.add_link(gpu, cpu, LinkKind.PCIE, bw, latency_us=hw.LATENCY_US["pcie"], c2c=True)
     # NCCL adds up parallel <nvlink> entries to one target into one link.
     merged: dict[tuple[str, str, bool], int] = {}
     for gpu, remote, count, duplex in resolved:
@@ -407,7 +424,7 @@ def _build_host(reader: _Reader, topo: Topology, h: _Host) -> None:
 
 def _pcie_gen_width(bw: float) -> tuple[int, int]:
     """The PCIe generation and width whose NCCL or spec-sheet rate is ``bw`` (nearest NCCL rate otherwise)."""
-    candidates = [(g, w) for g in sorted(_GEN_BY_SPEED.values()) for w in (16, 8, 4, 32, 2, 1)]
+    candidates = [(g, w) for w in (16, 8, 4, 32, 2, 1) for g in sorted(_GEN_BY_SPEED.values())]  # x16 first: 48 is Gen5 x16, not Gen4 x32
     for gen, width in candidates:
         if abs(width * hw.NCCL_PCIE_SPEED[gen] / 80.0 - bw) < 1e-6:
             return gen, width
@@ -452,6 +469,7 @@ def to_nccl_xml(topo: Topology, host: str | None = None) -> str:
     parent: dict[str, str] = {}
     children: dict[str, list[str]] = {c: [] for c in cpus}
     up_bw: dict[str, float] = {}
+    c2c_up: set[str] = set()
     frontier = list(cpus)
     while frontier:
         nxt = []
@@ -464,7 +482,10 @@ def to_nccl_xml(topo: Topology, host: str | None = None) -> str:
                 parent[v] = u
                 children[u].append(v)
                 children.setdefault(v, [])
-                up_bw[v] = max(dd["bw"] for _, w, dd in g.out_edges(v, data=True) if w == u and dd["kind"] == LinkKind.PCIE)
+                ups = [dd for _, w, dd in g.out_edges(v, data=True) if w == u and dd["kind"] == LinkKind.PCIE]
+                up_bw[v] = max(dd["bw"] for dd in ups)
+                if any(dd.get("c2c") for dd in ups):
+                    c2c_up.add(v)
                 if g.nodes[v]["kind"] is NodeKind.PCIE_SWITCH:
                     nxt.append(v)
         frontier = nxt
@@ -522,7 +543,7 @@ def to_nccl_xml(topo: Topology, host: str | None = None) -> str:
         virtual = [n for n in order(children[c]) if g.nodes[n].get("virtual")]
         for child in order(children[c]):
             if child not in virtual:
-                _emit(topo, cpu_el, child, children, up_bw, busid_of, emitted_nics)
+                _emit(topo, cpu_el, child, children, up_bw, busid_of, emitted_nics, c2c_up)
         if virtual:
             nic_el = ET.SubElement(cpu_el, "nic")
             for n in virtual:
@@ -532,7 +553,7 @@ def to_nccl_xml(topo: Topology, host: str | None = None) -> str:
     return ET.tostring(root, encoding="unicode").replace(" />", "/>") + "\n"
 
 
-def _pci_element(topo: Topology, parent_el: ET.Element, n: str, bw: float, busid: str, default_class: str) -> ET.Element:
+def _pci_element(topo: Topology, parent_el: ET.Element, n: str, bw: float, busid: str, default_class: str, keep_recorded: bool = False) -> ET.Element:
     d = topo.graph.nodes[n]
     stored = dict(d.get("pci") or {})
     attrs = {"busid": busid, "class": stored.get("class", default_class)}
@@ -547,7 +568,7 @@ def _pci_element(topo: Topology, parent_el: ET.Element, n: str, bw: float, busid
             reread = _Reader(None).pci_bw(ET.Element("pci", stored), "")[0]
         except InputError:
             reread = None
-        if reread is not None and abs(reread - bw) < 1e-6:
+        if reread is not None and (keep_recorded or abs(reread - bw) < 1e-6):
             attrs["link_speed"], attrs["link_width"] = stored["link_speed"], stored["link_width"]
     if "link_speed" not in attrs:
         gen, width = _pcie_gen_width(bw)
@@ -555,7 +576,7 @@ def _pci_element(topo: Topology, parent_el: ET.Element, n: str, bw: float, busid
     return ET.SubElement(parent_el, "pci", attrs)
 
 
-def _emit(topo: Topology, parent_el: ET.Element, n: str, children: dict, up_bw: dict, busid_of, emitted_nics: set[str]) -> None:
+def _emit(topo: Topology, parent_el: ET.Element, n: str, children: dict, up_bw: dict, busid_of, emitted_nics: set[str], c2c_up: set[str]) -> None:
     g = topo.graph
     d = g.nodes[n]
     kind = d["kind"]
@@ -575,10 +596,11 @@ def _emit(topo: Topology, parent_el: ET.Element, n: str, children: dict, up_bw: 
         el = _pci_element(topo, parent_el, n, up_bw[n], busid_of(n), _BRIDGE_CLASS)
         rank = {NodeKind.PCIE_SWITCH: 0, NodeKind.GPU: 1, NodeKind.NIC: 2}
         for c in sorted(children.get(n, []), key=lambda m: (rank[g.nodes[m]["kind"]], g.nodes[m].get("index", 0))):
-            _emit(topo, el, c, children, up_bw, busid_of, emitted_nics)
+            _emit(topo, el, c, children, up_bw, busid_of, emitted_nics, c2c_up)
         return
-    # A GPU.
-    el = _pci_element(topo, parent_el, n, up_bw[n], busid_of(n), _GPU_CLASS)
+    # A GPU. An NVLink-C2C host link is a <c2c> element; its PCI attributes are the recorded ones or Gen5 x16.
+    pci_bw = (hw.pcie_bw(5, 16, nccl_model=True) if n in c2c_up else up_bw[n])
+    el = _pci_element(topo, parent_el, n, pci_bw, busid_of(n), _GPU_CLASS, keep_recorded=n in c2c_up)
     stored = d.get("nccl") or {}
     sm = d.get("sm") or (hw.GPU_SPECS.get(d.get("model"), {}).get("sm"))
     if sm is None:
@@ -604,6 +626,8 @@ def _emit(topo: Topology, parent_el: ET.Element, n: str, children: dict, up_bw: 
         counts[target] = (prev[0] + int(count), tclass)
     for target, (count, tclass) in counts.items():
         ET.SubElement(gpu_el, "nvlink", {"target": target, "count": str(count), "tclass": tclass})
+    if n in c2c_up:
+        ET.SubElement(gpu_el, "c2c", {"bw": str(round(up_bw[n] * 1000)), "count": "1"})
 
 
 def _parent_of(children: dict[str, list[str]], n: str) -> str | None:
