@@ -29,14 +29,22 @@ Export (:func:`to_slurm_topology`)
     each node under exactly one leaf switch, but on a *rail-optimized* fabric a
     host reaches one leaf per rail (eight for a DGX H100). Leaves that share a
     host are therefore merged into one Slurm leaf switch that stands for the
-    whole scalable unit (named ``su<pod>`` when the leaves carry the ``pod``
-    attribute, as :func:`topology.fabrics.rail_optimized` sets it). This is
-    what Slurm needs to know: every rail leaf of a scalable unit reaches the
-    same hosts, so "same leaf" and "same scalable unit" are the same
-    containment. Upper levels are built the same way: switches that are
-    co-parents of one group (e.g. all spines of a fat tree) become one Slurm
-    switch. Bandwidths, rails and oversubscription are not representable and
-    are dropped; ``LinkSpeed`` is written only when the import recorded one.
+    whole scalable unit. This is what Slurm needs to know: every rail leaf of
+    a scalable unit reaches the same hosts, so "same leaf" and "same scalable
+    unit" are the same containment, and a job that fits in one SU gets
+    one-hop rail-local traffic. Upper levels are built the same way: switches
+    that are co-parents of one group (all spines of a rail-optimized or
+    leaf-spine fabric) become one Slurm switch, repeated until nothing changes.
+    A group of one switch keeps its name (``/`` becomes ``-``); a group that is
+    every switch of one tier of a pod (the ``pod`` attribute that
+    :func:`topology.fabrics.rail_optimized` sets) is ``su<pod>`` (leaf tier) or
+    ``su<pod>-<tier>``; other groups are ``<tier>group<k>``. Bandwidths, rails
+    and oversubscription are not representable and are dropped;
+    ``LinkSpeed`` is written only when the import recorded one. Hosts that
+    reach no switch are listed in a trailing comment; a switch with both
+    hosts and child switches below it, or links between switches of one
+    level, raise :class:`~topology.errors.TopologyError` (topology/tree cannot
+    say either).
 
 >>> text = "SwitchName=s0 Nodes=tux[0-1]\\nSwitchName=s1 Nodes=tux[2-3]\\nSwitchName=top Switches=s[0-1]\\n"
 >>> topo = parse_slurm_topology(text)
