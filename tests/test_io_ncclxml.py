@@ -128,6 +128,25 @@ def test_two_hosts():
     assert topo.graph.nodes["node0/nic1"]["busid"] == "0000:0c:00.1"
 
 
+def test_broadcom_two_level_switch_is_flattened():
+    def bridge(busid, sub, inner):
+        return (f'<pci busid="{busid}" class="0x060400" vendor="0x1000" device="0xc030" subsystem_vendor="0x1000" '
+                f'subsystem_device="{sub}" link_speed="32.0 GT/s PCIe" link_width="16">{inner}</pci>')
+
+    gpu = '<pci busid="0000:03:00.0" class="0x030200" link_speed="32.0 GT/s PCIe" link_width="16"><gpu dev="0" sm="90"/></pci>'
+    nic = ('<pci busid="0000:05:00.0" class="0x020700" link_speed="32.0 GT/s PCIe" link_width="16">'
+           '<nic><net name="m" dev="0" speed="400000"/></nic></pci>')
+    cpu = '<system version="1"><cpu numaid="0" arch="arm64">{}</cpu></system>'
+    # Level 0 (subsystem device 0x0xxx) over two level-1 parts (0x1xxx): one switch, GPU-NIC is PIX.
+    flat = parse_nccl_xml(cpu.format(bridge("0000:01:00.0", "0x0009", bridge("0000:02:00.0", "0x100b", gpu) + bridge("0000:04:00.0", "0x100b", nic))))
+    assert len(flat.nodes(NodeKind.PCIE_SWITCH)) == 1
+    assert device_path(flat, "node0/gpu0", "node0/nic0").path_type is PathType.PIX
+    # Other ids stay a three-switch tree: PXB.
+    deep = parse_nccl_xml(cpu.format(bridge("0000:01:00.0", "0x1009", bridge("0000:02:00.0", "0x100b", gpu) + bridge("0000:04:00.0", "0x100b", nic))))
+    assert len(deep.nodes(NodeKind.PCIE_SWITCH)) == 3
+    assert device_path(deep, "node0/gpu0", "node0/nic0").path_type is PathType.PXB
+
+
 def test_nvidia_smi_to_xml_keeps_classes():
     smi = read_topology(DATA / "nvsmi_dgx_a100.txt")
     back = parse_nccl_xml(to_nccl_xml(smi))

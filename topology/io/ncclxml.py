@@ -44,10 +44,12 @@ Import (:func:`parse_nccl_xml`) follows NCCL's own reading (``src/graph/topo.cc`
   directly under ``<cpu>`` (no PCI device: sockets, virtual NICs) attaches to
   its CPU at NCCL's ``LOC_BW`` of 5000 GB/s and is marked ``virtual``.
 
+Like NCCL (``ncclTopoFlattenBcmSwitches``), the second level of a two-level
+Broadcom PEX Gen4/Gen5 switch (recognised by its PCI ids) is merged into the
+first, so devices behind it read PIX to each other, not PXB.
+
 Deliberate differences from NCCL: ports of a multi-port NIC are separate NIC
-nodes with their own copy of the PCI link (NCCL shares one); two-level
-Broadcom PEX switches are not flattened into one (NCCL's
-``ncclTopoFlattenBcmSwitches``), so their GPU-NIC pairs read PXB, not PIX;
+nodes with their own copy of the PCI link (NCCL shares one);
 ``<pcilink>`` elements are ignored; multi-node NVLink domains are not read
 (NVSwitches belong to the host whose GPUs name them). ``<c2c bw count>``
 (NVLink-C2C to the local CPU on Grace systems; ``bw x count / 1000`` GB/s) becomes
@@ -327,9 +329,32 @@ def _read_pci(reader: _Reader, h: _Host, el: ET.Element, parent: str, numa: int,
         _claim_busid(reader, h, busid, sw_id, where)
         h.switches.append((sw_id, {"index": len(h.switches), "numa": numa, "busid": busid, "pci": _pci_attrs(el)}))
         h.pcie_links.append((sw_id, parent, bw, link))
+        gen = _bcm_gen(el, 0)
         for child in el:
-            if child.tag == "pci":
-                _read_pci(reader, h, child, sw_id, numa, where)
+            if child.tag != "pci":
+                continue
+            if gen and _bcm_gen(child, 1) == gen and child.find("gpu") is None and child.find("nic") is None:
+                # NCCL's ncclTopoFlattenBcmSwitches: the second level of a Broadcom PEX switch is the same switch.
+                for grandchild in child:
+                    if grandchild.tag == "pci":
+                        _read_pci(reader, h, grandchild, sw_id, numa, where)
+                continue
+            _read_pci(reader, h, child, sw_id, numa, where)
+
+
+def _bcm_gen(el: ET.Element, level: int) -> int:
+    """NCCL's ``getBcmGen``: 4 or 5 for the given level of a two-level Broadcom PEX switch, else 0."""
+    try:
+        ident = 0
+        for key, shift in (("vendor", 48), ("device", 32), ("subsystem_vendor", 16), ("subsystem_device", 0)):
+            ident |= int(el.get(key, "0"), 16) << shift
+    except ValueError:
+        return 0
+    if ident & ~0xFFF == 0x1000C0101000A000:
+        return 4
+    if ident & ~0xFFF == 0x1000C03010000000 | level * 0x1000:
+        return 5
+    return 0
 
 
 def _claim_busid(reader: _Reader, h: _Host, busid: str, node: str, where: str) -> None:
