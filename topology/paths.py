@@ -473,6 +473,7 @@ class _IslandData:
     ptype: np.ndarray
     up: np.ndarray  # GPU x port: widest bw GPU -> port
     down: np.ndarray  # port x GPU
+    nearest: dict[int, int | None] | None = None  # local node -> local port it uses by default (filled by routing)
 
 
 def _island_members(vw: _View) -> dict[int, list[int]]:
@@ -491,7 +492,7 @@ def _is_port(vw: _View, a: int) -> bool:
 
 def _island_signature(vw: _View, nodes: list[int]) -> tuple:
     local = {a: i for i, a in enumerate(nodes)}
-    node_sig = tuple((vw.kind[a], _is_port(vw, a)) for a in nodes)
+    node_sig = tuple((vw.kind[a], _is_port(vw, a), vw.index_attr(a), vw.rail_attr(a)) for a in nodes)
     edge_sig = []
     for a in nodes:
         for e in vw.adj[a]:
@@ -539,6 +540,7 @@ def _islands(vw: _View) -> dict[int, tuple[list[int], _IslandData]]:
             out[isl] = (nodes, data)
         vw.cache["island_data"] = out
         vw.cache["island_structures"] = len(by_sig)
+        vw.cache["island_local"] = {a: i for nodes, _ in out.values() for i, a in enumerate(nodes)}
     return vw.cache["island_data"]
 
 
@@ -707,29 +709,33 @@ def _host_ports(topo: Topology, vw: _View) -> dict[str, list[int]]:
 
 
 def _max_flow(vw: _View, sources: list[int], sinks: list[int]) -> float:
-    """Max flow over the network from the ports ``sources`` to the ports ``sinks`` (no host transit)."""
+    """Max flow over the network from the ports ``sources`` to the ports ``sinks`` (no host transit).
+
+    The source ports only send (they have unlimited supply) and the sink ports
+    only receive, so they are contracted into the super source and sink: the
+    flow network is the switches plus two nodes, exact and small.
+    """
     src_set, dst_set = set(sources), set(sinks)
-    F = nx.DiGraph()
+    cap: dict[tuple[Any, Any], float] = {}
+
+    def node(a: int) -> Any:
+        return "S" if a in src_set else "T" if a in dst_set else a
+
     for a, lst in enumerate(vw.adj):
+        if vw.kind[a] != _SW and a not in src_set:
+            continue  # only the source half's ports send into the fabric
         for e in lst:
-            if e.lk != _NET:
-                continue
-            b = e.v
-            if vw.kind[a] != _SW and a not in src_set:
-                continue  # only the source half's ports send into the fabric
-            if vw.kind[b] != _SW and b not in dst_set:
+            if e.lk != _NET or (vw.kind[e.v] != _SW and e.v not in dst_set):
                 continue  # only the sink half's ports take flow out of it
-            if F.has_edge(a, b):
-                F[a][b]["capacity"] += e.bw
-            else:
-                F.add_edge(a, b, capacity=e.bw)
-    for p in sources:
-        F.add_edge("S", p)  # no capacity attribute: infinite
-    for q in sinks:
-        F.add_edge(q, "T")
+            u, v = node(a), node(e.v)
+            if u != v and v != "S" and u != "T":
+                cap[(u, v)] = cap.get((u, v), 0.0) + e.bw
+    direct = cap.pop(("S", "T"), 0.0)
+    F = nx.DiGraph()
+    F.add_weighted_edges_from(((u, v, c) for (u, v), c in cap.items()), weight="capacity")
     if "S" not in F or "T" not in F:
-        return 0.0
-    return float(nx.maximum_flow_value(F, "S", "T"))
+        return direct
+    return direct + float(nx.maximum_flow_value(F, "S", "T"))
 
 
 def bisection_bandwidth(topo: Topology) -> dict[str, Any]:

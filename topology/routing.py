@@ -56,7 +56,7 @@ from typing import Any
 
 from .errors import TopologyError
 from .model import Topology
-from .paths import _NET, _NVS, _SW, PathType, VEdge, _search, _View, view
+from .paths import _NET, _NVS, _SW, PathType, VEdge, _islands, _search, _View, view
 
 Edge = tuple[str, str, Any]
 POLICIES = ("shortest", "ecmp", "rail")
@@ -168,32 +168,32 @@ def nearest_port(topo: Topology, node: str) -> str | None:
 def _nearest(vw: _View, a: int) -> int | None:
     if vw.kind[a] == _SW or any(e.lk == _NET for e in vw.adj[a]):
         return a
-    cache = vw.cache.setdefault("nearest", {})
-    if a in cache:
-        return cache[a]
-    isl = vw.island[a]
-    ports = _ports_of_island(vw, isl)
-    if not ports:
-        cache[a] = None
-        return None
-    # decide for every node of the island with the same candidate set together, in view order
-    members = [x for x, i in enumerate(vw.island) if i == isl and vw.kind[x] != _SW and x not in ports]
-    rank_by_set: dict[tuple[int, ...], int] = {}
-    for x in members:
-        ranks = [(_port_rank(vw, x, p), p) for p in ports]
-        best = min(r for r, _ in ranks)
-        cands = tuple(p for r, p in ranks if r == best)
-        if best[0] == PathType.DIS:
-            cache[x] = None
-            continue
-        own = [p for p in cands if vw.index_attr(x) is not None and vw.index_attr(p) == vw.index_attr(x)]
-        if own:
-            cache[x] = own[0]
-        else:
-            k = rank_by_set.get(cands, 0)
-            rank_by_set[cands] = k + 1
-            cache[x] = cands[k % len(cands)]
-    return cache.get(a)
+    nodes, data = _islands(vw)[vw.island[a]]
+    if data.nearest is None:
+        # decided once per island structure, on this instance, in local positions
+        local = {x: i for i, x in enumerate(nodes)}
+        ports = _ports_of_island(vw, vw.island[a])
+        choice: dict[int, int | None] = {}
+        rank_by_set: dict[tuple[int, ...], int] = {}
+        for x in nodes:
+            if vw.kind[x] == _NVS or x in ports:
+                continue
+            ranks = [(_port_rank(vw, x, p), p) for p in ports]
+            best = min((r for r, _ in ranks), default=None)
+            if best is None or best[0] == PathType.DIS:
+                choice[local[x]] = None
+                continue
+            cands = tuple(p for r, p in ranks if r == best)
+            own = [p for p in cands if vw.index_attr(x) is not None and vw.index_attr(p) == vw.index_attr(x)]
+            if own:
+                choice[local[x]] = local[own[0]]
+            else:
+                k = rank_by_set.get(cands, 0)
+                rank_by_set[cands] = k + 1
+                choice[local[x]] = local[cands[k % len(cands)]]
+        data.nearest = choice
+    p = data.nearest.get(vw.cache["island_local"][a])
+    return None if p is None else nodes[p]
 
 
 def _rail_port(vw: _View, a: int, rail: Any) -> int | None:
@@ -254,8 +254,68 @@ def _into(vw: _View, q: int) -> dict[int, list[VEdge]]:
     return cache[q]
 
 
+def _switch_alternatives(
+    vw: _View, s: int, targets: frozenset[int], last_bw: tuple[tuple[int, float], ...], policy: str
+) -> tuple[list[tuple[float, tuple[Edge, ...], int]], float]:
+    """Switch-level routes from switch ``s`` to the nearest switch of ``targets``: ([(fraction, edges, terminal)], width).
+
+    ``width`` (``"shortest"`` only) is the bottleneck of the chosen path including the terminal's onward link.
+
+    ``last_bw`` gives, per target switch, the bandwidth of its widest link onward
+    (used by ``"shortest"`` to pick the widest of the minimum-hop paths).
+    Cached per (s, targets, policy): every port pair behind the same switches shares it.
+    """
+    cache = vw.cache.setdefault("switch_routes", {})
+    key = (s, targets, last_bw, policy)
+    if key in cache:
+        return cache[key]
+    dist = _dist_to(vw, targets)
+    if s not in dist:
+        cache[key] = ([], 0.0)
+        return cache[key]
+
+    def nexts(x: int) -> list[VEdge]:
+        dx = dist[x]
+        return [e for e in vw.adj[x] if e.lk == _NET and vw.kind[e.v] == _SW and dist.get(e.v) == dx - 1]
+
+    out: list[tuple[float, tuple[Edge, ...], int]] = []
+    width = float("inf")
+    if policy == "shortest":
+        tail = dict(last_bw)
+        memo: dict[int, float] = {}
+
+        def widest(x: int) -> float:
+            if dist[x] == 0:
+                return tail.get(x, float("inf"))
+            if x not in memo:
+                memo[x] = max(min(e.bw, widest(e.v)) for e in nexts(x))
+            return memo[x]
+
+        x, edges = s, []
+        while dist[x] > 0:
+            best = max(nexts(x), key=lambda e: (min(e.bw, widest(e.v)), -e.v))
+            ph = max(best.phys, key=lambda ph: ph[3])
+            edges.append((ph[0], ph[1], ph[2]))
+            x = best.v
+        out.append((1.0, tuple(edges), x))
+        width = widest(s)
+    else:
+        def walk(x: int, frac: float, edges: tuple[Edge, ...]) -> None:
+            if dist[x] == 0:
+                out.append((frac, edges, x))
+                return
+            hops = nexts(x)
+            for e in hops:
+                for f, (ph,) in _striped(e.phys):
+                    walk(e.v, frac * f / len(hops), (*edges, ph))
+
+        walk(s, 1.0, ())
+    cache[key] = (out, width)
+    return cache[key]
+
+
 def _fabric_stage(vw: _View, p: int, q: int, policy: str) -> Stage:
-    """Alternatives (fraction, edges) from port/switch p to port/switch q through network switches."""
+    """Alternatives (fraction, edges) from port/switch p to port/switch q through network switches only."""
     cache = vw.cache.setdefault("fabric", {})
     key = (p, q, policy)
     if key in cache:
@@ -264,59 +324,63 @@ def _fabric_stage(vw: _View, p: int, q: int, policy: str) -> Stage:
         cache.clear()
     if p == q:
         return [(1.0, ())]
-    into = _into(vw, q)
-    targets = frozenset([q]) if vw.kind[q] == _SW else frozenset(into)
+    q_is_switch = vw.kind[q] == _SW
+    into = {} if q_is_switch else _into(vw, q)
+    targets = frozenset([q]) if q_is_switch else frozenset(into)
+    last_bw = () if q_is_switch else tuple(sorted((t, max(e.bw for e in es)) for t, es in into.items()))
     dist = _dist_to(vw, targets)
 
-    def d(x: int) -> float:
-        """Hops from x to q; only switches and q are nodes of the fabric segment."""
-        if x == q:
-            return 0
-        if vw.kind[x] == _SW:
-            return dist[x] + (0 if vw.kind[q] == _SW else 1) if x in dist else float("inf")
-        return float("inf")
+    def last_hops(t: int) -> Stage:
+        """From terminal switch t into q: equal split over parallel links (ECMP) or the widest (shortest)."""
+        if q_is_switch:
+            return [(1.0, ())]
+        links = into[t]
+        if policy == "shortest":
+            ph = max(max(links, key=lambda e: e.bw).phys, key=lambda ph: ph[3])
+            return [(1.0, ((ph[0], ph[1], ph[2]),))]
+        return [(f / len(links), es) for e in links for f, es in _striped(e.phys)]
 
-    def nexts(x: int) -> list[VEdge]:
-        dx = d(x) if x != p else None
-        cands = [e for e in vw.adj[x] if e.lk == _NET and (e.v == q or vw.kind[e.v] == _SW)]
-        if dx is None:
-            best = min((d(e.v) for e in cands), default=float("inf"))
-            return [e for e in cands if d(e.v) == best and best < float("inf")]
-        return [e for e in cands if d(e.v) == dx - 1]
-
-    if not nexts(p):
-        raise TopologyError(f"no network path from {vw.names[p]} to {vw.names[q]}")
-    alternatives: list[tuple[float, tuple[Edge, ...]]] = []
-    if policy == "shortest":
-        # widest among minimum-hop paths (dynamic programme over the DAG), then lowest node order
-        memo: dict[int, float] = {}
-
-        def widest(x: int) -> float:
-            if x == q:
-                return float("inf")
-            if x not in memo:
-                memo[x] = max((min(e.bw, widest(e.v)) for e in nexts(x)), default=0.0)
-            return memo[x]
-
-        x, edges = p, []
-        while x != q:
-            best = max(nexts(x), key=lambda e: (min(e.bw, widest(e.v)), -e.v))
-            phys = max(best.phys, key=lambda ph: ph[3])
-            edges.append((phys[0], phys[1], phys[2]))
-            x = best.v
-        alternatives.append((1.0, tuple(edges)))
+    # first hops: p itself when it is a switch, else its network links on minimum-hop paths
+    if vw.kind[p] == _SW:
+        firsts: list[tuple[VEdge | None, int]] = [(None, p)]
     else:
-        # equal split per hop among next hops on minimum-hop paths
-        def walk(x: int, frac: float, edges: tuple[Edge, ...]) -> None:
-            if x == q:
-                alternatives.append((frac, edges))
-                return
-            nx_ = nexts(x)
-            for e in nx_:
-                for f, (ph,) in _striped(e.phys):
-                    walk(e.v, frac * f / len(nx_), (*edges, ph))
+        links = [e for e in vw.adj[p] if e.lk == _NET]
+        direct = [e for e in links if e.v == q]
+        if direct:  # a cable straight to q
+            if policy == "shortest":
+                ph = max(max(direct, key=lambda e: e.bw).phys, key=lambda ph: ph[3])
+                out: Stage = [(1.0, ((ph[0], ph[1], ph[2]),))]
+            else:
+                out = [(f / len(direct), es) for e in direct for f, es in _striped(e.phys)]
+            cache[key] = out
+            return out
+        links = [e for e in links if vw.kind[e.v] == _SW and e.v in dist]
+        best = min((dist[e.v] for e in links), default=None)
+        firsts = [(e, e.v) for e in links if dist[e.v] == best]
+    if not firsts:
+        raise TopologyError(f"no network path from {vw.names[p]} to {vw.names[q]}")
+    alternatives: Stage = []
+    if policy == "shortest":
+        def score(item: tuple[VEdge | None, int]) -> tuple[float, int]:
+            e, s = item
+            width = _switch_alternatives(vw, s, targets, last_bw, policy)[1]
+            return (min(e.bw if e is not None else float("inf"), width), -s)
 
-        walk(p, 1.0, ())
+        e, s = max(firsts, key=score)
+        head: tuple[Edge, ...] = ()
+        if e is not None:
+            ph = max(e.phys, key=lambda ph: ph[3])
+            head = ((ph[0], ph[1], ph[2]),)
+        ((_, mid, t),) = _switch_alternatives(vw, s, targets, last_bw, policy)[0]
+        ((_, tail_edges),) = last_hops(t)
+        alternatives.append((1.0, head + mid + tail_edges))
+    else:
+        for e, s in firsts:
+            heads = [(1.0, ())] if e is None else _striped(e.phys)
+            for fh, head in heads:
+                for fm, mid, t in _switch_alternatives(vw, s, targets, last_bw, policy)[0]:
+                    for fl, tail_edges in last_hops(t):
+                        alternatives.append((fh * fm * fl / len(firsts), head + mid + tail_edges))
     cache[key] = alternatives
     return alternatives
 
