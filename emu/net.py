@@ -428,9 +428,15 @@ class EmulatedNetwork:
     on exit (also after an exception) it stops Mininet, which deletes the
     namespaces' processes, veths and bridges. A file lock serialises
     emulations of this package across processes (one Mininet per kernel).
+
+    ``disable_gso`` makes every skb one MTU packet (``gso_max_segs 1``), so
+    that HTB, which is non-preemptive per skb, switches priorities at packet
+    granularity; it costs CPU (2-3% less throughput on the loaded 2-core
+    machine), so by default GSO stays on and a high-priority packet may wait
+    behind one 64 kB super-packet (2.6 ms at 200 Mbit/s).
     """
 
-    def __init__(self, plan: NetworkPlan, *, disable_gso: bool = True):
+    def __init__(self, plan: NetworkPlan, *, disable_gso: bool = False):
         self.plan = plan
         self.disable_gso = disable_gso
         self.net: Any = None
@@ -560,8 +566,8 @@ class EmulatedNetwork:
                     out[dev][part] += line + "\n"
         return out
 
-    def verify_htb(self) -> dict[str, Any]:
-        """Check every egress port's tree; returns the per-interface report, raises :class:`FidelityError` on problems."""
+    def verify_htb(self, *, raise_on_error: bool = True) -> dict[str, Any]:
+        """Check every egress port's tree; returns the report, raises :class:`FidelityError` on problems (unless told not to)."""
         state = self.tc_state()
         problems: list[str] = []
         for _where, spec in self.plan.htb_specs():
@@ -571,7 +577,7 @@ class EmulatedNetwork:
                 continue
             problems += check_htb_tree(spec, st["qdisc"], st["class"], st["filter"])
         report = {"interfaces": len(state), "problems": problems, "ok": not problems}
-        if problems:
+        if problems and raise_on_error:
             raise FidelityError(f"qdisc tree check failed on {len(problems)} item(s): " + "; ".join(problems[:8]), {"htb": report})
         return report
 
@@ -580,14 +586,14 @@ class EmulatedNetwork:
         return {dev: class_counters(st["class"]) for dev, st in self.tc_state().items()}
 
     # -- calibration
-    def calibrate(self, *, seconds: float = 1.0, tolerance: float = 0.10, port: int = 5299) -> dict[str, Any]:
+    def calibrate(self, *, seconds: float = 1.0, tolerance: float = 0.10, port: int = 5299, raise_on_error: bool = True) -> dict[str, Any]:
         """Run one iperf3 TCP flow over the first emulated link and compare the receiver's goodput with the configured rate.
 
         The expected goodput is the interface's payload rate (``rate_mbit``);
         raises :class:`FidelityError` when off by more than ``tolerance``.
         """
         if len(self.plan.hosts) < 2:
-            return {"skipped": "fewer than two emulated hosts"}
+            return {"skipped": "fewer than two emulated hosts", "ok": True}
         src = self.plan.interfaces[0]
         dst = next(i for i in self.plan.interfaces if i.switch == src.switch and i.host != src.host)
         expected = min(src.rate_mbit, dst.rate_down_mbit)
@@ -615,6 +621,9 @@ class EmulatedNetwork:
         report = {"src": src.dev, "dst": dst.dev, "expected_mbit": expected, "measured_mbit": measured, "error": error,
                   "tolerance": tolerance, "seconds": seconds, "ok": abs(error) <= tolerance}
         if not report["ok"]:
+            report["problems"] = [f"calibration flow {src.dev} -> {dst.dev}: {measured:.1f} Mbit/s measured, {expected:.1f} configured "
+                                  f"({error:+.1%}, tolerance {tolerance:.0%})"]
+        if not report["ok"] and raise_on_error:
             raise FidelityError(f"calibration flow {src.dev} -> {dst.dev} reached {measured:.1f} Mbit/s, configured "
                                 f"{expected:.1f} Mbit/s ({error:+.1%}, tolerance {tolerance:.0%})", {"calibration": report})
         return report
