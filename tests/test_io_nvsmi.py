@@ -241,6 +241,8 @@ def test_cells_without_separator_parse_the_same():
             squashed = squashed.replace(f"{a}\t{b}", f"{a}{b}")
     assert "NV18PIX" in squashed and "NODESYS" in squashed
     assert parse_nvidia_smi(squashed).to_dict() == parse_nvidia_smi(text).to_dict()
+    pasted = text.replace("\tSYS", "\u00a0SYS").replace("\t", "   ")  # a web page's no-break spaces, tabs expanded
+    assert parse_nvidia_smi(pasted).to_dict() == parse_nvidia_smi(text).to_dict()
 
 
 def test_byte_order_mark_is_ignored():

@@ -83,7 +83,7 @@ __all__ = ["NVSMI_TO_NCCL", "nvsmi_to_nccl", "parse_nvidia_smi", "read_matrix"]
 NVSMI_TO_NCCL = {"X": "LOC", "NV": "NVL", "PIX": "PIX", "PXB": "PXB", "PHB": "PHB", "NODE": "PHB", "SYS": "SYS", "SOC": "SYS"}
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_CODE = re.compile(r"[ \t]*(X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)")
+_CODE = re.compile(r"\s*(X|NV\d+|PIX|PXB|PHB|NODE|SYS|SOC)")  # \s: tabs, spaces, and the no-break spaces of web pastes
 _AFFINITY_COLUMNS = (("GPU", "NUMA", "ID"), ("CPU", "Affinity"), ("NUMA", "Affinity"))
 _PCIE_CODES = ("PIX", "PXB", "PHB", "NODE", "SYS")
 
