@@ -121,22 +121,35 @@ def _hops_to_stages(vw: _View, s: int, hops: list[tuple[int, VEdge]]) -> list[St
 
 
 def _host_segment(vw: _View, a: int, b: int) -> list[Stage]:
+    """Stages of the best path a -> b inside one island; the search runs once per island structure."""
     if a == b:
         return []
     cache = vw.cache.setdefault("host_segments", {})
     key = (a, b)
     if key not in cache:
-        found = _search(vw, a, b)
-        if found is None:
-            raise TopologyError(f"no path from {vw.names[a]} to {vw.names[b]}")
-        cache[key] = _hops_to_stages(vw, a, found[2])
+        nodes, data = _islands(vw)[vw.island[a]]
+        local = vw.cache["island_local"]
+        shared = vw.cache.setdefault("local_hops", {})
+        lkey = (id(data), local[a], local[b])
+        if lkey not in shared:
+            found = _search(vw, a, b)
+            if found is None:
+                raise TopologyError(f"no path from {vw.names[a]} to {vw.names[b]}")
+            # store as (local u, local v, rank among u's links to v), valid for every island of this structure
+            shared[lkey] = [(local[u], local[e.v], [x for x in vw.adj[u] if x.v == e.v].index(e)) for u, e in found[2]]
+        hops = []
+        for lu, lv, k in shared[lkey]:
+            u, v = nodes[lu], nodes[lv]
+            hops.append((u, [x for x in vw.adj[u] if x.v == v][k]))
+        cache[key] = _hops_to_stages(vw, a, hops)
     return cache[key]
 
 
 def _ports_of_island(vw: _View, isl: int) -> list[int]:
     cache = vw.cache.setdefault("island_ports", {})
     if isl not in cache:
-        cache[isl] = [a for a, i in enumerate(vw.island) if i == isl and any(e.lk == _NET for e in vw.adj[a])]
+        nodes = _islands(vw)[isl][0]
+        cache[isl] = [a for a in nodes if any(e.lk == _NET for e in vw.adj[a])]
     return cache[isl]
 
 
@@ -239,19 +252,15 @@ def _dist_to(vw: _View, targets: frozenset[int]) -> dict[int, int]:
 
 def _into(vw: _View, q: int) -> dict[int, list[VEdge]]:
     """Switches with links into ``q``, and those links."""
-    cache = vw.cache.setdefault("into", {})
-    if q not in cache:
-        if vw.kind[q] == _SW:
-            cache[q] = {}
-        else:
-            into: dict[int, list[VEdge]] = {}
-            for a, lst in enumerate(vw.adj):
-                if vw.kind[a] == _SW:
-                    for e in lst:
-                        if e.v == q:
-                            into.setdefault(a, []).append(e)
-            cache[q] = into
-    return cache[q]
+    cache = vw.cache.get("into")
+    if cache is None:  # one pass over the switches' links into non-switch nodes
+        cache = vw.cache["into"] = {}
+        for a, lst in enumerate(vw.adj):
+            if vw.kind[a] == _SW:
+                for e in lst:
+                    if vw.kind[e.v] != _SW:
+                        cache.setdefault(e.v, {}).setdefault(a, []).append(e)
+    return cache.get(q, {})
 
 
 def _switch_alternatives(
