@@ -43,8 +43,8 @@ O(levels) as well.
 >>> import topology
 >>> s = HivedScheduler(topology.default_cluster(), {"a": {"host": 2}, "b": {"numa": 3}})
 >>> r = s.allocate("j1", 8, vc="a")
->>> r.ok, len(r.gpus), s.allocate("j2", 8, vc="b").reason["level"]
-(True, 8, 'host')
+>>> r.ok, len(r.gpus), s.allocate("j2", 16, vc="b").reason["level"]
+(True, 8, 'hostx2')
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def _parse_quota(spec: Any, trees: dict[str, CellTree], vc: str) -> dict[str, di
     return out
 
 
-def decompose(tree: CellTree, gpus: int) -> list[int]:
+def decompose(tree: CellTree, gpus: int, below: int | None = None) -> list[int]:
     """Split a GPU count into cell levels, largest first (12 GPUs on DGX H100: host + numa).
 
     >>> import topology
@@ -316,7 +316,7 @@ def decompose(tree: CellTree, gpus: int) -> list[int]:
     ['host', 'numa']
     """
     out, rem = [], gpus
-    for level in range(len(tree.levels) - 1, -1, -1):
+    for level in range(len(tree.levels) - 1 if below is None else below - 1, -1, -1):
         size = tree.levels[level].size
         while rem >= size:
             out.append(level)
@@ -329,12 +329,15 @@ class HivedScheduler:
 
     ``virtual_clusters`` maps a VC name to its quota, ``{level: count}`` or
     ``{chain: {level: count}}``; infeasible quotas raise :class:`QuotaError`.
+    ``relax``: when no cell of a piece's level is free, split the piece into
+    smaller cells (HiveD's relaxed affinity) instead of failing.
     """
 
     def __init__(self, topo: Topology, virtual_clusters: Mapping[str, Any] | None = None, *, forge: bool = True,
-                 trees: dict[str, CellTree] | None = None):
+                 trees: dict[str, CellTree] | None = None, relax: bool = True):
         self.topo = topo
         self.forge = forge
+        self.relax = relax
         self.trees = trees or cell_hierarchy(topo, forge=forge)
         self.chains = {name: _Chain(t) for name, t in self.trees.items()}
         self.vc_spec = {str(k): v for k, v in (virtual_clusters or {}).items()}
@@ -488,16 +491,25 @@ class HivedScheduler:
                           exclude: set[str], dry: bool = False) -> AllocationResult:
         ch, vch = self.chains[chain], self.vcs[vc][chain]
         tree = ch.tree
-        levels = decompose(tree, gpus) if plan is None else [p[1] for p in plan]
+        work = decompose(tree, gpus) if plan is None else [p[1] for p in plan]
         taken: list[VirtualCell] = []
-        for i, lv in enumerate(levels):
+        first_fail: int | None = None
+        i = 0
+        while work:
+            lv = work.pop(0)
             if plan is not None:
                 v = self._vtake_path(ch, vch, plan[i][2], plan[i][3], plan[i][4])
             else:
                 v = self._valloc(ch, vch, lv, taken, exclude if i == 0 else set())
+            if v is None and plan is None and self.relax and lv > 0:
+                # relaxed affinity (HiveD's scheduler accepts any cells, preferring affine ones): split the piece
+                first_fail = lv if first_fail is None else first_fail
+                work[0:0] = decompose(tree, tree.levels[lv].size, below=lv)
+                continue
             if v is None:
                 for t in taken:
                     self._vfree(ch, vch, t)
+                lv = lv if first_fail is None else first_fail
                 healthy_short = self._vc_has_only_bad(ch, vch, lv)
                 msg = (f"VC {vc} has no healthy free cell of level {tree.levels[lv].name!r} (bad hardware degrades its guarantee)"
                        if healthy_short else f"VC {vc} quota exhausted: no free {tree.levels[lv].name!r} cell ({tree.levels[lv].size} GPUs) left")
@@ -505,6 +517,7 @@ class HivedScheduler:
                                                                          "level": tree.levels[lv].name, "chain": chain, "vc": vc, "message": msg})
             v.job = job
             taken.append(v)
+            i += 1
         # occupy: preempt opportunistic jobs first (inter-VC preemption)
         phys = [self._physical_of(v) for v in taken]
         victims = {ch.leaf_job[leaf] for p in phys for leaf in range(p.lo, p.hi) if ch.leaf_job[leaf] is not None}
@@ -686,10 +699,18 @@ class HivedScheduler:
                 if ch.busy[c.index]:
                     raise InputError(f"job {job!r}: planned cell {c.address} is no longer idle")
         else:
-            cells = []
-            for i, lv in enumerate(decompose(tree, gpus)):
-                c = self._occ_choice(ch, lv, cells[0] if cells else None, exclude if i == 0 else set())
+            cells: list[Cell] = []
+            work = decompose(tree, gpus)
+            first_fail: int | None = None
+            while work:
+                lv = work.pop(0)
+                c = self._occ_choice(ch, lv, cells[0] if cells else None, exclude if not cells else set())
+                if c is None and self.relax and lv > 0:
+                    first_fail = lv if first_fail is None else first_fail
+                    work[0:0] = decompose(tree, tree.levels[lv].size, below=lv)
+                    continue
                 if c is None:
+                    lv = lv if first_fail is None else first_fail
                     for t in cells:
                         ch.mark_idle_cell(t)
                     return AllocationResult(job, False, chain=chain, reason={
@@ -886,7 +907,7 @@ class HivedScheduler:
                 pieces = [[v.level, v.path(), self.vcs[j.vc][j.chain].roots[v.root_index].physical.address] for v in j.virtual]
             jobs.append({"id": j.id, "vc": j.vc, "priority": j.priority, "chain": j.chain, "pieces": pieces, "seq": j.seq})
         bad = [ch.tree.leaves[i] for ch in self.chains.values() for i, b in enumerate(ch.leaf_bad) if b]
-        return {"format": STATE_FORMAT, "version": 1, "topology": self.topo.name, "forge": self.forge,
+        return {"format": STATE_FORMAT, "version": 1, "topology": self.topo.name, "forge": self.forge, "relax": self.relax,
                 "virtual_clusters": self.vc_spec, "bad_gpus": bad, "bindings": bindings, "jobs": jobs,
                 "free_lists": self.free_lists(), "seq": self._seq}
 
@@ -902,7 +923,8 @@ class HivedScheduler:
             raise InputError(f"expected a JSON object with \"format\": \"{STATE_FORMAT}\"", source=source)
         if state.get("version") != 1:
             raise InputError(f"unsupported version {state.get('version')!r}, expected 1", source=source, where="version")
-        s = cls(topo, state.get("virtual_clusters") or {}, forge=bool(state.get("forge", True)), trees=trees)
+        s = cls(topo, state.get("virtual_clusters") or {}, forge=bool(state.get("forge", True)), trees=trees,
+                relax=bool(state.get("relax", True)))
         try:
             for g in state.get("bad_gpus", []):
                 for ch, leaf in s._leaves_named([g]):

@@ -1,0 +1,467 @@
+"""Trace replay: run a job trace on a topology under a placement policy and measure JCT, queueing, fragmentation.
+
+Event-driven: events are arrivals and completions. At each event the policy
+places (and, for LAS, preempts) jobs; then the iteration time of every running
+job is recomputed by a *slowdown model* (:mod:`placement.contention`, default
+:class:`~placement.contention.FluidSlowdown`) from the jobs' communication
+profiles and phases, and jobs progress at ``1 / iteration time`` iterations per
+second until the next event.
+
+Policies (:data:`POLICIES`):
+
+``fifo``
+    FIFO + first-fit: the queue head starts when enough GPUs are idle, on the
+    first idle GPUs in topology order; the queue blocks behind it. Contention-blind.
+``las``
+    Tiresias-style discretised 2D-LAS (Gu et al., NSDI 2019): jobs are ordered
+    by the queue their attained service (GPU-seconds) falls in (thresholds
+    ``las_thresholds``), FIFO inside a queue; at every event the highest jobs
+    that fit by GPU count run and the others are preempted (progress kept, no
+    restart penalty; placement first-fit, i.e. consolidation relaxed).
+``hived``
+    HiveD buddy cell allocation (:class:`~placement.hived.HivedScheduler`): FIFO,
+    each job placed by the buddy allocator (guaranteed in its VC when the
+    trace names VCs, opportunistic otherwise). No time shifts.
+``hived+cassini``
+    As ``hived``, but up to ``candidates`` buddy placements are ranked by
+    CASSINI against the running jobs that share links with them, and the job's
+    first iteration is delayed by its time shift so its communication
+    interleaves with theirs.
+
+Metrics: average and p99 JCT (finish - arrival), average queueing delay (first
+start - arrival), time-averaged GPU fragmentation (share of idle GPUs outside
+fully idle hosts), GPU utilisation, and per-link overload time (seconds during
+which a shared link's demand exceeds its capacity, summed over links; from the
+unified circles of the jobs sharing it).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from topology.errors import InputError
+from topology.model import SwitchTier, Topology
+
+from .cassini import DEFAULT_BUCKETS, _rows, rank_candidates, shared_links, unified_perimeter
+from .contention import FluidSlowdown, PlacedJob, link_components
+from .hived import HivedScheduler
+from .planner import rank_order
+from .profiles import CommProfile, JobSpec, comm_profile
+from .traces import TraceJob
+
+POLICIES = ("fifo", "las", "hived", "hived+cassini")
+SlowdownModel = Callable[[Sequence[PlacedJob]], Mapping[str, float]]
+
+
+class ProfileCache:
+    """Communication profiles, reused across placements that the fabric's symmetry makes identical.
+
+    On a rail-optimised fabric whose scalable units are all full, hosts of one
+    SU are interchangeable and so are SUs: a placement is reduced to its
+    *shape* (per host in rank order: the SU by first appearance and the local
+    GPU indices), profiled once on a canonical placement of that shape, and
+    translated back by renaming hosts and leaf switches. Elsewhere the exact
+    GPU list is the key.
+    """
+
+    def __init__(self, topo: Topology, routing: str = "rail"):
+        self.topo, self.routing = topo, routing
+        self.cache: dict[tuple, CommProfile] = {}
+        self.hits = self.misses = 0
+        g = topo.graph
+        self.host_of = {n: topo.host_of(n) for n in topo.gpus()}
+        self.index = {n: g.nodes[n].get("index", 0) for n in topo.gpus()}
+        fab = topo.meta.get("fabric") or {}
+        hosts = topo.hosts()
+        self.symmetric = False
+        if fab.get("kind") == "rail-optimized":
+            per = int(fab.get("hosts_per_su", 32))
+            models = {g.nodes[n].get("model") for n in topo.gpus()}
+            if len(hosts) % per == 0 and len(models) == 1:
+                self.symmetric = True
+                self.su_of = {h: i // per for i, h in enumerate(hosts)}
+                self.su_hosts = [hosts[i : i + per] for i in range(0, len(hosts), per)]
+                self.leaf = {(g.nodes[s].get("pod"), g.nodes[s].get("rail")): s for s in topo.switches(SwitchTier.LEAF)}
+                self.leaf_key = {s: k for k, s in self.leaf.items()}
+                self.gpu_at = {(self.host_of[n], self.index[n]): n for n in topo.gpus()}
+
+    def profile(self, spec: JobSpec, gpus: Sequence[str]) -> CommProfile:
+        shape_key = (spec.gpus, spec.tp, spec.compute_s, spec.grad_bytes, spec.algorithm)
+        if not self.symmetric:
+            key = (*shape_key, tuple(gpus))
+            hit = self.cache.get(key)
+            if hit is None:
+                self.misses += 1
+                hit = self.cache[key] = comm_profile(self.topo, spec, gpus, policy=self.routing)
+            else:
+                self.hits += 1
+            return CommProfile(spec.name, tuple(gpus), hit.compute_s, hit.comm_s, hit.link_rates, hit.link_bytes)
+        hosts = list(dict.fromkeys(self.host_of[x] for x in gpus))
+        su_map: dict[int, int] = {}
+        for h in hosts:
+            su_map.setdefault(self.su_of[h], len(su_map))
+        shape = tuple((su_map[self.su_of[h]], tuple(self.index[x] for x in gpus if self.host_of[x] == h)) for h in hosts)
+        # canonical hosts: in canonical SU c, the hosts of the job in that SU become its first hosts, in rank order
+        used: dict[int, int] = {}
+        canon_host = {}
+        for h in hosts:
+            c = su_map[self.su_of[h]]
+            canon_host[h] = self.su_hosts[c][used.get(c, 0)]
+            used[c] = used.get(c, 0) + 1
+        key = (*shape_key, shape)
+        hit = self.cache.get(key)
+        if hit is None:
+            self.misses += 1
+            canon = [self.gpu_at[(canon_host[self.host_of[x]], self.index[x])] for x in gpus]
+            hit = self.cache[key] = comm_profile(self.topo, spec, canon, policy=self.routing)
+        else:
+            self.hits += 1
+        back_host = {canon_host[h]: h for h in hosts}
+        back_su = {c: s for s, c in su_map.items()}
+
+        def rename(node: str) -> str:
+            if node in self.leaf_key:
+                pod, rail = self.leaf_key[node]
+                return self.leaf[(back_su[pod], rail)]
+            host, _, rest = node.partition("/")
+            if rest and host in back_host:
+                return f"{back_host[host]}/{rest}"
+            return node
+
+        rates = {(rename(u), rename(v), k): r for (u, v, k), r in hit.link_rates.items()}
+        nbytes = {(rename(u), rename(v), k): b for (u, v, k), b in hit.link_bytes.items()}
+        return CommProfile(spec.name, tuple(gpus), hit.compute_s, hit.comm_s, rates, nbytes)
+
+
+@dataclass
+class _Run:
+    trace: TraceJob
+    spec: JobSpec
+    gpus: list[str] = field(default_factory=list)
+    profile: CommProfile | None = None
+    first_start: float | None = None
+    ready: float = 0.0
+    shift: float = 0.0
+    remaining: float = 0.0
+    iter_time: float = math.inf
+    attained: float = 0.0
+    finish: float | None = None
+    running: bool = False
+    reason: str | None = None
+
+
+@dataclass
+class ReplayResult:
+    """Per-job times and the aggregate metrics of one replay."""
+
+    policy: str
+    jobs: list[dict[str, Any]]
+    metrics: dict[str, Any]
+
+    def jct(self) -> np.ndarray:
+        return np.array([j["jct_s"] for j in self.jobs if j["jct_s"] is not None])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"policy": self.policy, "metrics": self.metrics, "jobs": self.jobs}
+
+
+class Replay:
+    """One replay of ``trace`` on ``topo`` under ``policy`` (see the module docstring)."""
+
+    def __init__(self, topo: Topology, trace: Sequence[TraceJob], policy: str = "hived", *, slowdown: SlowdownModel | None = None,
+                 virtual_clusters: Mapping[str, Any] | None = None, candidates: int = 4, routing: str = "rail",
+                 las_thresholds: Sequence[float] = (3600.0, 36000.0), profiles: ProfileCache | None = None):
+        if policy not in POLICIES:
+            raise InputError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}", where="policy")
+        self.topo, self.policy = topo, policy
+        self.slowdown = slowdown or FluidSlowdown(topo)
+        self.candidates, self.las_thresholds = candidates, tuple(las_thresholds)
+        self.profiles = profiles or ProfileCache(topo, routing)
+        self.gpus = topo.gpus()
+        self.gpu_pos = {g: i for i, g in enumerate(self.gpus)}
+        self.host_of = {g: topo.host_of(g) for g in self.gpus}
+        self.host_size: dict[str, int] = {}
+        for g in self.gpus:
+            self.host_size[self.host_of[g]] = self.host_size.get(self.host_of[g], 0) + 1
+        self.host_idle = dict(self.host_size)
+        self.idle = [True] * len(self.gpus)
+        self.n_idle = len(self.gpus)
+        vcs = dict(virtual_clusters or {})
+        self.use_vcs = bool(vcs)
+        self.sched = HivedScheduler(topo, vcs) if policy.startswith("hived") else None
+        self.jobs = {t.name: _Run(t, t.spec()) for t in trace}
+        too_big = [t.name for t in trace if t.gpus > len(self.gpus)]
+        for name in too_big:
+            self.jobs[name].reason = f"needs {self.jobs[name].spec.gpus} GPUs, the cluster has {len(self.gpus)}"
+        self.arrivals = sorted((t for t in trace if t.name not in too_big), key=lambda t: (t.arrival_s, t.name))
+        self.queue: list[str] = []
+        self.running: dict[str, _Run] = {}
+        self.now = 0.0
+        self.capacity = {(u, v, k): float(d["bw"]) for u, v, k, d in topo.links()}
+        self.stats = {"frag_integral": 0.0, "busy_integral": 0.0, "overload_link_s": 0.0, "events": 0, "preemptions": 0, "span": 0.0,
+                      "frag_wait_integral": 0.0, "wait_time": 0.0}
+        self._overload_rate = 0.0
+        self._overload_cache: dict[tuple, float] = {}
+
+    # -- GPU bookkeeping ------------------------------------------------------------------------
+    def _take(self, gpus: Sequence[str]) -> None:
+        for g in gpus:
+            i = self.gpu_pos[g]
+            assert self.idle[i], g
+            self.idle[i] = False
+            self.host_idle[self.host_of[g]] -= 1
+        self.n_idle -= len(gpus)
+
+    def _give(self, gpus: Sequence[str]) -> None:
+        for g in gpus:
+            self.idle[self.gpu_pos[g]] = True
+            self.host_idle[self.host_of[g]] += 1
+        self.n_idle += len(gpus)
+
+    def fragmentation(self) -> float:
+        whole = sum(n for h, n in self.host_idle.items() if n == self.host_size[h])
+        return 0.0 if self.n_idle == 0 else 1.0 - whole / self.n_idle
+
+    def _first_fit(self, n: int) -> list[str] | None:
+        if self.n_idle < n:
+            return None
+        out = []
+        for i, free in enumerate(self.idle):
+            if free:
+                out.append(self.gpus[i])
+                if len(out) == n:
+                    return out
+        return None
+
+    # -- starting and stopping jobs ----------------------------------------------------------------
+    def _start(self, r: _Run, gpus: Sequence[str], shift: float = 0.0, profile: CommProfile | None = None) -> None:
+        ordered = rank_order(self.topo, gpus)
+        r.gpus = ordered
+        r.profile = profile or self.profiles.profile(r.spec, ordered)
+        r.shift = shift
+        r.ready = self.now + shift
+        if r.first_start is None:
+            r.first_start = self.now
+            r.remaining = float(r.spec.iterations)
+        r.running = True
+        self.running[r.trace.name] = r
+        self._take(ordered)
+
+    def _stop(self, r: _Run) -> None:
+        r.running = False
+        del self.running[r.trace.name]
+        self._give(r.gpus)
+        if self.sched is not None and r.trace.name in self.sched.jobs:
+            self.sched.free(r.trace.name)
+
+    # -- policies -------------------------------------------------------------------------------------
+    def _schedule(self) -> bool:
+        changed = False
+        if self.policy == "las":
+            return self._schedule_las()
+        while self.queue:
+            r = self.jobs[self.queue[0]]
+            if self.policy == "fifo":
+                gpus = self._first_fit(r.spec.gpus)
+                ok = gpus is not None
+                if ok:
+                    self._start(r, gpus)
+            else:
+                ok = self._place_hived(r)
+            if not ok:
+                if not self.running:  # the whole cluster is idle and it still does not fit: it never will
+                    r.reason = r.reason or "does not fit the idle cluster"
+                    self.queue.pop(0)
+                    continue
+                break
+            self.queue.pop(0)
+            changed = True
+        return changed
+
+    def _las_queue(self, r: _Run) -> int:
+        return sum(1 for th in self.las_thresholds if r.attained >= th)
+
+    def _schedule_las(self) -> bool:
+        cands = [*self.running.values(), *(self.jobs[n] for n in self.queue)]
+        cands.sort(key=lambda r: (self._las_queue(r), r.trace.arrival_s, r.trace.name))
+        budget = len(self.gpus)
+        keep = set()
+        for r in cands:
+            if r.spec.gpus <= budget:
+                keep.add(r.trace.name)
+                budget -= r.spec.gpus
+        changed = False
+        for name in [n for n in self.running if n not in keep]:
+            r = self.running[name]
+            self._stop(r)
+            self.queue.append(name)
+            self.stats["preemptions"] += 1
+            changed = True
+        for r in cands:
+            if r.trace.name in keep and not r.running:
+                gpus = self._first_fit(r.spec.gpus)
+                if gpus is None:  # cannot happen: the kept set fits by count and first-fit takes any idle GPU
+                    continue
+                self.queue.remove(r.trace.name)
+                self._start(r, gpus)
+                changed = True
+        return changed
+
+    def _place_hived(self, r: _Run) -> bool:
+        vc = r.spec.vc if self.use_vcs else None
+        name = r.trace.name
+        if self.policy == "hived":
+            res = self.sched.allocate(name, r.spec.gpus, vc=vc, priority=r.spec.priority)
+            if not res.ok:
+                r.reason = res.reason["message"] if res.reason else "no cells"
+                return False
+            self._preempted(res.preempted)
+            self._start(r, res.gpus)
+            return True
+        cands = [c for c in self.sched.candidates(name, r.spec.gpus, vc=vc, priority=r.spec.priority, limit=self.candidates) if c.ok]
+        if not cands:
+            res = self.sched.allocate(name, r.spec.gpus, vc=vc, priority=r.spec.priority, dry=True)
+            r.reason = res.reason["message"] if res.reason else "no cells"
+            return False
+        profs = [self.profiles.profile(r.spec, rank_order(self.topo, c.gpus)) for c in cands]
+        pick, shift = 0, 0.0
+        if any(p.link_rates for p in profs):
+            links = {e for p in profs for e in p.link_rates}
+            running = {n: (x.profile, x.ready) for n, x in self.running.items() if x.profile and links.intersection(x.profile.link_rates)}
+            ranked = rank_candidates(self.capacity, running, profs)
+            pick = ranked[0].index
+            phase = ranked[0].shifts.shifts.get(name, 0.0)
+            period = profs[pick].period_s
+            shift = (phase - self.now) % period if running else 0.0
+        res = self.sched.allocate(name, r.spec.gpus, vc=vc, priority=r.spec.priority, plan=cands[pick].plan)
+        self._preempted(res.preempted)
+        self._start(r, res.gpus, shift, profs[pick])
+        return True
+
+    def _preempted(self, names: Sequence[str]) -> None:
+        for n in names:  # HiveD preempted these opportunistic jobs; they go back to the queue
+            r = self.running.get(n)
+            if r is not None:
+                r.running = False
+                del self.running[n]
+                self._give(r.gpus)
+                self.queue.insert(0, n)
+                self.stats["preemptions"] += 1
+
+    # -- contention ---------------------------------------------------------------------------------
+    def _recompute(self) -> None:
+        placed = [PlacedJob(r.profile, r.ready) for r in self.running.values()]
+        times = self.slowdown(placed)
+        for name, r in self.running.items():
+            r.iter_time = max(times.get(name, r.profile.period_s), 1e-12)
+        self._overload_rate = self._overload(placed)
+
+    def _overload(self, placed: Sequence[PlacedJob]) -> float:
+        """Overloaded links right now, weighted by the share of the time each is overloaded."""
+        total = 0.0
+        for comp in link_components(placed):
+            if len(comp) < 2:
+                continue
+            key = tuple(sorted((j.profile.gpus, round(j.profile.period_s, 9), round(j.phase_s % j.profile.period_s, 4)) for j in comp))
+            hit = self._overload_cache.get(key)
+            if hit is None:
+                profs = {j.name: j.profile for j in comp}
+                phases = {j.name: j.phase_s for j in comp}
+                links = shared_links(profs)
+                per = unified_perimeter([p.period_s for p in profs.values()])
+                hit = 0.0
+                for e, js in links.items():
+                    load = sum(profs[j].link_rates[e] * _rows(profs[j], per, DEFAULT_BUCKETS, np.array([phases[j]]))[0] for j in js)
+                    hit += float((load > self.capacity[e] * (1 + 1e-9)).mean())
+                if len(self._overload_cache) > 100_000:
+                    self._overload_cache.clear()
+                self._overload_cache[key] = hit
+            total += hit
+        return total
+
+    # -- the event loop -------------------------------------------------------------------------------
+    def _advance(self, t: float) -> None:
+        dt = t - self.now
+        if dt > 0:
+            busy = len(self.gpus) - self.n_idle
+            self.stats["frag_integral"] += self.fragmentation() * dt
+            self.stats["busy_integral"] += busy * dt
+            self.stats["overload_link_s"] += self._overload_rate * dt
+            if self.queue:
+                self.stats["frag_wait_integral"] += self.fragmentation() * dt
+                self.stats["wait_time"] += dt
+            for r in self.running.values():
+                active = max(0.0, t - max(self.now, r.ready))
+                r.remaining -= active / r.iter_time
+                r.attained += r.spec.gpus * dt
+        self.now = t
+
+    def run(self) -> ReplayResult:
+        wall = time.perf_counter()
+        i = 0
+        while i < len(self.arrivals) or self.queue or self.running:
+            t_arr = self.arrivals[i].arrival_s if i < len(self.arrivals) else math.inf
+            t_fin = min((max(r.ready, self.now) + r.remaining * r.iter_time for r in self.running.values()), default=math.inf)
+            t_next = min(t_arr, t_fin)
+            if not math.isfinite(t_next):
+                for n in self.queue:  # nothing runs and nothing arrives: these can never be placed
+                    self.jobs[n].reason = self.jobs[n].reason or "never fits"
+                break
+            self._advance(max(t_next, self.now))
+            self.stats["events"] += 1
+            changed = False
+            for name in [n for n, r in self.running.items() if r.remaining <= 1e-9 * max(1.0, r.spec.iterations)]:
+                r = self.running[name]
+                r.finish = self.now
+                self._stop(r)
+                changed = True
+            while i < len(self.arrivals) and self.arrivals[i].arrival_s <= self.now:
+                self.queue.append(self.arrivals[i].name)
+                i += 1
+                changed = True
+            if changed:
+                self._schedule()
+                self._recompute()
+        self.stats["span"] = self.now
+        return self._result(time.perf_counter() - wall)
+
+    def _result(self, wall: float) -> ReplayResult:
+        rows = []
+        for name, r in self.jobs.items():
+            jct = None if r.finish is None else r.finish - r.trace.arrival_s
+            queued = None if r.first_start is None else r.first_start - r.trace.arrival_s
+            rows.append({"name": name, "gpus": r.spec.gpus, "arrival_s": r.trace.arrival_s, "start_s": r.first_start, "finish_s": r.finish,
+                         "jct_s": jct, "queue_s": queued, "shift_s": r.shift, "hosts": len({self.host_of[g] for g in r.gpus}),
+                         "reason": r.reason if r.finish is None else None})
+        jcts = np.array([x["jct_s"] for x in rows if x["jct_s"] is not None])
+        queue = np.array([x["queue_s"] for x in rows if x["queue_s"] is not None])
+        span = max(self.stats["span"], 1e-12)
+        metrics = {
+            "jobs": len(rows), "finished": int(len(jcts)), "unfinished": len(rows) - int(len(jcts)),
+            "avg_jct_s": float(jcts.mean()) if len(jcts) else None,
+            "p99_jct_s": float(np.percentile(jcts, 99)) if len(jcts) else None,
+            "avg_queue_s": float(queue.mean()) if len(queue) else None,
+            "p99_queue_s": float(np.percentile(queue, 99)) if len(queue) else None,
+            "makespan_s": self.stats["span"],
+            "fragmentation": self.stats["frag_integral"] / span,
+            "fragmentation_while_waiting": self.stats["frag_wait_integral"] / self.stats["wait_time"] if self.stats["wait_time"] else 0.0,
+            "gpu_utilisation": self.stats["busy_integral"] / (span * len(self.gpus)),
+            "overloaded_link_s": self.stats["overload_link_s"],
+            "preemptions": self.stats["preemptions"], "events": self.stats["events"], "wall_s": wall,
+            "profile_cache": {"hits": self.profiles.hits, "misses": self.profiles.misses},
+        }
+        if isinstance(self.slowdown, FluidSlowdown):
+            metrics["slowdown_cache"] = {"calls": self.slowdown.calls, "hits": self.slowdown.hits}
+        return ReplayResult(self.policy, rows, metrics)
+
+
+def replay(topo: Topology, trace: Sequence[TraceJob], policy: str = "hived", **options: Any) -> ReplayResult:
+    """Replay ``trace`` on ``topo`` with ``policy``; ``options`` go to :class:`Replay`."""
+    return Replay(topo, trace, policy, **options).run()
+
