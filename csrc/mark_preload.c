@@ -1,6 +1,7 @@
 /* netweave: LD_PRELOAD socket marker (libnetweave-mark.so) for processes that do not use
- * NCCL (gloo, TCPStore, iperf...). Every IPv4/IPv6 TCP socket that connect()s or is
- * accept()ed gets IP_TOS (DSCP) and SO_PRIORITY; the SYN is marked too (before connect).
+ * NCCL (gloo, TCPStore, iperf...). Every IPv4/IPv6 TCP socket that connect()s, listen()s or
+ * is accept()ed gets IP_TOS (DSCP) and SO_PRIORITY; the SYN (marked before connect) and the
+ * SYN-ACK (the listener is marked) carry the class too.
  *
  * Rules, most specific first:
  *   NETWEAVE_MARK_PORTS="29500:46:1,12345:8"  port:dscp[:prio]; the port is the peer's port
@@ -25,10 +26,12 @@
 typedef int (*connect_fn)(int, const struct sockaddr*, socklen_t);
 typedef int (*accept_fn)(int, struct sockaddr*, socklen_t*);
 typedef int (*accept4_fn)(int, struct sockaddr*, socklen_t*, int);
+typedef int (*listen_fn)(int, int);
 
 static connect_fn real_connect;
 static accept_fn real_accept;
 static accept4_fn real_accept4;
+static listen_fn real_listen;
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static nw_port_rule_t env_ports[NW_MAX_RULES];
 static int n_env_ports = 0;
@@ -46,6 +49,7 @@ static void setup(void) {
   real_connect = (connect_fn)dlsym(RTLD_NEXT, "connect");
   real_accept = (accept_fn)dlsym(RTLD_NEXT, "accept");
   real_accept4 = (accept4_fn)dlsym(RTLD_NEXT, "accept4");
+  real_listen = (listen_fn)dlsym(RTLD_NEXT, "listen");
   const char* d = getenv("NETWEAVE_DSCP");
   if (d && d[0] && parse_small(d, 0, 63, &env_dscp) != 0) fprintf(stderr, "netweave-mark: NETWEAVE_DSCP=%s is not 0..63, ignored\n", d);
   const char* p = getenv("NETWEAVE_PRIORITY");
@@ -100,6 +104,7 @@ static int port_of(const struct sockaddr* sa) {
   return -1;
 }
 
+
 static void mark(int fd, int port, const char* how) {
   int type = 0;
   socklen_t tl = sizeof(type);
@@ -129,10 +134,19 @@ NW_EXPORT int connect(int fd, const struct sockaddr* addr, socklen_t len) {
   return real_connect(fd, addr, len);
 }
 
-static void mark_accepted(int fd) {
+static void mark_local(int fd, const char* how) {
   struct sockaddr_storage ss;
   socklen_t sl = sizeof(ss);
-  if (getsockname(fd, (struct sockaddr*)&ss, &sl) == 0) mark(fd, port_of((struct sockaddr*)&ss), "accept");
+  if (getsockname(fd, (struct sockaddr*)&ss, &sl) == 0) mark(fd, port_of((struct sockaddr*)&ss), how);
+}
+
+static void mark_accepted(int fd) { mark_local(fd, "accept"); }
+
+/* the SYN-ACK carries the listening socket's TOS, and accepted sockets inherit it */
+NW_EXPORT int listen(int fd, int backlog) {
+  pthread_once(&once, setup);
+  mark_local(fd, "listen");
+  return real_listen(fd, backlog);
 }
 
 NW_EXPORT int accept(int fd, struct sockaddr* addr, socklen_t* len) {

@@ -586,6 +586,48 @@ def htb_class_bytes(dev: str, *, netns: str | None = None) -> dict[str, int]:
     return result
 
 
+class NetnsPair:
+    """Two network namespaces joined by one veth pair (``<prefix>a``/``<prefix>b``, devices ``<prefix>a0``/``<prefix>b0``,
+    addresses ``10.<subnet>.0.1/24`` and ``.2``); needs root. Always deletes what it created on exit::
+
+        with NetnsPair("nwt", subnet=77) as pair:
+            pair.run("a", ["ping", "-c1", pair.addr_b])
+    """
+
+    def __init__(self, prefix: str, subnet: int = 77):
+        if not prefix.isalnum() or len(prefix) > 10:
+            raise NcclHookError(f"netns prefix must be alphanumeric and at most 10 characters, got {prefix!r}")
+        _check_range("subnet", subnet, 1, 254)
+        self.ns_a, self.ns_b = f"{prefix}a", f"{prefix}b"
+        self.dev_a, self.dev_b = f"{prefix}a0", f"{prefix}b0"
+        self.addr_a, self.addr_b = f"10.{subnet}.0.1", f"10.{subnet}.0.2"
+
+    def __enter__(self) -> NetnsPair:
+        self._cleanup()
+        try:
+            for cmd in (["ip", "netns", "add", self.ns_a], ["ip", "netns", "add", self.ns_b],
+                        ["ip", "link", "add", self.dev_a, "netns", self.ns_a, "type", "veth", "peer", "name", self.dev_b, "netns", self.ns_b]):
+                subprocess.run(cmd, check=True, capture_output=True, text=True)
+            for ns, dev, addr in ((self.ns_a, self.dev_a, self.addr_a), (self.ns_b, self.dev_b, self.addr_b)):
+                for cmd in (["ip", "addr", "add", f"{addr}/24", "dev", dev], ["ip", "link", "set", dev, "up"], ["ip", "link", "set", "lo", "up"]):
+                    subprocess.run(["ip", "netns", "exec", ns, *cmd], check=True, capture_output=True, text=True)
+        except subprocess.CalledProcessError as e:
+            self._cleanup()
+            raise NcclHookError(f"{' '.join(e.cmd)} failed: {e.stderr.strip()}") from None
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for ns in (self.ns_a, self.ns_b):  # deleting a namespace removes its end of the veth (and so the pair)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def cmd(self, side: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` prefixed to run inside namespace ``side`` ('a' or 'b')."""
+        return ["ip", "netns", "exec", self.ns_a if side == "a" else self.ns_b, *argv]
+
+
 # ---------------------------------------------------------------------- CLI --
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m flowsched.ncclhook build|check-plan FILE|ring FILE``."""
