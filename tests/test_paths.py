@@ -276,10 +276,12 @@ def test_cache_is_refreshed_after_edits():
     for u, v, k in list(t.graph.edges(keys=True)):
         if t.graph.nodes[u]["kind"] == NodeKind.NVSWITCH or t.graph.nodes[v]["kind"] == NodeKind.NVSWITCH:
             t.graph.remove_edge(u, v, k)
-    assert gpu_path(t, 0, 1).path_type == PathType.PHB  # edge count changed: rebuilt automatically
-    t.graph.edges["node0/gpu0", "node0/pcie0", 0]["bw"] = 1.0
-    clear_cache(t)  # a change that keeps the counts needs an explicit clear
-    assert gpu_path(t, 0, 1).bw == 1.0
+    assert gpu_path(t, 0, 1).path_type == PathType.NVL  # cached: link edits need an explicit clear
+    clear_cache(t)
+    assert gpu_path(t, 0, 1).path_type == PathType.PHB
+    t.add_node("node0/gpu8", NodeKind.GPU, host="node0", index=8)
+    t.add_link("node0/gpu0", "node0/gpu8", LinkKind.NVLINK, 7.0)
+    assert gpu_path(t, 0, 8).bw == 7.0  # node count changed: rebuilt automatically
 
 
 def test_to_dict_round_trip_fields():

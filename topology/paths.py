@@ -49,8 +49,10 @@ Bandwidths are GB/s per direction; latencies are the sum of the links'
 ``latency_us``. A path from a device to itself is ``LOC`` with NCCL's
 ``LOC_BW`` (5000 GB/s).
 
-Results are cached per topology (see :func:`clear_cache`); topologies are
-treated as read-only once queried -- after editing one, call ``clear_cache``.
+Results are cached per topology. The cache is rebuilt when the number of
+nodes changes; after any other edit (a link added, removed or re-rated), call
+:func:`clear_cache` -- checking every link on every query would cost more than
+most queries (tens of ms on a 1024-GPU cluster).
 
 >>> from topology import build_cluster
 >>> t = build_cluster(2)
@@ -158,7 +160,7 @@ class _View:
     rep: dict[str, str]  # physical NVSwitch -> the plane that names its group
     groups: dict[int, list[str]]  # view index of a group -> its physical planes
     c2c_cpus: dict[int, frozenset[int]]  # GPU -> CPUs it reaches over C2C
-    fingerprint: tuple[int, int]
+    fingerprint: int
     attrs: list[dict[str, Any]] = field(default_factory=list)  # node attribute dicts of topo.graph
     cache: dict[str, Any] = field(default_factory=dict)
 
@@ -178,8 +180,8 @@ class _View:
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _fingerprint(topo: Topology) -> tuple[int, int]:
-    return (topo.graph.number_of_nodes(), topo.graph.number_of_edges())
+def _fingerprint(topo: Topology) -> int:
+    return topo.graph.number_of_nodes()
 
 
 def clear_cache(topo: Topology) -> None:
@@ -188,7 +190,7 @@ def clear_cache(topo: Topology) -> None:
 
 
 def view(topo: Topology, *, check: bool = True) -> _View:
-    """The cached indexed view of ``topo`` (rebuilt when its node or edge count changed)."""
+    """The cached indexed view of ``topo`` (rebuilt when its node count changed or after :func:`clear_cache`)."""
     v = _VIEWS.get(topo.graph)
     if v is not None and (not check or v.fingerprint == _fingerprint(topo)):
         return v
