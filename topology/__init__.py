@@ -1,6 +1,8 @@
 """netweave.topology: the hardware graph every other package reads.
 
-The public API is re-exported here; see ``docs/topology.md``.
+The public API is re-exported here; see ``docs/topology.md``. Drawing
+(``topology.draw``) and the file formats (``topology.io``) are imported from
+their modules so that ``import topology`` stays light.
 
 >>> import topology
 >>> topo = topology.default_cluster()
@@ -8,14 +10,24 @@ The public API is re-exported here; see ``docs/topology.md``.
 32
 """
 
-from .builders import NODE_BUILDERS, add_dgx_a100, add_dgx_h100, build_node
+from .builders import (
+    NODE_BUILDERS,
+    NVLINK_DOMAIN_HOSTS,
+    add_dgx_a100,
+    add_dgx_h100,
+    add_gb200_nvl72_tray,
+    add_hosts,
+    add_pcie_server,
+    build_node,
+)
 from .errors import InputError, TopologyError
-from .fabrics import FABRIC_BUILDERS, build_cluster, default_cluster, rail_optimized
+from .fabrics import FABRIC_BUILDERS, build_cluster, default_cluster, fat_tree, fat_tree_ports, leaf_spine, rail_optimized
 from .model import LinkKind, NodeKind, SwitchTier, Topology
 
 __all__ = [
     "FABRIC_BUILDERS",
     "NODE_BUILDERS",
+    "NVLINK_DOMAIN_HOSTS",
     "InputError",
     "LinkKind",
     "NodeKind",
@@ -24,8 +36,14 @@ __all__ = [
     "TopologyError",
     "add_dgx_a100",
     "add_dgx_h100",
+    "add_gb200_nvl72_tray",
+    "add_hosts",
+    "add_pcie_server",
     "build_cluster",
     "build_node",
     "default_cluster",
+    "fat_tree",
+    "fat_tree_ports",
+    "leaf_spine",
     "rail_optimized",
 ]

@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node", default="dgx-h100", help="node kind for cluster builds (default dgx-h100)")
     p.add_argument("--fabric", default=None, help="fabric when KIND is a node kind and --nodes > 1")
     p.add_argument("--nccl-model", action="store_true", help="use NCCL's bandwidth figures instead of spec-sheet rates")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra builder option, e.g. oversubscription=2")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fabric option, e.g. oversubscription=2")
+    p.add_argument("--node-set", action="append", default=[], metavar="KEY=VALUE", help="node option in cluster builds, e.g. nic_gbps=200")
     p.add_argument("--out", required=True, help="output file (.json)")
     add_json_flag(p)
     p.set_defaults(func=cmd_build)
@@ -29,6 +30,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file")
     p.add_argument("--format", choices=["nvidia-smi", "nccl-xml", "slurm", "json"], default=None)
     p.add_argument("--out", required=True)
+    p.add_argument("--host", default=None, help="host name for the imported server (nvidia-smi, nccl-xml)")
+    p.add_argument("--node", default=None, help="slurm: populate every Slurm node with a full server of this kind (e.g. dgx-h100)")
+    p.add_argument("--gpu-model", default=None, help="nvidia-smi: GPU model (e.g. H100-SXM5-80GB); guessed from NV# otherwise")
+    p.add_argument("--pcie-gen", type=int, default=None, help="nvidia-smi: PCIe generation of the x16 links")
+    p.add_argument("--nic-gbps", type=float, default=None, help="nvidia-smi, slurm: NIC line rate in Gb/s (default 400)")
+    p.add_argument("--nccl-model", action="store_true", help="nvidia-smi: use NCCL's bandwidth figures")
     add_json_flag(p)
     p.set_defaults(func=cmd_import)
 
@@ -52,6 +59,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = tsub.add_parser("export", help="write NCCL topology XML, Slurm topology.conf or JSON")
     p.add_argument("file")
     p.add_argument("--format", choices=["nccl-xml", "slurm", "json"], required=True)
+    p.add_argument("--host", default=None, help="nccl-xml: which server to write (NCCL reads one file per host)")
     p.add_argument("--out", default=None, help="output file (default: stdout)")
     p.set_defaults(func=cmd_export)
 
@@ -73,18 +81,22 @@ def _parse_sets(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def build_from_args(kind: str, nodes: int | None, node: str, fabric: str | None, nccl_model: bool, options: dict[str, Any]) -> Topology:
+def build_from_args(
+    kind: str, nodes: int | None, node: str, fabric: str | None, nccl_model: bool, options: dict[str, Any], node_options: dict[str, Any] | None = None
+) -> Topology:
     """Dispatch ``netweave topo build`` to the node and fabric builders."""
     from .builders import NODE_BUILDERS, build_node
     from .fabrics import FABRIC_BUILDERS, build_cluster
 
-    node_options = {"nccl_model": True} if nccl_model else {}
+    node_options = dict(node_options or {})
+    if nccl_model:
+        node_options["nccl_model"] = True
     if kind in FABRIC_BUILDERS:
         return build_cluster(nodes or 4, node=node, fabric=kind, node_options=node_options, **options)
     if kind in NODE_BUILDERS:
         if nodes and nodes > 1:
             return build_cluster(nodes, node=kind, fabric=fabric or "rail-optimized", node_options=node_options, **options)
-        return build_node(kind, **node_options, **options)
+        return build_node(kind, **{**node_options, **options})
     kinds = ", ".join(sorted(NODE_BUILDERS) + sorted(FABRIC_BUILDERS))
     raise TopologyError(f"unknown KIND {kind!r}; expected one of {kinds}")
 
@@ -93,7 +105,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from .io import write_topology
 
     try:
-        topo = build_from_args(args.kind, args.nodes, args.node, args.fabric, args.nccl_model, _parse_sets(args.set))
+        topo = build_from_args(args.kind, args.nodes, args.node, args.fabric, args.nccl_model, _parse_sets(args.set), _parse_sets(args.node_set))
     except TypeError as exc:  # an unknown --set option reaches a builder
         raise TopologyError(f"bad builder option: {exc}") from None
     write_topology(topo, args.out)
@@ -101,10 +113,43 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def import_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The importer options given on the command line, checked against the format."""
+    from .io import guess_format
+
+    fmt = args.format
+    if fmt is None:
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                fmt = guess_format(args.file, f.read())
+        except OSError as exc:
+            raise TopologyError(f"cannot read file ({exc.strerror})", source=args.file) from None
+    given = {
+        "host": args.host,
+        "node": args.node,
+        "gpu_model": args.gpu_model,
+        "pcie_gen": args.pcie_gen,
+        "nic_gbps": args.nic_gbps,
+        "nccl_model": True if args.nccl_model else None,
+    }
+    allowed = {
+        "nvidia-smi": {"host", "gpu_model", "pcie_gen", "nic_gbps", "nccl_model"},
+        "nccl-xml": {"host"},
+        "slurm": {"node", "nic_gbps"},
+        "json": set(),
+    }[fmt]
+    options = {k: v for k, v in given.items() if v is not None}
+    for key in options:
+        if key not in allowed:
+            raise TopologyError(f"--{key.replace('_', '-')} does not apply to the {fmt} format")
+    return options
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from .io import read_topology, write_topology
 
-    topo = read_topology(args.file, args.format)
+    options = import_options(args)
+    topo = read_topology(args.file, args.format, **options)
     write_topology(topo, args.out)
     emit(args, {"out": args.out, **topo.summary()}, f"wrote {args.out}: {topo!r}")
     return 0
@@ -171,9 +216,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .io import dumps, read_topology, write_topology
 
     topo = read_topology(args.file)
+    if args.host and args.format != "nccl-xml":
+        raise TopologyError("--host applies to --format nccl-xml only")
     if args.out:
-        write_topology(topo, args.out, args.format)
+        write_topology(topo, args.out, args.format, host=args.host)
         print(f"wrote {args.out}")
     else:
-        print(dumps(topo, args.format), end="")
+        print(dumps(topo, args.format, host=args.host), end="")
     return 0

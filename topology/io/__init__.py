@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -44,44 +45,46 @@ def guess_format(path: str | os.PathLike[str], text: str) -> str:
         return "json"
     if name.endswith(".xml") or head.startswith("<"):
         return "nccl-xml"
-    if "SwitchName" in text:
+    if re.search(r"(?im)^\s*switchname\s*=", text):
         return "slurm"
     if "GPU0" in text and ("Legend" in text or "X " in text):
         return "nvidia-smi"
     raise TopologyError("cannot tell the format; pass --format json|nvidia-smi|nccl-xml|slurm", source=str(path))
 
 
-def loads(text: str, format: str, *, source: str | None = None) -> Topology:
-    """Parse topology ``text`` in ``format``."""
+def loads(text: str, format: str, *, source: str | None = None, **options) -> Topology:
+    """Parse topology ``text`` in ``format``; ``options`` go to the format's parser (see its docs)."""
     if format == "json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise TopologyError(f"invalid JSON ({exc.msg})", source=source, where=exc.lineno) from None
+        if options:
+            raise TopologyError(f"the json format takes no options (got {', '.join(sorted(options))})", source=source)
         return Topology.from_dict(data, source=source)
     if format == "nvidia-smi":
         from .nvsmi import parse_nvidia_smi
 
-        return parse_nvidia_smi(text, source=source)
+        return parse_nvidia_smi(text, source=source, **options)
     if format == "nccl-xml":
         from .ncclxml import parse_nccl_xml
 
-        return parse_nccl_xml(text, source=source)
+        return parse_nccl_xml(text, source=source, **options)
     if format == "slurm":
         from .slurm import parse_slurm_topology
 
-        return parse_slurm_topology(text, source=source)
+        return parse_slurm_topology(text, source=source, **options)
     raise TopologyError(f"unknown format {format!r}; expected one of {', '.join(IMPORT_FORMATS)}")
 
 
-def dumps(topo: Topology, format: str = "json") -> str:
-    """Serialise ``topo`` in ``format``."""
+def dumps(topo: Topology, format: str = "json", *, host: str | None = None) -> str:
+    """Serialise ``topo`` in ``format``; ``host`` picks the server for NCCL XML (one file per host)."""
     if format == "json":
         return json.dumps(topo.to_dict(), indent=1) + "\n"
     if format == "nccl-xml":
         from .ncclxml import to_nccl_xml
 
-        return to_nccl_xml(topo)
+        return to_nccl_xml(topo, host=host)
     if format == "slurm":
         from .slurm import to_slurm_topology
 
@@ -89,18 +92,18 @@ def dumps(topo: Topology, format: str = "json") -> str:
     raise TopologyError(f"cannot export format {format!r}; expected one of {', '.join(EXPORT_FORMATS)}")
 
 
-def read_topology(path: str | os.PathLike[str], format: str | None = None) -> Topology:
+def read_topology(path: str | os.PathLike[str], format: str | None = None, **options) -> Topology:
     """Read a topology file; ``format`` is guessed from the name and content when omitted."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise TopologyError(f"cannot read file ({exc.strerror})", source=str(path)) from None
-    return loads(text, format or guess_format(path, text), source=str(path))
+    return loads(text, format or guess_format(path, text), source=str(path), **options)
 
 
-def write_topology(topo: Topology, path: str | os.PathLike[str], format: str = "json") -> None:
+def write_topology(topo: Topology, path: str | os.PathLike[str], format: str = "json", *, host: str | None = None) -> None:
     """Write ``topo`` to ``path`` atomically."""
-    atomic_write_text(path, dumps(topo, format))
+    atomic_write_text(path, dumps(topo, format, host=host))
 
 
 __all__ = ["EXPORT_FORMATS", "IMPORT_FORMATS", "atomic_write_text", "dumps", "guess_format", "loads", "read_topology", "write_topology"]
