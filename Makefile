@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.netweave-installed
 DEB_PACKAGES := mininet bridge-utils iperf3 iputils-ping
 DEMO_OUT ?= netweave-demo
 
-.PHONY: demo test setup sysdeps lint bench clean
+.PHONY: demo test setup csrc sysdeps lint bench clean
 
 demo: setup
 	$(BIN)/netweave demo --out $(DEMO_OUT)
@@ -19,7 +19,11 @@ demo: setup
 test: setup sysdeps
 	$(BIN)/python -m pytest -q
 
-setup: $(STAMP)
+setup: $(STAMP) csrc
+
+# The NCCL plugin library and LD_PRELOAD marker (gcc and libc only; incremental).
+csrc:
+	@$(MAKE) -s -C csrc all
 
 $(STAMP): pyproject.toml
 	@if ! $(PYTHON) -c 'import venv, ensurepip' 2>/dev/null && [ "$$(id -u)" = 0 ]; then \
@@ -46,3 +50,4 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(DEMO_OUT) .pytest_cache .ruff_cache
+	$(MAKE) -C csrc clean
