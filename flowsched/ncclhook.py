@@ -28,7 +28,9 @@ priority ``7 - k`` (higher class, served first). Example (no NCCL needed)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import json
 import mmap
 import os
 import shutil
@@ -626,6 +628,73 @@ class NetnsPair:
     def cmd(self, side: str, argv: Sequence[str]) -> list[str]:
         """``argv`` prefixed to run inside namespace ``side`` ('a' or 'b')."""
         return ["ip", "netns", "exec", self.ns_a if side == "a" else self.ns_b, *argv]
+
+
+SCENARIOS = CSRC / "tests"
+
+
+def _wait_for(path: Path, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.05)
+
+
+def gloo_contention(tmp_path: Path, *, marked: bool, prefix: str = "nwgc", subnet: int = 78, numel: int = 500_000, iters: int = 3,
+                    rate_mbit: int = 20, capture: bool = True, dscp: int = 46) -> dict:
+    """Emulation scenario (root, torch, iperf3): a 2-rank gloo all-reduce between two namespaces against an unmarked
+    iperf3 bulk flow on the same HTB-shaped veth link (``rate_mbit``, DSCP ``dscp`` -> HTB prio 1, rest prio 7).
+
+    With ``marked`` the ranks run under ``libnetweave-mark.so`` (``NETWEAVE_DSCP=dscp``). Returns rank 0's report
+    (``elapsed_s``, ``correct``, per-class bytes sent on namespace a's egress during the all-reduces) plus the scapy
+    capture on that egress (``capture``: ``"tos sport dport" -> [packets, payload bytes]``) and the marker's log.
+    """
+    build_dir = build()
+    procs: list[subprocess.Popen] = []
+    stop = tmp_path / "stop"
+    with NetnsPair(prefix, subnet=subnet) as pair:
+        try:
+            for ns, dev in ((pair.ns_a, pair.dev_a), (pair.ns_b, pair.dev_b)):
+                run_commands(htb_commands(dev, rate_mbit, {dscp: 1}), netns=ns)
+            if capture:
+                cap_cmd = [sys.executable, str(SCENARIOS / "capture_tos.py"), pair.dev_a, str(tmp_path / "cap.json"),
+                           str(tmp_path / "ready"), str(stop)]
+                procs.append(subprocess.Popen(pair.cmd("a", cap_cmd)))
+                _wait_for(tmp_path / "ready", 60)
+            procs.append(subprocess.Popen(pair.cmd("b", ["iperf3", "-s", "-1", "-p", "5301"]), stdout=subprocess.DEVNULL))
+            time.sleep(0.3)
+            procs.append(subprocess.Popen(pair.cmd("a", ["iperf3", "-c", pair.addr_b, "-p", "5301", "-t", "300"]),
+                                          stdout=subprocess.DEVNULL))
+            env = dict(os.environ)
+            if marked:
+                env.update(marker_env(dscp=dscp, priority=1, log=str(tmp_path / "mark.log"), build_dir=build_dir))
+            ranks = []
+            for rank, side, dev in ((0, "a", pair.dev_a), (1, "b", pair.dev_b)):
+                argv = [sys.executable, str(SCENARIOS / "gloo_allreduce.py"), str(rank), pair.addr_a, "29511", dev, str(numel), str(iters),
+                        str(tmp_path / f"rank{rank}.json")] + ([dev] if rank == 0 else [])
+                ranks.append(subprocess.Popen(pair.cmd(side, argv), env=env))
+            procs += ranks
+            for r in ranks:
+                if r.wait(timeout=240) != 0:
+                    raise NcclHookError(f"gloo rank exited with {r.returncode}")
+        finally:
+            stop.touch()
+            if capture:  # the capture writes its file once it sees the stop file
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    procs[0].wait(timeout=30)
+            for p in reversed(procs):  # only the processes started here, by their own handles
+                if p.poll() is None:
+                    p.terminate()
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+    report = json.loads((tmp_path / "rank0.json").read_text())
+    report["capture"] = json.loads((tmp_path / "cap.json").read_text()) if capture else {}
+    report["mark_log"] = (tmp_path / "mark.log").read_text().splitlines() if (tmp_path / "mark.log").exists() else []
+    return report
 
 
 # ---------------------------------------------------------------------- CLI --
