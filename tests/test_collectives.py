@@ -80,8 +80,12 @@ def test_dgx_nodes_on_a_rail_fabric_are_limited_by_nvlink_or_the_eight_nics(host
 def test_ecmp_on_a_non_blocking_spine_matches_rail_for_rings():
     t = build_cluster(2)
     assert collective_time(t, "all_reduce", t.gpus(), S, policy="ecmp").busbw_beta == pytest.approx(400.0)
-    # static routing pins every cross-rail hop of the ring on one 12.5 GB/s spine group
-    assert collective_time(t, "all_reduce", t.gpus(), S, policy="shortest").busbw_beta == pytest.approx(50.0)
+    # static routing pins each cross-rail hop of the 8 rings on one 12.5 GB/s spine group (D-mod-K gives
+    # every hop of a step its own group): 8 channels x 12.5 GB/s
+    assert collective_time(t, "all_reduce", t.gpus(), S, policy="shortest").busbw_beta == pytest.approx(8 * 12.5)
+    # in a full scalable unit the spine groups are as wide as the NICs: static routing costs nothing
+    full = build_cluster(4, hosts_per_su=4, spines=1)
+    assert collective_time(full, "all_reduce", full.gpus(), S, policy="shortest").busbw_beta == pytest.approx(400.0)
 
 
 def test_tree_on_one_host_is_a_chain():

@@ -65,6 +65,20 @@ def test_cross_rail_policies_differ():
     assert sum(f for f, _ in rail) == pytest.approx(1.0)
 
 
+def test_shortest_is_destination_mod_k():
+    t = build_cluster(2)
+
+    def spine(src, dst):
+        ((_, edges),) = flow_paths(t, src, dst, "shortest")
+        (s,) = [v for _, v, _ in edges if _is_spine(t, v)]
+        return s
+
+    # one source, seven destinations on other rails: seven different spine groups
+    assert len({spine("node0/gpu0", f"node1/gpu{j}") for j in range(1, 8)}) == 7
+    # one destination, sources on different rails: the same spine group
+    assert len({spine(f"node0/gpu{i}", "node1/gpu5") for i in range(8) if i != 5}) == 1
+
+
 def test_fat_tree_ecmp_spreads_over_aggregation_and_core():
     t = build_cluster(2, fabric="fat-tree", k=4)
     # node0's NICs fill pods 0-1, node1's pods 2-3: any flow between them crosses the core

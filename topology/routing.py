@@ -21,8 +21,12 @@ Policies (they differ in the egress port and in the fabric segment):
 ``"shortest"``
     Egress/ingress = the GPU's nearest NIC (its own rail on DGX: the NIC on its
     PCIe switch, which is what NCCL picks without PXN). Fabric: one
-    deterministic minimum-hop path; among those, the widest; then the lowest
-    node order. Static routing, no spreading.
+    deterministic minimum-hop path; among those, the widest; among equally
+    wide next hops, number ``D mod k`` of the ``k`` candidates, ``D`` being the
+    destination's number -- the destination-mod-k rule of InfiniBand's
+    fat-tree routing, so that different destinations spread over the spines
+    while each destination keeps one fixed path. Static routing: a flow never
+    splits, and flows to one destination share their path.
 ``"ecmp"``
     Same ports; the fabric segment is split *equally at each hop among the
     next hops on minimum-hop paths* (every parallel link is its own next hop),
@@ -263,8 +267,16 @@ def _into(vw: _View, q: int) -> dict[int, list[VEdge]]:
     return cache.get(q, {})
 
 
+def _d_mod_k(items: list, width, dest: int):
+    """The widest item; ties go to item ``dest mod k`` of the k tied ones (D-mod-K, InfiniBand's fat-tree routing)."""
+    scored = [(width(x), x) for x in items]
+    best = max(w for w, _ in scored)
+    tied = [x for w, x in scored if w == best]
+    return tied[dest % len(tied)]
+
+
 def _switch_alternatives(
-    vw: _View, s: int, targets: frozenset[int], last_bw: tuple[tuple[int, float], ...], policy: str
+    vw: _View, s: int, targets: frozenset[int], last_bw: tuple[tuple[int, float], ...], policy: str, dest: int = 0
 ) -> tuple[list[tuple[float, tuple[Edge, ...], int]], float]:
     """Switch-level routes from switch ``s`` to the nearest switch of ``targets``: ([(fraction, edges, terminal)], width).
 
@@ -272,10 +284,11 @@ def _switch_alternatives(
 
     ``last_bw`` gives, per target switch, the bandwidth of its widest link onward
     (used by ``"shortest"`` to pick the widest of the minimum-hop paths).
+    ``dest`` (the destination's number) breaks ties for ``"shortest"``.
     Cached per (s, targets, policy): every port pair behind the same switches shares it.
     """
     cache = vw.cache.setdefault("switch_routes", {})
-    key = (s, targets, last_bw, policy)
+    key = (s, targets, last_bw, policy, dest if policy == "shortest" else None)
     if key in cache:
         return cache[key]
     dist = _dist_to(vw, targets)
@@ -302,7 +315,7 @@ def _switch_alternatives(
 
         x, edges = s, []
         while dist[x] > 0:
-            best = max(nexts(x), key=lambda e: (min(e.bw, widest(e.v)), -e.v))
+            best = _d_mod_k(nexts(x), lambda e: min(e.bw, widest(e.v)), dest)
             ph = max(best.phys, key=lambda ph: ph[3])
             edges.append((ph[0], ph[1], ph[2]))
             x = best.v
@@ -370,17 +383,17 @@ def _fabric_stage(vw: _View, p: int, q: int, policy: str) -> Stage:
         raise TopologyError(f"no network path from {vw.names[p]} to {vw.names[q]}")
     alternatives: Stage = []
     if policy == "shortest":
-        def score(item: tuple[VEdge | None, int]) -> tuple[float, int]:
+        def score(item: tuple[VEdge | None, int]) -> float:
             e, s = item
-            width = _switch_alternatives(vw, s, targets, last_bw, policy)[1]
-            return (min(e.bw if e is not None else float("inf"), width), -s)
+            width = _switch_alternatives(vw, s, targets, last_bw, policy, q)[1]
+            return min(e.bw if e is not None else float("inf"), width)
 
-        e, s = max(firsts, key=score)
+        e, s = _d_mod_k(firsts, score, q)
         head: tuple[Edge, ...] = ()
         if e is not None:
             ph = max(e.phys, key=lambda ph: ph[3])
             head = ((ph[0], ph[1], ph[2]),)
-        ((_, mid, t),) = _switch_alternatives(vw, s, targets, last_bw, policy)[0]
+        ((_, mid, t),) = _switch_alternatives(vw, s, targets, last_bw, policy, q)[0]
         ((_, tail_edges),) = last_hops(t)
         alternatives.append((1.0, head + mid + tail_edges))
     else:
