@@ -74,7 +74,7 @@ from typing import Any, NamedTuple
 from .errors import InputError
 from .model import Topology
 from .paths import view
-from .routing import POLICIES, Edge, _route, route_flows
+from .routing import POLICIES, Edge, _nearest, _route, route_flows
 
 
 class P2PFlow(NamedTuple):
@@ -147,8 +147,6 @@ class CollectiveSchedule:
 
 def _islands_order(topo: Topology, gpus: Sequence[str]) -> list[list[str]]:
     """GPUs grouped by island in order of first appearance; inside, by (rail of nearest NIC, index, id)."""
-    from .routing import _nearest
-
     vw = view(topo)
     groups: dict[int, list[str]] = {}
     for g in gpus:

@@ -120,9 +120,10 @@ class GpuPath:
         return max(0, len(self.nodes) - 1)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; a disconnected pair has ``latency_us`` None."""
         return {
             "src": self.src, "dst": self.dst, "path_type": self.path_type.name, "bw": self.bw,
-            "latency_us": self.latency_us, "hops": self.hops, "nodes": list(self.nodes),
+            "latency_us": self.latency_us if math.isfinite(self.latency_us) else None, "hops": self.hops, "nodes": list(self.nodes),
         }
 
 
@@ -771,11 +772,13 @@ def bisection_bandwidth(topo: Topology) -> dict[str, Any]:
         leaves = sorted({vw.names[e.v] for p in ports[h] for e in vw.adj[p] if vw.kind[e.v] == _SW})
         return tuple(leaves)
 
-    grouped = sorted(hosts, key=lambda h: (leaf_key(h), hosts.index(h)))
+    order = {h: i for i, h in enumerate(hosts)}
+    grouped = sorted(hosts, key=lambda h: (leaf_key(h), order[h]))
+    even = set(hosts[0::2][:half])  # with an odd count the last even host joins the other side
     cuts = {
         "hosts in order, first half | second half": (hosts[:half], hosts[half:]),
         "hosts grouped by leaf switches (scalable unit / rack / pod), halved": (grouped[:half], grouped[half:]),
-        "interleaved hosts, even | odd": (hosts[0::2][: max(1, half)], [h for h in hosts if h not in set(hosts[0::2][: max(1, half)])]),
+        "interleaved hosts, even | odd": ([h for h in hosts if h in even], [h for h in hosts if h not in even]),
     }
     results: dict[str, float] = {}
     seen: dict[frozenset, float] = {}
