@@ -19,6 +19,7 @@ from topology.collectives import (
     ideal_time,
     plan_collective,
 )
+from topology.routing import route_flows
 
 S = float(2**30)
 
@@ -86,6 +87,24 @@ def test_ecmp_on_a_non_blocking_spine_matches_rail_for_rings():
     # in a full scalable unit the spine groups are as wide as the NICs: static routing costs nothing
     full = build_cluster(4, hosts_per_su=4, spines=1)
     assert collective_time(full, "all_reduce", full.gpus(), S, policy="shortest").busbw_beta == pytest.approx(400.0)
+
+
+def test_latency_chains_of_tree_and_broadcast():
+    n, L = 6, 0.5
+    t = star(n, 10.0, latency_us=L)
+    hop = 2 * L * 1e-6  # GPU -> switch -> GPU
+    # one island: both trees are the chain; the tail's way up to the head and back down is the depth
+    assert collective_time(t, "all_reduce", t.gpus(), S, "tree").alpha_s == pytest.approx(2 * (n - 1) * hop)
+    # a pipelined broadcast waits for the whole chain once
+    assert collective_time(t, "broadcast", t.gpus(), S).alpha_s == pytest.approx((n - 1) * hop)
+    assert collective_time(t, "all_gather", t.gpus(), S, step_overhead_us=3.0).alpha_s == pytest.approx((n - 1) * (hop + 3e-6))
+
+
+def test_rail_policy_keeps_rings_off_the_spine():
+    t = build_cluster(3)
+    for step in collective_flows(t, "all_reduce", t.gpus(), S)[:1]:
+        for u, v, _ in route_flows(t, step, "rail"):
+            assert not any(x.startswith("spine") for x in (u, v))
 
 
 def test_tree_on_one_host_is_a_chain():

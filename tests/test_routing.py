@@ -144,7 +144,7 @@ FABRICS = {k: {n: _cluster(k, n) for n in (1, 2, 3)} for k in ("rail", "leaf-spi
 )
 def test_loads_conserve_traffic(fabric, nodes, policy, picks, use_nics):
     t = FABRICS[fabric][nodes]
-    ends = t.gpus() + (t.nodes(NodeKind.NIC) if use_nics else [])
+    ends = t.gpus() + (t.nodes(NodeKind.NIC) + t.switches() if use_nics else [])
     flows = [(ends[a % len(ends)], ends[b % len(ends)], vol) for a, b, vol in picks]
     # each flow alone: outflow at src = inflow at dst = volume, zero net flow elsewhere
     for src, dst, vol in flows:
