@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import json
 import mmap
 import os
@@ -75,15 +76,22 @@ def build(*, sanitize: bool = False, force: bool = False, quiet: bool = True) ->
     newest = max((p.stat().st_mtime for p in sources), default=0.0)
     stale = force or any(not p.exists() or p.stat().st_mtime < newest for p in wanted)
     if stale:
-        if shutil.which("make") is None or shutil.which(os.environ.get("CC", "cc")) is None:
-            raise NcclHookError("building csrc/ needs make and a C compiler (cc)", source=str(CSRC))
-        cmd = ["make", "-C", str(CSRC)] + (["sanitize"] if sanitize else ["all"])
-        res = subprocess.run(cmd, capture_output=True, text=True)
-        if res.returncode != 0:
-            raise NcclHookError(f"make failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}", source=str(CSRC / "Makefile"))
-        if not quiet:
-            print(res.stdout, end="")
+        BUILD.mkdir(parents=True, exist_ok=True)
+        with open(BUILD / ".build.lock", "w") as lock:  # parallel test workers: one make at a time
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            _make(sanitize, quiet)
     return out
+
+
+def _make(sanitize: bool, quiet: bool) -> None:
+    if shutil.which("make") is None or shutil.which(os.environ.get("CC", "cc")) is None:
+        raise NcclHookError("building csrc/ needs make and a C compiler (cc)", source=str(CSRC))
+    cmd = ["make", "-C", str(CSRC)] + (["sanitize"] if sanitize else ["all"])
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        raise NcclHookError(f"make failed:\n{res.stdout[-2000:]}{res.stderr[-2000:]}", source=str(CSRC / "Makefile"))
+    if not quiet:
+        print(res.stdout, end="")
 
 
 def plugin_env(*, plan: str | os.PathLike[str] | None = None, ring: str | None = None, build_dir: Path | None = None,
