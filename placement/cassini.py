@@ -161,16 +161,32 @@ def shared_links(profiles: Mapping[str, CommProfile]) -> dict[Edge, list[str]]:
     return {e: js for e, js in users.items() if len(js) > 1}
 
 
+def link_classes(profiles: Mapping[str, CommProfile], links: Mapping[Edge, list[str]], cap: Mapping[Edge, float]) -> dict[Edge, list[Edge]]:
+    """Shared links grouped by (jobs, their demands, capacity): links of one class behave identically on the circle.
+
+    A ring over several rails loads many parallel links alike; one affinity-graph
+    node per class keeps the graph (and its cycle count) to what is distinct.
+    """
+    groups: dict[tuple, list[Edge]] = {}
+    for e, js in links.items():
+        key = (tuple(sorted((j, round(profiles[j].link_rates[e], 9)) for j in js)), round(cap[e], 9))
+        groups.setdefault(key, []).append(e)
+    return {members[0]: members for members in groups.values()}
+
+
 def time_shifts(profiles: Mapping[str, CommProfile], capacity: Mapping[Edge, float] | Topology, *,
                 fixed: Mapping[str, float] | None = None, buckets: int = DEFAULT_BUCKETS, max_periods: int = 8) -> ShiftResult:
     """CASSINI's time shifts for ``profiles`` sharing links of the given capacities (GB/s, or a Topology).
 
     ``fixed`` pins the shifts of jobs already running; the others are found by
-    per-link optimisation and a BFS over the affinity graph.
+    per-link optimisation and a BFS over the affinity graph (links that carry
+    the same jobs at the same demands form one node, see :func:`link_classes`).
     """
     fixed = dict(fixed or {})
     cap = _capacities(capacity, profiles)
-    links = shared_links(profiles)
+    all_links = shared_links(profiles)
+    classes = link_classes(profiles, all_links, cap)
+    links = {e: all_links[e] for e in classes}
     shifts: dict[str, float] = {name: fixed.get(name, 0.0) for name in profiles}
     perimeter = unified_perimeter([profiles[j].period_s for js in links.values() for j in js], max_periods=max_periods)
     if not links or perimeter <= 0:
@@ -258,7 +274,9 @@ def time_shifts(profiles: Mapping[str, CommProfile], capacity: Mapping[Edge, flo
     scores = {}
     for e, js in links.items():
         rows = [profiles[j].link_rates[e] * _rows(profiles[j], perimeter, buckets, np.array([shifts[j]]))[0] for j in js]
-        scores[e] = compatibility_score(np.array(rows), cap[e])
+        score = compatibility_score(np.array(rows), cap[e])
+        for member in classes[e]:
+            scores[member] = score
     return ShiftResult(shifts, scores, perimeter, buckets, loops, n_edges, loop_count)
 
 
@@ -280,7 +298,8 @@ def predicted_iteration_times(profiles: Mapping[str, CommProfile], shifts: Mappi
     simulator (:mod:`placement.contention`).
     """
     cap = _capacities(capacity, profiles)
-    links = shared_links(profiles)
+    all_links = shared_links(profiles)
+    links = {e: all_links[e] for e in link_classes(profiles, all_links, cap)}
     out = {j: p.period_s for j, p in profiles.items()}
     if not links:
         return out

@@ -182,6 +182,9 @@ def simulate_fluid(comp: Sequence[PlacedJob], capacity: Mapping[Edge, float], *,
     for i, p in enumerate(profiles):
         for e, r in p.link_rates.items():
             dem[i, lidx[e]] = r
+    # links that carry the same jobs at the same demands and capacity constrain alike: keep one of each
+    _, keep = np.unique(np.vstack([dem, cap_arr[None, :]]).T.round(9), axis=0, return_index=True)
+    dem, cap_arr = dem[:, keep], cap_arr[keep]
     comm_len = np.array([p.comm_s for p in profiles])
     # state: 0 = before its first start, 1 = computing until t_end, 2 = communicating on shared links (remaining
     # isolated seconds), 3 = communicating on links no other job uses (until t_end)

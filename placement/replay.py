@@ -48,7 +48,7 @@ import numpy as np
 from topology.errors import InputError
 from topology.model import SwitchTier, Topology
 
-from .cassini import DEFAULT_BUCKETS, _rows, rank_candidates, shared_links, unified_perimeter
+from .cassini import DEFAULT_BUCKETS, _rows, link_classes, rank_candidates, shared_links, unified_perimeter
 from .contention import FluidSlowdown, PlacedJob, link_components
 from .hived import HivedScheduler
 from .planner import rank_order
@@ -376,9 +376,10 @@ class Replay:
                 links = shared_links(profs)
                 per = unified_perimeter([p.period_s for p in profs.values()])
                 hit = 0.0
-                for e, js in links.items():
+                for e, members in link_classes(profs, links, self.capacity).items():
+                    js = links[e]
                     load = sum(profs[j].link_rates[e] * _rows(profs[j], per, DEFAULT_BUCKETS, np.array([phases[j]]))[0] for j in js)
-                    hit += float((load > self.capacity[e] * (1 + 1e-9)).mean())
+                    hit += float((load > self.capacity[e] * (1 + 1e-9)).mean()) * len(members)
                 if len(self._overload_cache) > 100_000:
                     self._overload_cache.clear()
                 self._overload_cache[key] = hit

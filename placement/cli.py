@@ -1,0 +1,220 @@
+"""``netweave place``: plan job placements, inspect HiveD cells and quotas, generate and replay traces.
+
+Actions::
+
+    netweave place --topology T --jobs J [--policy P] --out plan.json     (same as `place plan`)
+    netweave place plan --topology T --jobs J [--policy P] --out plan.json [--hostfiles DIR]
+    netweave place cells --topology T                                      HiveD cell levels derived from T
+    netweave place check --topology T --jobs J                             VC quota safety check and guarantees
+    netweave place trace --synthetic N --seed S --out trace.csv            (or --philly FILE / --pai FILE)
+    netweave place replay --topology T --trace trace.csv --policy P[,P...] --out result.json [--plot jct.png]
+
+``--topology`` takes a topology file or ``default`` (4 DGX H100, rail-optimised).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from topology.clitools import add_json_flag, emit, progress
+from topology.errors import InputError
+from topology.io import atomic_write_text
+
+
+def _topology(arg: str):
+    import topology
+    from topology.io import read_topology
+
+    return topology.default_cluster() if arg == "default" else read_topology(arg)
+
+
+def _plan_args(p: argparse.ArgumentParser, required: bool) -> None:
+    p.add_argument("--topology", required=required, help="topology file, or 'default'")
+    p.add_argument("--jobs", required=required, help="jobs file (YAML or JSON; see docs/placement.md)")
+    p.add_argument("--policy", default="hived+cassini", choices=["hived+cassini", "hived", "first-fit"])
+    p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"], help="routing of collectives (default rail)")
+    p.add_argument("--candidates", type=int, default=4, help="buddy candidates CASSINI ranks per job (default 4)")
+    p.add_argument("--script", default="train.py", help="training script named in the torchrun lines")
+    p.add_argument("--out", default=None, help="write the plan (JSON) here")
+    p.add_argument("--hostfiles", default=None, help="write one Slurm hostfile per job into this directory")
+    add_json_flag(p)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    place = sub.add_parser("place", help="placement planner: HiveD cells and quotas, CASSINI time shifts, launch lines, trace replay")
+    _plan_args(place, required=False)
+    place.set_defaults(func=cmd_plan)
+    psub = place.add_subparsers(dest="place_command", metavar="ACTION")
+
+    p = psub.add_parser("plan", help="place the jobs of a jobs file; per job hosts, GPUs, rank order, shift, torchrun lines")
+    _plan_args(p, required=True)
+    p.set_defaults(func=cmd_plan)
+
+    p = psub.add_parser("cells", help="the HiveD cell hierarchy derived from a topology")
+    p.add_argument("--topology", required=True)
+    p.add_argument("--no-forge", action="store_true", help="do not add forged binary levels")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_cells)
+
+    p = psub.add_parser("check", help="check the virtual-cluster quotas of a jobs file against the topology (HiveD safety)")
+    p.add_argument("--topology", required=True)
+    p.add_argument("--jobs", required=True)
+    p.add_argument("--fail", action="append", default=[], metavar="GPU|HOST", help="mark hardware bad before checking")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_check)
+
+    p = psub.add_parser("trace", help="write a trace in netweave's CSV format: synthetic, or imported from Philly / PAI")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--synthetic", type=int, metavar="N", help="N seeded synthetic jobs")
+    src.add_argument("--philly", metavar="FILE", help="a Philly cluster_job_log (JSON)")
+    src.add_argument("--pai", metavar="FILE", help="an Alibaba PAI pai_task_table (CSV)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="keep the first N jobs")
+    p.add_argument("--arrival-rate", type=float, default=1 / 60, help="synthetic: jobs per second (default 1/60)")
+    p.add_argument("--network-heavy", type=float, default=0.0, help="synthetic: share of jobs with 4x gradients")
+    p.add_argument("--out", required=True)
+    add_json_flag(p)
+    p.set_defaults(func=cmd_trace)
+
+    p = psub.add_parser("replay", help="replay a trace under placement policies; JCT, queueing, fragmentation, link overload")
+    p.add_argument("--topology", required=True)
+    p.add_argument("--trace", required=True, help="trace file (netweave CSV/JSON)")
+    p.add_argument("--policy", default="fifo,hived,hived+cassini", help="comma-separated: fifo, las, hived, hived+cassini")
+    p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"])
+    p.add_argument("--out", default=None, help="write per-policy metrics and per-job times (JSON)")
+    p.add_argument("--plot", default=None, help="write a JCT distribution plot (PNG)")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_replay)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .planner import dumps_plan, load_jobs, plan_jobs, plan_text
+
+    if not args.topology or not args.jobs:
+        raise InputError("place: --topology and --jobs are required (or use an action: plan, cells, check, trace, replay)")
+    topo = _topology(args.topology)
+    jobs, vcs = load_jobs(args.jobs)
+    plan = plan_jobs(topo, jobs, virtual_clusters=vcs, policy=args.policy, candidates=args.candidates, routing=args.routing,
+                     script=args.script)
+    if args.out:
+        atomic_write_text(args.out, dumps_plan(plan))
+    if args.hostfiles:
+        d = Path(args.hostfiles)
+        for j in plan["jobs"]:
+            if j["placed"]:
+                atomic_write_text(d / f"{j['name']}.hostfile", j["launch"]["slurm_hostfile"])
+    emit(args, plan, plan_text(plan))
+    return 0 if plan["unplaced"] == 0 else 1
+
+
+def cmd_cells(args: argparse.Namespace) -> int:
+    from .cells import cell_hierarchy
+
+    trees = cell_hierarchy(_topology(args.topology), forge=not args.no_forge)
+    data = {chain: t.describe() for chain, t in trees.items()}
+    lines = []
+    for chain, d in data.items():
+        lines.append(f"chain {chain}: {d['gpus']} GPUs")
+        for lv in reversed(d["levels"]):
+            tag = " (forged)" if lv["forged"] else (" (node level)" if lv["node_level"] else "")
+            lines.append(f"  {lv['name']:<12} {lv['size']:>6} GPUs  x{lv['cells']:<5} fan-out {lv['fanout']}{tag}")
+    emit(args, data, "\n".join(lines))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from .hived import HivedScheduler
+    from .planner import load_jobs
+
+    topo = _topology(args.topology)
+    _, vcs = load_jobs(args.jobs)
+    sched = HivedScheduler(topo, vcs)  # raises QuotaError (an InputError) when infeasible
+    report = sched.fail(args.fail)["guarantees"] if args.fail else sched.guarantee_report()
+    lines = [f"virtual clusters: {', '.join(vcs) or '(none)'}: quotas feasible on {topo.name}"]
+    for chain, c in report["chains"].items():
+        for d in c["deficits"]:
+            lines.append(f"  DEGRADED chain {chain} level {d['level']}: {d['missing']} cell(s) missing "
+                         f"(demand {d['demand']}, healthy {d['available']})")
+    lines.append("guarantees hold" if report["ok"] else "guarantees degraded by bad hardware")
+    emit(args, report, "\n".join(lines))
+    return 0 if report["ok"] else 1
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    from .traces import dumps_trace, read_pai, read_philly, synthetic_trace
+
+    if args.synthetic is not None:
+        if args.synthetic < 1:
+            raise InputError(f"--synthetic must be >= 1, got {args.synthetic}")
+        jobs = synthetic_trace(args.synthetic, seed=args.seed, arrival_rate=args.arrival_rate, network_heavy=args.network_heavy)
+    elif args.philly:
+        jobs = read_philly(args.philly, seed=args.seed, limit=args.limit)
+    else:
+        jobs = read_pai(args.pai, seed=args.seed, limit=args.limit)
+    if args.limit is not None:
+        jobs = jobs[: args.limit]
+    atomic_write_text(args.out, dumps_trace(jobs, "json" if args.out.endswith(".json") else "csv"))
+    gpus = [j.gpus for j in jobs]
+    data = {"jobs": len(jobs), "out": args.out, "max_gpus": max(gpus, default=0), "span_s": jobs[-1].arrival_s if jobs else 0}
+    emit(args, data, f"wrote {len(jobs)} jobs to {args.out} (largest {data['max_gpus']} GPUs, arrivals over {data['span_s']:.0f} s)")
+    return 0
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import POLICIES, replay
+    from .traces import read_trace
+
+    topo = _topology(args.topology)
+    trace = read_trace(args.trace)
+    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    for p in policies:
+        if p not in POLICIES:
+            raise InputError(f"unknown policy {p!r}; expected one of {', '.join(POLICIES)}", where="--policy")
+    results: dict[str, Any] = {}
+    for p in policies:
+        progress(f"replaying {len(trace)} jobs under {p} ...")
+        results[p] = replay(topo, trace, p, routing=args.routing)
+    data = {"topology": topo.name, "jobs": len(trace), "metrics": {p: r.metrics for p, r in results.items()}}
+    if args.out:
+        atomic_write_text(args.out, json.dumps({**data, "per_job": {p: r.jobs for p, r in results.items()}}, indent=1, default=str) + "\n")
+    if args.plot:
+        plot_jct(results, args.plot, title=f"{len(trace)} jobs on {topo.name}")
+    lines = [f"{'policy':<15}{'avg JCT s':>12}{'p99 JCT s':>12}{'avg queue s':>13}{'frag':>7}{'util':>7}{'overload link-s':>17}"]
+    for p, r in results.items():
+        m = r.metrics
+        lines.append(f"{p:<15}{_f(m['avg_jct_s']):>12}{_f(m['p99_jct_s']):>12}{_f(m['avg_queue_s']):>13}{m['fragmentation']:>7.3f}"
+                     f"{m['gpu_utilisation']:>7.3f}{m['overloaded_link_s']:>17.1f}")
+    emit(args, data, "\n".join(lines))
+    return 0
+
+
+def _f(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}"
+
+
+def plot_jct(results: dict[str, Any], path: str | Path, *, title: str = "") -> None:
+    """CDF of job completion times, one line per policy (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, r in results.items():
+        j = np.sort(r.jct())
+        if len(j):
+            ax.plot(j, np.arange(1, len(j) + 1) / len(j), label=f"{name} (avg {j.mean():.0f} s)")
+    ax.set_xscale("log")
+    ax.set_xlabel("job completion time (s)")
+    ax.set_ylabel("fraction of jobs")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,113 @@
+"""Trace replay: closed-form JCTs, policy behaviour, metrics, the profile cache (placement.replay)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import topology
+from netweave.cli import main
+from placement.contention import PlacedJob
+from placement.profiles import JobSpec, comm_profile
+from placement.replay import ProfileCache, Replay, replay
+from placement.traces import TraceJob, dumps_trace, synthetic_trace
+
+
+def _job(name, arrival, gpus, duration, compute_ms=100.0, grad=0.0):
+    return TraceJob(name, arrival, gpus, duration, compute_ms, grad)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "las", "hived", "hived+cassini"])
+def test_compute_only_jobs_have_closed_form_jcts(cluster, policy):
+    # 32 GPUs: a (32 GPUs, 100 s) runs first, b (8 GPUs, 50 s) arrives at 10 s and waits for it (except LAS, which preempts)
+    trace = [_job("a", 0.0, 32, 100.0), _job("b", 10.0, 8, 50.0)]
+    r = replay(cluster, trace, policy)
+    jobs = {j["name"]: j for j in r.jobs}
+    if policy == "las":
+        # both in the first LAS queue (attained < 3600 GPU-s): FIFO order inside it, so no preemption yet
+        assert jobs["a"]["jct_s"] == pytest.approx(100.0)
+    else:
+        assert jobs["a"]["jct_s"] == pytest.approx(100.0)
+        assert jobs["b"]["queue_s"] == pytest.approx(90.0)
+        assert jobs["b"]["jct_s"] == pytest.approx(140.0)
+    assert r.metrics["finished"] == 2
+    assert r.metrics["avg_jct_s"] == pytest.approx(sum(j["jct_s"] for j in r.jobs) / 2)
+
+
+def test_las_preempts_jobs_with_large_attained_service(cluster):
+    # a has attained 32 GPUs x 200 s = 6400 GPU-s > 3600 when b arrives: b (fresh) preempts it
+    trace = [_job("a", 0.0, 32, 400.0), _job("b", 200.0, 8, 50.0)]
+    r = replay(cluster, trace, "las")
+    jobs = {j["name"]: j for j in r.jobs}
+    assert jobs["b"]["queue_s"] == pytest.approx(0.0)
+    assert jobs["b"]["jct_s"] == pytest.approx(50.0)
+    assert jobs["a"]["jct_s"] == pytest.approx(450.0)
+    assert r.metrics["preemptions"] == 1
+
+
+def test_fragmentation_metric_first_fit_vs_buddy(cluster):
+    # 1-GPU jobs then an 8-GPU job: first-fit and buddy both pack, so nothing waits; fragmentation is between 0 and 1
+    trace = [_job(f"s{i}", float(i), 1, 1000.0) for i in range(4)] + [_job("big", 10.0, 8, 100.0)]
+    for policy in ("fifo", "hived"):
+        r = replay(cluster, trace, policy)
+        assert 0.0 <= r.metrics["fragmentation"] <= 1.0
+        assert {j["name"]: j["queue_s"] for j in r.jobs}["big"] == pytest.approx(0.0)
+
+
+def test_network_contention_slows_jobs_and_is_counted():
+    topo = topology.build_cluster(4, hosts_per_su=2, oversubscription=4)
+    # two 12-GPU jobs straddling both SUs share the spine uplinks; alone each would take iterations x solo period
+    trace = [_job("a", 0.0, 12, 20.0, compute_ms=20.0, grad=1e9), _job("b", 0.0, 12, 20.0, compute_ms=20.0, grad=1e9)]
+    r = replay(topo, trace, "fifo")
+    spec = trace[0].spec()
+    solo = comm_profile(topo, spec, topo.gpus()[:12]).period_s * spec.iterations
+    jobs = {j["name"]: j for j in r.jobs}
+    assert jobs["a"]["jct_s"] >= solo * 0.999
+    assert r.metrics["overloaded_link_s"] >= 0.0
+
+
+def test_unplaceable_job_is_reported(cluster):
+    r = replay(cluster, [_job("huge", 0.0, 64, 10.0), _job("ok", 1.0, 4, 10.0)], "hived")
+    jobs = {j["name"]: j for j in r.jobs}
+    assert jobs["huge"]["finish_s"] is None and "64 GPUs" in jobs["huge"]["reason"]
+    assert jobs["ok"]["jct_s"] == pytest.approx(10.0)
+
+
+def test_profile_cache_uses_fabric_symmetry():
+    topo = topology.build_cluster(8, hosts_per_su=2)
+    cache = ProfileCache(topo)
+    assert cache.symmetric
+    spec = JobSpec("x", 16, compute_s=0.05, grad_bytes=1e9)
+    g = topo.gpus()
+    a = cache.profile(spec, g[0:8] + g[16:24])  # hosts 0 and 2: SU0 and SU1
+    b = cache.profile(spec, g[32:40] + g[48:56])  # hosts 4 and 6: SU2 and SU3, the same shape
+    assert cache.hits == 1 and cache.misses == 1
+    direct = comm_profile(topo, spec, g[32:40] + g[48:56])
+    assert b.link_rates == pytest.approx(direct.link_rates) and set(b.link_rates) == set(direct.link_rates)
+    assert b.comm_s == pytest.approx(direct.comm_s) and a.comm_s == pytest.approx(b.comm_s)
+
+
+def test_replay_is_deterministic_and_cli_runs(tmp_path, capsys):
+    topo = topology.default_cluster()
+    trace = synthetic_trace(25, seed=2, arrival_rate=1 / 120, mean_duration_s=300)
+    r1 = replay(topo, trace, "hived+cassini")
+    r2 = replay(topo, trace, "hived+cassini")
+    assert [j["jct_s"] for j in r1.jobs] == [j["jct_s"] for j in r2.jobs]
+    assert r1.metrics["finished"] == 25
+    path = tmp_path / "t.csv"
+    path.write_text(dumps_trace(trace))
+    out = tmp_path / "r.json"
+    assert main(["place", "replay", "--topology", "default", "--trace", str(path), "--policy", "fifo,hived", "--out", str(out),
+                 "--plot", str(tmp_path / "jct.png"), "--json"]) == 0
+    data = json.loads(out.read_text())
+    assert set(data["metrics"]) == {"fifo", "hived"} and (tmp_path / "jct.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert main(["place", "replay", "--topology", "default", "--trace", str(path), "--policy", "sjf"]) == 2
+
+
+def test_phase_shifted_jobs_progress_after_their_shift(cluster):
+    rp = Replay(cluster, [_job("a", 0.0, 8, 10.0)], "fifo")
+    res = rp.run()
+    assert res.jobs[0]["jct_s"] == pytest.approx(10.0)
+    assert PlacedJob(comm_profile(cluster, JobSpec("z", 1), cluster.gpus()[:1]), 0.0).name == "z"
