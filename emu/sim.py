@@ -70,7 +70,9 @@ class SimConfig:
     ``track_links``: which links get a utilisation series (``all``,
     ``network`` or ``none``); ``util_bins``: at most this many time bins.
     ``solver``: ``numpy`` (vectorised) or ``python`` (the reference loops; slow,
-    for the benchmark baseline).
+    for the benchmark baseline). ``memo``: reuse the rates of a component whose
+    in-flight sub-flows were seen before (the result is the same; off only to
+    measure the solvers).
     """
 
     routing: str = "ecmp"
@@ -81,6 +83,7 @@ class SimConfig:
     track_links: str = "all"
     util_bins: int = 200
     solver: str = "numpy"
+    memo: bool = True
 
     def validated(self) -> SimConfig:
         if self.routing not in ("shortest", "ecmp", "rail"):
@@ -155,10 +158,18 @@ class _StepTemplate:
     entry_link: np.ndarray  # per entry: global link id
     links: tuple[int, ...]  # distinct links
     subs_per_flow: np.ndarray
+    uid: int = 0
+    link_arr: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
+    tol: np.ndarray = field(default_factory=lambda: np.zeros(0))  # bytes left that count as done
+    zero_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    inf_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    all_alive: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+    shared: frozenset[int] = frozenset()  # the links that another phase (of any job) may use at the same time
+    neighbours: tuple[tuple[int, int], ...] = ()  # the (job, phase) pairs whose steps use some of those links
 
 
 def _build_step(net: _Network, flows: list[tuple[str, str, float]], policy: str, *, prio: int, cap_gbs: float | None,
-                weight: float, latency: bool) -> _StepTemplate:
+                weight: float, latency: bool, uid: int = 0) -> _StepTemplate:
     src, dst, nbytes, lat = [], [], [], []
     sub_flow, sub_bytes, sub_cap, entry_sub, entry_link, subs_per_flow = [], [], [], [], [], []
     cap = math.inf if cap_gbs is None else cap_gbs * 1e9
@@ -183,7 +194,8 @@ def _build_step(net: _Network, flows: list[tuple[str, str, float]], policy: str,
         src, dst, np.asarray(nbytes), np.asarray(lat), np.asarray(sub_flow, dtype=np.intp), np.asarray(sub_bytes, dtype=float),
         np.asarray(sub_cap, dtype=float), np.full(n_sub, weight), np.full(n_sub, prio, dtype=np.int64),
         np.asarray(entry_sub, dtype=np.intp), np.asarray(entry_link, dtype=np.intp), tuple(sorted(set(entry_link))),
-        np.asarray(subs_per_flow, dtype=np.intp),
+        np.asarray(subs_per_flow, dtype=np.intp), uid, np.asarray(sorted(set(entry_link)), dtype=np.intp),
+        np.maximum(np.asarray(sub_bytes) * 1e-9, 1e-6), np.zeros(n_sub), np.full(n_sub, np.inf), np.ones(n_sub, dtype=bool),
     )
 
 
@@ -206,9 +218,16 @@ _EV_GROUP, _EV_STEP, _EV_PHASE, _EV_RELEASE = 0, 1, 2, 3
 
 
 class _Group:
-    """A step in flight: the live state of its sub-flows."""
+    """A step in flight: the live state of its sub-flows.
 
-    __slots__ = ("alive", "flow_end", "flows_left", "gid", "last", "phase", "rate", "rem", "run", "start", "tol", "tpl", "version")
+    Arrays are replaced, never modified in place (except ``flow_end``): the
+    initial ones are the template's and the rates are shared with the memo.
+    A finished sub-flow has ``rem = inf`` and rate 0, so that ``rem / rate``
+    (as ``rem * inv_rate``) never picks it.
+    """
+
+    __slots__ = ("all_alive", "alive", "flow_end", "flows_left", "gid", "inv_rate", "last", "n_alive", "rate", "rem", "run", "start", "tpl",
+                 "version")
 
     def __init__(self, gid: int, tpl: _StepTemplate, run: _CommRun, now: float):
         self.gid = gid
@@ -216,12 +235,14 @@ class _Group:
         self.run = run
         self.start = now
         self.last = now
-        self.rem = tpl.sub_bytes.copy()
-        self.tol = np.maximum(tpl.sub_bytes * 1e-9, 1e-6)
-        self.rate = np.zeros(len(self.rem))
-        self.alive = np.ones(len(self.rem), dtype=bool)
-        self.flows_left = tpl.subs_per_flow.copy()
-        self.flow_end = np.where(self.flows_left == 0, now, np.nan)
+        self.rem = tpl.sub_bytes
+        self.rate = tpl.zero_rate
+        self.inv_rate = tpl.inf_rate
+        self.alive = tpl.all_alive
+        self.n_alive = len(tpl.sub_bytes)
+        self.all_alive = True
+        self.flows_left = tpl.subs_per_flow
+        self.flow_end = np.where(tpl.subs_per_flow == 0, now, np.nan)
         self.version = 0
 
 
@@ -291,8 +312,9 @@ class Simulator:
         self.heap: list[tuple[float, int, int, Any, Any]] = []
         self.seq = 0
         self.groups: dict[int, _Group] = {}
-        self.link_groups: list[set[int]] = [set() for _ in self.net.edges]
-        self.dirty: set[int] = set()
+        self.active: dict[tuple[int, int], int] = {}  # (job, phase) -> its group in flight
+        self.dirty: set[int] = set()  # groups whose rates must be recomputed
+        self.overlap: dict[tuple[int, int], bool] = {}  # (template uid, template uid) -> do they share a link
         self.next_gid = 0
         self.phases: list[PhaseRecord] = []
         self.flows: list[FlowRecord] = []
@@ -302,7 +324,33 @@ class Simulator:
         self.max_component = 0
         self.now = 0.0
         self.templates: dict[tuple[int, int], list[_StepTemplate]] = {}
+        self.step_cache: dict[tuple, _StepTemplate] = {}
+        self.rate_cache: dict[tuple, tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]] = {}
+        self.cache_hits = 0
         self.jobs = [self._job_state(j) for j in workload.jobs]
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """Route every communication phase once, and find the links that two phases may use at the same time.
+
+        Steps of one phase run one after another and a phase never overlaps its
+        own next instance, so a link used by a single phase carries at most one
+        group at a time: it can never couple two groups. Rate recomputations
+        follow only the other, *shared* links to find which groups interact.
+        """
+        users: dict[int, set[tuple[int, int]]] = {}
+        for j, job in enumerate(self.workload.jobs):
+            for p, phase in enumerate(job.phases):
+                if isinstance(phase, ComputePhase):
+                    continue
+                for tpl in self._steps(j, p):
+                    for link in tpl.links:
+                        users.setdefault(link, set()).add((j, p))
+        shared = {link for link, who in users.items() if len(who) > 1}
+        for tpl in self.step_cache.values():
+            tpl.shared = frozenset(link for link in tpl.links if link in shared)
+            tpl.neighbours = tuple(sorted({who for link in tpl.shared for who in users[link]}))
+        self.shared_links = len(shared)
 
     # -- setup -------------------------------------------------------------------------------------------
     def _job_state(self, job: Job) -> _JobState:
@@ -328,8 +376,17 @@ class Simulator:
             prio = job.phase_priority(phase)
             weight = self.cfg.class_weights[prio] if self.cfg.sharing == "weighted" else 1.0
             policy = job.routing or self.cfg.routing
-            steps = [_build_step(self.net, flows, policy, prio=prio, cap_gbs=job.phase_rate_cap(phase), weight=weight, latency=self.cfg.latency)
-                     for flows in phase_flows(self.topo, job, phase)]
+            cap = job.phase_rate_cap(phase)
+            steps = []
+            for flows in phase_flows(self.topo, job, phase):
+                # identical steps (the 2(n-1) steps of a ring, equal jobs) share one template: routed once, and
+                # their max-min solutions are memoised together
+                tkey = (policy, prio, cap, weight, tuple(flows))
+                tpl = self.step_cache.get(tkey)
+                if tpl is None:
+                    tpl = self.step_cache[tkey] = _build_step(self.net, flows, policy, prio=prio, cap_gbs=cap, weight=weight,
+                                                              latency=self.cfg.latency, uid=len(self.step_cache))
+                steps.append(tpl)
             self.templates[key] = steps
         return steps
 
@@ -354,9 +411,8 @@ class Simulator:
                 self.next_gid += 1
                 g = _Group(gid, tpl, run, t)
                 self.groups[gid] = g
-                for link in tpl.links:
-                    self.link_groups[link].add(gid)
-                self.dirty.update(tpl.links)
+                self.active[(run.job, run.phase)] = gid
+                self.dirty.add(gid)
                 return
             # nothing to send (local or empty flows): the step takes its latency only
             self._record_flows(run, tpl, t, np.full(len(tpl.src), t))
@@ -415,71 +471,112 @@ class Simulator:
 
     # -- network dynamics -----------------------------------------------------------------------------------
     def _group_event(self, g: _Group, t: float) -> None:
-        dt = t - g.last
-        alive = g.alive
-        g.rem[alive] -= g.rate[alive] * dt
-        g.last = t
-        finished = alive & ((g.rem <= g.tol) | (g.rem <= g.rate * 1e-12 * max(t, 1e-3)))
+        tpl = g.tpl
+        if t != g.last:
+            g.rem = g.rem - g.rate * (t - g.last)
+            g.last = t
+        finished = g.rem <= np.maximum(tpl.tol, g.rate * (1e-12 * max(t, 1e-3)))
         if not finished.any():
             # floating point put the finish a hair later: the event is the earliest finisher's, finish it
-            with np.errstate(divide="ignore", invalid="ignore"):
-                eta = np.where(alive & (g.rate > 0), g.rem / g.rate, np.inf)
-            finished = alive & (eta <= eta.min() * (1 + 1e-9))
-        g.alive = alive & ~finished
-        g.rem[finished] = 0.0
-        g.rate[finished] = 0.0
-        tpl = g.tpl
-        parents = tpl.sub_flow[finished]
-        np.subtract.at(g.flows_left, parents, 1)
-        done_flows = np.unique(parents[g.flows_left[parents] == 0])
-        g.flow_end[done_flows] = t
-        self.dirty.update(tpl.links)
-        if not g.alive.any():
+            eta = g.rem * g.inv_rate
+            finished = eta <= eta.min() * (1 + 1e-9)
+        g.n_alive -= int(np.count_nonzero(finished))
+        if g.n_alive == 0:
+            g.flow_end[np.isnan(g.flow_end)] = t
             del self.groups[g.gid]
-            for link in tpl.links:
-                self.link_groups[link].discard(g.gid)
+            del self.active[(g.run.job, g.run.phase)]
+            self.dirty.discard(g.gid)
+            self.dirty.update(self._neighbours(g))
+            self.util.set_load(tpl.link_arr, np.zeros(len(tpl.link_arr)), t)
             g.version += 1
             end = self._record_flows(g.run, tpl, g.start, g.flow_end)
             if end > t:
                 self._push(end, _EV_STEP, g.run)
             else:
                 self._step_done(g.run, t)
+            return
+        g.alive = g.alive & ~finished
+        g.all_alive = False
+        g.rem = np.where(finished, np.inf, g.rem)
+        g.rate = np.where(finished, 0.0, g.rate)
+        g.inv_rate = np.where(finished, np.inf, g.inv_rate)
+        counts = np.bincount(tpl.sub_flow[finished], minlength=len(g.flows_left))
+        g.flows_left = g.flows_left - counts
+        g.flow_end[(g.flows_left == 0) & (counts > 0)] = t
+        self.dirty.add(g.gid)
 
-    def _component(self, seeds: set[int]) -> tuple[list[_Group], set[int]]:
-        """The groups and links connected (through shared links) to the ``seeds`` links."""
-        links = set(seeds)
-        stack = list(seeds)
+    def _neighbours(self, g: _Group) -> list[int]:
+        """The groups in flight that share a link with ``g``."""
+        out = []
+        active, overlap = self.active, self.overlap
+        tpl = g.tpl
+        for key in tpl.neighbours:
+            gid = active.get(key)
+            if gid is None or gid == g.gid:
+                continue
+            other = self.groups[gid].tpl
+            pair = (tpl.uid, other.uid)
+            hit = overlap.get(pair)
+            if hit is None:
+                hit = overlap[pair] = not tpl.shared.isdisjoint(other.shared)
+            if hit:
+                out.append(gid)
+        return out
+
+    def _component(self, seeds: set[int]) -> list[_Group]:
+        """The groups in flight connected to the ``seeds`` through shared links."""
+        groups = self.groups
         seen: set[int] = set()
         comp: list[_Group] = []
-        link_groups, groups = self.link_groups, self.groups
+        stack = list(seeds)
         while stack:
-            link = stack.pop()
-            for gid in link_groups[link]:
-                if gid in seen:
-                    continue
-                seen.add(gid)
-                g = groups[gid]
-                comp.append(g)
-                for other in g.tpl.links:
-                    if other not in links:
-                        links.add(other)
-                        stack.append(other)
-        return comp, links
+            gid = stack.pop()
+            if gid in seen or gid not in groups:
+                continue
+            seen.add(gid)
+            g = groups[gid]
+            comp.append(g)
+            if g.tpl.neighbours:
+                stack.extend(self._neighbours(g))
+        return comp
 
     def _recompute(self, t: float) -> None:
         seeds, self.dirty = self.dirty, set()
-        comp, links = self._component(seeds)
+        comp = self._component(seeds)
         self.recomputes += 1
         self.max_component = max(self.max_component, len(comp))
-        link_ids = np.fromiter(links, dtype=np.intp, count=len(links))
         if not comp:
-            self.util.set_load(link_ids, np.zeros(len(link_ids)), t)
             return
         for g in comp:
             if g.last != t:
-                g.rem[g.alive] -= g.rate[g.alive] * (t - g.last)
-                np.maximum(g.rem, 0.0, out=g.rem)
+                g.rem = np.maximum(g.rem - g.rate * (t - g.last), 0.0)
                 g.last = t
+        # max-min rates depend only on which sub-flows of which templates are in flight: memoise them
+        if len(comp) > 1:
+            comp.sort(key=lambda g: (g.tpl.uid, b"" if g.all_alive else g.alive.tobytes()))
+        key = tuple((g.tpl.uid, b"" if g.all_alive else g.alive.tobytes()) for g in comp)
+        hit = self.rate_cache.get(key) if self.cfg.memo else None
+        if hit is None:
+            hit = self._solve(comp)
+            if len(self.rate_cache) >= 20_000:
+                self.rate_cache.clear()
+            if self.cfg.memo:
+                self.rate_cache[key] = hit
+        else:
+            self.cache_hits += 1
+        group_rates, uniq, load = hit
+        for g, (rate, inv_rate) in zip(comp, group_rates, strict=True):
+            g.rate, g.inv_rate = rate, inv_rate
+            g.version += 1
+            eta = float((g.rem * inv_rate).min())
+            if eta != eta:  # nan: a live sub-flow with nothing left and no rate (0 * inf); it is due now
+                eta = 0.0
+            if eta < math.inf:
+                self._push(t + eta, _EV_GROUP, g, g.version)
+        self.util.set_load(uniq, load, t)
+
+    def _solve(self, comp: list[_Group]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
+        """Max-min rates of the component's live sub-flows: per group rates, the links used and their loads."""
         if len(comp) == 1:
             g = comp[0]
             tpl = g.tpl
@@ -502,17 +599,11 @@ class Simulator:
             rates = maxmin_rates(indptr, local, capacity, weight=weight, cap=cap, prio=prio, alive=alive, sharing=self.cfg.sharing)
         else:
             rates = self._reference_rates(entry_sub, local, capacity, alive, weight, cap, prio)
-        pos = 0
-        for g, size in zip(comp, sizes, strict=True):
-            g.rate = rates[pos : pos + size].copy()
-            pos += size
-            g.version += 1
-            moving = g.alive & (g.rate > 0)
-            if moving.any():
-                self._push(t + float(np.min(g.rem[moving] / g.rate[moving])), _EV_GROUP, g, g.version)
         load = np.bincount(local, weights=rates[entry_sub], minlength=len(uniq))
-        self.util.set_load(link_ids, np.zeros(len(link_ids)), t)
-        self.util.set_load(uniq, load, t)
+        bounds = np.cumsum([0, *sizes])
+        with np.errstate(divide="ignore"):
+            inv = np.where(rates > 0, 1.0 / rates, np.inf)
+        return [(rates[a:b], inv[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)], uniq, load
 
     def _reference_rates(self, entry_sub: np.ndarray, local: np.ndarray, capacity: np.ndarray, alive: np.ndarray, weight: np.ndarray,
                          cap: np.ndarray, prio: np.ndarray) -> np.ndarray:
@@ -581,7 +672,9 @@ class Simulator:
                 u, v, k = self.net.edges[i]
                 names.append(f"{u}->{v}" if k in (0, None) else f"{u}->{v}#{k}")
             links = LinkUtilisation(names, [float(self.net.capacity[i] / 1e9) for i in idx], [self.net.kinds[i] for i in idx], edges, util)
-        meta = {"events": self.events, "recomputes": self.recomputes, "largest_component_groups": self.max_component,
+        meta = {"events": self.events, "recomputes": self.recomputes, "memo_hits": self.cache_hits, "step_templates": len(self.step_cache),
+                "largest_component_groups": self.max_component,
+                "shared_links": self.shared_links,
                 "wall_s": wall, "events_per_s": self.events / wall if wall > 0 else math.inf, "config": asdict(self.cfg),
                 "links": len(self.net.edges), "routes_cached": len(self.net._routes)}
         return RunResult("sim", self.workload.name, self.topo.name, jobs, self.phases, self.flows, links, 1.0, meta)
