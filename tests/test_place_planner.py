@@ -142,3 +142,14 @@ def test_cli_plan_cells_check_trace(tmp_path, capsys):
     assert main(["place", "trace", "--synthetic", "20", "--out", str(trace)]) == 0
     assert len(loads_trace(trace.read_text())) == 20
     assert main(["place", "trace", "--philly", str(DATA / "philly_sample.json"), "--out", str(tmp_path / "p.json")]) == 0
+
+
+def test_demo_places_jobs_and_shifts_help(tmp_path, cluster):
+    from placement.demo import demo
+
+    report, text = demo(cluster, tmp_path)
+    assert report["plan"]["placed"] == 4 and "torchrun" in text
+    assert (tmp_path / "plan.json").exists() and "gpt.hostfile" in report["files"]
+    for e in report["iteration_times"].values():
+        assert e["shifted_ms"] <= e["unshifted_ms"] + 1e-9 and e["shifted_ms"] >= e["solo_ms"] - 1e-9
+    json.dumps(report, default=str)
