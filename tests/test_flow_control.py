@@ -1,0 +1,229 @@
+"""flowsched.control over loopback: plan round trips, heartbeats, resync, rejection, CURVE authentication."""
+
+import json
+import logging
+import socket
+import time
+
+import pytest
+import zmq
+
+from flowsched.control import (
+    SCHEDULER_KEY,
+    Agent,
+    AgentConfig,
+    ControlConfig,
+    ControlError,
+    MessageError,
+    Scheduler,
+    agent_key_name,
+    check_endpoint,
+    decode,
+    encode,
+    generate_keys,
+    load_config,
+    load_keypair,
+    load_public,
+)
+from flowsched.enforce import DryRunApplier, host_tc_commands
+from flowsched.plan import FlowPlan, FlowRule, HostPlan, with_epoch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def config(tmp_path):
+    generate_keys(tmp_path / "keys", ["h0", "h1"])
+    return ControlConfig(tmp_path / "keys", f"tcp://127.0.0.1:{free_port()}",
+                         {h: AgentConfig(f"tcp://127.0.0.1:{free_port()}") for h in ("h0", "h1")}, heartbeat_s=0.05)
+
+
+def make_plan(epoch: int) -> FlowPlan:
+    return FlowPlan({"h0": HostPlan([FlowRule("a", 0), FlowRule("b", 3, rate=1e6, peer="h1")], link_rate=1.25e7),
+                     "h1": HostPlan([FlowRule("a", 1), FlowRule("b", 3, rate=2e6, peer="h0")], link_rate=1.25e7)}, epoch=epoch, policy="t")
+
+
+def client(ctx, endpoint, *, keys=None, name=None, server_public=None, curve_keys=None):
+    """A DEALER to ``endpoint``; CURVE with ``name``'s pair from ``keys`` (or explicit ``curve_keys``) when given."""
+    s = ctx.socket(zmq.DEALER)
+    s.linger = 0
+    pair = curve_keys or (load_keypair(keys, name) if name else None)
+    if pair is not None:
+        s.curve_publickey, s.curve_secretkey = pair
+        s.curve_serverkey = server_public
+    s.connect(endpoint)
+    return s
+
+
+def recv_json(sock, timeout_ms=2000):
+    if not sock.poll(timeout_ms):
+        return None
+    return json.loads(sock.recv())
+
+
+def test_plan_round_trip_to_two_agents_with_acks_and_heartbeats(config):
+    appliers = {h: DryRunApplier("eth0") for h in ("h0", "h1")}
+    with Scheduler(config) as sched, Agent("h0", config, appliers["h0"]) as a0, Agent("h1", config, appliers["h1"]) as a1:
+        plan = make_plan(1)
+        sched.publish(plan)
+        assert sched.wait_acked(1, timeout=5)
+        for agent in (a0, a1):
+            assert agent.epoch == 1 and agent.applied == [1]
+            epoch, lines = appliers[agent.host].applied[0]
+            assert epoch == 1 and lines == host_tc_commands(plan, agent.host, "eth0")
+        assert sched.wait_for(lambda: all(a.heartbeats >= 2 for a in sched.agents.values()), 5)
+        assert sched.alive() == {"h0": True, "h1": True}
+        a0.report({"0": 1234.5})
+        a1.complete("a")
+        assert sched.wait_for(lambda: sched.agents["h0"].reports and sched.agents["h1"].done, 5)
+        assert sched.agents["h0"].reports[-1]["rates"] == {"0": 1234.5}
+        assert sched.agents["h1"].done[-1]["job"] == "a"
+        with pytest.raises(ControlError, match="not newer"):
+            sched.publish(make_plan(1))
+        assert sched.rejected == [] and a0.rejected == [] and a1.rejected == []
+
+
+def test_restarted_agent_resynchronises(config):
+    appliers = {h: DryRunApplier("eth0") for h in ("h0", "h1")}
+    with Scheduler(config) as sched, Agent("h1", config, appliers["h1"]):
+        with Agent("h0", config, appliers["h0"]):
+            sched.publish(make_plan(1))
+            assert sched.wait_acked(1, timeout=5)
+        sched.publish(make_plan(2))  # h0 is down
+        assert sched.wait_acked(2, ["h1"], timeout=5)
+        assert sched.agents["h0"].epoch == 1
+        fresh = DryRunApplier("eth0")
+        with Agent("h0", config, fresh) as again:  # a new process: it holds no plan and says hello with epoch -1
+            assert sched.wait_acked(2, ["h0"], timeout=5)
+            assert again.applied == [2] and [e for e, _ in fresh.applied] == [2]
+        assert [e for e, _ in appliers["h0"].applied] == [1]
+
+
+def test_malformed_stale_and_misdirected_messages_are_rejected_without_applying(config, caplog):
+    applier = DryRunApplier("eth0")
+    ctx = zmq.Context()
+    try:
+        with Agent("h0", config, applier) as agent, caplog.at_level(logging.WARNING, logger="flowsched.control"):
+            # the scheduler's own key (as the scheduler would), talking straight to the agent
+            s = client(ctx, config.agents["h0"].bind, keys=config.keys, name=SCHEDULER_KEY,
+                       server_public=load_public(config.keys, agent_key_name("h0")))
+            good = make_plan(5).for_host("h0").to_dict()
+            s.send(encode({"type": "plan", "host": "h0", "epoch": 5, "plan": good}))
+            assert recv_json(s)["type"] == "ack" and agent.epoch == 5
+            bad_plan = json.loads(json.dumps(good))
+            bad_plan["hosts"]["h0"]["rules"][1]["priority"] = 9
+            half_bad = json.loads(json.dumps(good))
+            half_bad["epoch"] = 7
+            half_bad["hosts"]["h0"]["rules"].append({"job": "c", "priority": 2, "dscp": 56})  # DSCP of class 0 on class 2
+            cases = [
+                (b"{not json", "not JSON"),
+                (encode({"type": "plan", "host": "h0", "epoch": "6", "plan": good}), "plan.epoch"),
+                (encode({"type": "plan", "host": "h1", "epoch": 6, "plan": {**good, "epoch": 6}}), "for host 'h1'"),
+                (encode({"type": "plan", "host": "h0", "epoch": 4, "plan": {**good, "epoch": 4}}), "stale"),
+                (encode({"type": "plan", "host": "h0", "epoch": 6, "plan": {**bad_plan, "epoch": 6}}), "priority"),
+                (encode({"type": "plan", "host": "h0", "epoch": 7, "plan": half_bad}), "DSCP 56"),
+                (encode({"type": "plan", "host": "h0", "epoch": 8, "plan": good}), "differs"),
+                (encode({"type": "heartbeat", "host": "h0", "epoch": 1, "seq": 1, "time": 0}), "not allowed"),
+            ]
+            for payload, reason in cases:
+                s.send(payload)
+                reply = recv_json(s)
+                assert reply["type"] == "nack" and reason in reply["reason"], (reason, reply)
+            assert agent.epoch == 5 and agent.applied == [5] and len(applier.applied) == 1
+            assert len(agent.rejected) == len(cases)
+            assert sum("rejected message" in r.getMessage() for r in caplog.records) == len(cases)
+            s.close()
+    finally:
+        ctx.term()
+
+
+def test_scheduler_rejects_an_agent_speaking_for_another(config):
+    ctx = zmq.Context()
+    try:
+        with Scheduler(config) as sched:
+            s = client(ctx, config.scheduler_bind, keys=config.keys, name=agent_key_name("h0"),
+                       server_public=load_public(config.keys, SCHEDULER_KEY))
+            s.send(encode({"type": "heartbeat", "host": "h1", "epoch": 0, "seq": 1, "time": 0.0}))
+            s.send(encode({"type": "plan", "host": "h0", "epoch": 1, "plan": {}}))
+            assert sched.wait_for(lambda: len(sched.rejected) == 2, 5)
+            assert "key of 'h0'" in sched.rejected[0] and "not allowed" in sched.rejected[1]
+            assert sched.agents["h1"].heartbeats == 0
+            s.send(encode({"type": "heartbeat", "host": "h0", "epoch": 0, "seq": 1, "time": 0.0}))
+            assert sched.wait_for(lambda: sched.agents["h0"].heartbeats == 1, 5)
+            s.close()
+    finally:
+        ctx.term()
+
+
+def _handshake_events(mon, seconds):
+    events = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if mon.poll(50):
+            from zmq.utils.monitor import recv_monitor_message
+
+            events.append(recv_monitor_message(mon)["event"])
+    return events
+
+
+def test_unauthenticated_and_wrong_key_clients_are_refused(config):
+    applier = DryRunApplier("eth0")
+    ctx = zmq.Context()
+    try:
+        with Agent("h0", config, applier) as agent, Scheduler(config) as sched:
+            plan = make_plan(1).for_host("h0").to_dict()
+            msg = encode({"type": "plan", "host": "h0", "epoch": 1, "plan": plan})
+            agent_pub = load_public(config.keys, agent_key_name("h0"))
+            stranger = zmq.curve_keypair()
+            agent_key_pair = load_keypair(config.keys, agent_key_name("h1"))  # a real key, but not the scheduler's
+            for kwargs in ({}, {"curve_keys": stranger, "server_public": agent_pub}, {"curve_keys": agent_key_pair, "server_public": agent_pub}):
+                s = client(ctx, config.agents["h0"].bind, **kwargs)
+                mon = s.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+                                           | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+                s.send(msg, zmq.NOBLOCK)
+                assert recv_json(s, 400) is None  # no reply
+                events = _handshake_events(mon, 0.3)
+                assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events
+                if kwargs:
+                    assert zmq.EVENT_HANDSHAKE_FAILED_AUTH in events
+                s.disable_monitor()
+                mon.close(linger=0)
+                s.close()
+            # the scheduler's report channel refuses a stranger too
+            s = client(ctx, config.scheduler_bind, curve_keys=stranger, server_public=load_public(config.keys, SCHEDULER_KEY))
+            s.send(encode({"type": "heartbeat", "host": "h1", "epoch": 0, "seq": 1, "time": 0.0}), zmq.NOBLOCK)  # h1 runs no agent
+            time.sleep(0.3)
+            s.close()
+            assert agent.applied == [] and applier.applied == [] and agent.rejected == []
+            assert sched.agents["h1"].heartbeats == 0 and sched.agents["h1"].last_seen is None and sched.rejected == []
+            assert sched.agents["h0"].heartbeats > 0  # while the real agent's key gets through
+    finally:
+        ctx.term()
+
+
+def test_config_file_keys_and_endpoints(tmp_path):
+    made = generate_keys(tmp_path / "k", ["n0"])
+    assert set(made) == {"scheduler", "agent-n0"} and (made["scheduler"][1].stat().st_mode & 0o777) == 0o600
+    again = generate_keys(tmp_path / "k", ["n0", "n1"])  # keeps existing pairs
+    assert again["scheduler"][0].read_text() == made["scheduler"][0].read_text() and "agent-n1" in again
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("format: netweave-flow-control\nversion: 1\nkeys: k\nheartbeat_s: 0.5\nscheduler: {bind: 'tcp://127.0.0.1:5710'}\n"
+                   "agents: {n0: {bind: 'tcp://127.0.0.1:5711', dev: eth0, rate_mbit: 100}}\n")
+    c = load_config(cfg)
+    assert c.keys == tmp_path / "k" and c.agents["n0"].dev == "eth0" and c.heartbeat_s == 0.5
+    cfg.write_text(cfg.read_text().replace("tcp://127.0.0.1:5711", "tcp://*:5711"))
+    with pytest.raises(ControlError, match=r"agents\.n0\.bind.*every interface"):
+        load_config(cfg)
+    cfg.write_text(cfg.read_text() + "allow_wildcard: true\n")
+    assert load_config(cfg).agents["n0"].bind == "tcp://*:5711"
+    for bad in ("tcp://0.0.0.0:1", "tcp://[::]:1", "udp://x:1"):
+        with pytest.raises(ControlError):
+            check_endpoint(bad)
+    with pytest.raises(MessageError, match="proto"):
+        decode(json.dumps({"type": "hello"}).encode())
+    assert decode(encode({"type": "hello", "host": "x", "epoch": -1}))["host"] == "x"
+    assert with_epoch(make_plan(1), 3).epoch == 3
