@@ -37,4 +37,4 @@ def test_marked_gloo_allreduce_carries_dscp_and_wins_the_htb_link(tmp_path):
     # while the all-reduces ran, the marked class took most of the link from the unmarked bulk flow
     cb = rep["class_bytes"]
     marked, bulk = cb.get("1:11", 0), cb.get("1:27", 0)
-    assert marked > 0 and marked / (marked + bulk) >= 0.75, cb
+    assert marked > 0 and marked / (marked + bulk) >= 0.7, cb  # measured 0.83-0.91 here; one shared class gives the bulk flow most
