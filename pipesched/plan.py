@@ -83,7 +83,7 @@ class Plan:
 
 
 def stage_costs(profile: ModelProfile, part: Partition, schedule: Schedule, devices: Sequence[Device],
-                links: LinkModel | None) -> dict[int, StageCost]:
+                links: LinkModel | None, *, keep_graph_until_w: bool = True) -> dict[int, StageCost]:
     """Per-stage-id costs for the simulator from the profile, the partition and the device each stage runs on.
 
     A stage runs at the speed of its rank's device (for a replicated PipeDream stage the rank is a pseudo
@@ -115,7 +115,9 @@ def stage_costs(profile: ModelProfile, part: Partition, schedule: Schedule, devi
                 reduce_s = 2 * lat + params / bw_link
         costs[sid] = StageCost(
             f=f, b=b, i=bi, w=bw, out_bytes=float(span[-1].output_bytes), saved_bytes=saved,
-            wgrad_bytes=min(saved, float(sum(lay.weight_grad_bytes for lay in span))),
+            # torch's runtime keeps the whole graph from I to W (stage_backward_input retains it); the Zero Bubble
+            # paper's runtime frees all but the weight-gradient inputs (weight_grad_bytes).
+            wgrad_bytes=saved if keep_graph_until_w else min(saved, float(sum(lay.weight_grad_bytes for lay in span))),
             transient_bytes=float(max(lay.saved_bytes["none"] - lay.saved_bytes[o] for lay in span)),
             state_bytes=params * profile.state_factor, reduce_s=reduce_s,
         )
@@ -146,12 +148,15 @@ def plan_partition(profile: ModelProfile, part: Partition, devices: Sequence[Dev
 
 
 def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | None, *, microbatches: int, schedule: str = "auto",
-         chunks: int = 2, recompute: Sequence[str] = RECOMPUTE_OPTIONS, max_replicas: int = 1, cores: float | None = None) -> Plan:
+         chunks: int = 2, recompute: Sequence[str] = RECOMPUTE_OPTIONS, max_replicas: int = 1, cores: float | None = None,
+         refine_budget: int = 40) -> Plan:
     """The best plan over the requested schedule family (or all of them with ``schedule="auto"``).
 
     For each family: the DP partition under that family's in-flight memory model, its schedule, a simulated
     run (per-rank memory checked against each device) and the family's lower bound. ``auto`` returns the
-    fastest simulated plan that fits in memory; every candidate is listed in ``alternatives``.
+    fastest simulated plan that fits in memory; every candidate is listed in ``alternatives``. The winner's
+    boundaries are then refined on the simulated makespan (:func:`refine`, ``refine_budget`` simulations;
+    0 turns it off and returns the DP's partition as is).
     """
     if microbatches < 1:
         raise PlanError("need at least one micro-batch", where="--microbatches")
@@ -190,8 +195,48 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
             raise PlanError("no schedule fits in device memory: " + "; ".join(candidates[0].problems), where="--memory")
         raise last_error or PlanError("no plan found")
     best = min(fitting, key=lambda c: c.sim.makespan)
+    if refine_budget and all(len(st.devices) == 1 for st in best.partition.stages):
+        best = refine(profile, best, devices, links, budget=refine_budget, cores=cores, recompute=recompute)
     best.alternatives = alternatives
     return best
+
+
+def refine(profile: ModelProfile, start: Plan, devices: Sequence[Device], links: LinkModel, *, budget: int = 60,
+           cores: float | None = None, recompute: Sequence[str] = RECOMPUTE_OPTIONS) -> Plan:
+    """Hill-climb the stage boundaries on the simulated iteration time, one layer at a time.
+
+    The DP is exact for its objective (the bottleneck stage, then the sum of stage times), but with unequal
+    stages the real schedule's makespan also depends on where the slack sits; this moves single boundaries by
+    one layer while that lowers the simulated makespan and the plan still fits, for at most ``budget``
+    simulations. The result is recorded in ``partition.meta["refined_from_s"]``.
+    """
+    current = start
+    spans = [list(st.layers) for st in start.partition.stages]
+    sims = 0
+    improved = True
+    while improved and sims < budget:
+        improved = False
+        for k in range(1, len(spans)):
+            for delta in (-1, 1):
+                cut = spans[k][0] + delta
+                if not spans[k - 1][0] < cut < spans[k][1] or sims >= budget:
+                    continue
+                trial = [list(x) for x in spans]
+                trial[k - 1][1] = trial[k][0] = cut
+                part = evaluate_partition(profile, [tuple(x) for x in trial], devices, links, microbatches=start.schedule.microbatches,
+                                          family=start.family, chunks=start.chunks, options=recompute)
+                if any(math.isinf(st.time_s) for st in part.stages):
+                    continue
+                sims += 1
+                cand = plan_partition(profile, part, devices, links, family=start.family, microbatches=start.schedule.microbatches,
+                                      chunks=start.chunks, cores=cores)
+                if cand.memory_ok and cand.sim.makespan < current.sim.makespan * (1 - 1e-9):
+                    current, spans, improved = cand, trial, True
+                    break
+    if current is not start:
+        current.partition.meta["refined_from_s"] = start.sim.makespan
+        current.partition.meta["refine_simulations"] = sims
+    return current
 
 
 def _group_devices(devices: Sequence[Device], part: Partition) -> list[Device]:

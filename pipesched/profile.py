@@ -394,7 +394,7 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
     (``torch.autograd.grad(out, inputs)`` with the graph retained) and then the weight-gradient time
     (``torch.autograd.grad(out, params)``) on the same graph; and one fused backward over inputs and weights.
     Times are medians over ``repeats``. Saved activations are counted with ``torch.autograd.graph.
-    saved_tensors_hooks`` (deduplicated by storage, parameters excluded) and attributed to the layer's direct
+    saved_tensors_hooks`` (each saved tensor once, parameters excluded) and attributed to the layer's direct
     child module that was running. "selective" recomputation drops what parameter-free children (activations,
     norms without weights, softmax, dropout) saved and pays their forward time again; "full" keeps only the
     layer input and pays the whole forward. ``weight_grad_bytes`` is what children with parameters saved (their
@@ -491,10 +491,10 @@ def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: st
                 sel_times.append(sum(child_time.get(c, 0.0) for c, _ in children if not child_has_params[c]))
 
         def pack(t):
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr not in param_storages:
-                saved.setdefault((ptr, storage.nbytes()), (storage.nbytes(), current[0]))
+            # Count each saved tensor (view) once; parameters are weights, not activations.
+            if t.untyped_storage().data_ptr() not in param_storages:
+                key = (t.data_ptr(), _tensor_bytes(t))
+                saved.setdefault(key, (key[1], current[0]))
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -1,0 +1,276 @@
+"""``netweave pipe``: profile, plan, simulate, export and run pipeline-parallel training plans."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+from topology.clitools import add_json_flag, emit, progress
+from topology.errors import InputError
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, *, where: str = "--memory") -> float:
+    """``80GiB``, ``40GB``, ``1.5TiB`` or a plain byte count.
+
+    >>> parse_bytes("80GiB") == 80 * 2**30
+    True
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise InputError(f"expected a size like 80GiB or 40GB, got {text!r}", where=where)
+    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    pipe = sub.add_parser("pipe", help="pipeline parallelism: profile, plan, simulate, export, run")
+    psub = pipe.add_subparsers(dest="pipe_command", metavar="ACTION", required=True)
+
+    p = psub.add_parser("profile", help="per-layer profile: analytic from a GPT/Llama config, or measured on this CPU")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="GPT/Llama config (YAML or JSON): layers, hidden, heads, seq_len, vocab, ...")
+    src.add_argument("--mlp", help="measure the built-in MLP chain with these hidden widths, e.g. 256,256,2048")
+    p.add_argument("--dim", type=int, default=128, help="model width of --mlp (default 128)")
+    p.add_argument("--microbatch", type=int, default=32, help="rows per micro-batch for --mlp (default 32)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", help="write the profile JSON here")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_profile)
+
+    for name, helptext, func in (
+        ("plan", "plan a pipeline: partition (DP + recompute), schedule, simulation, lower bound", cmd_plan),
+        ("simulate", "simulate one schedule on a given (default: uniform) partition", cmd_simulate),
+        ("export", "plan and write torch.distributed.pipelining CSV + stage layout", cmd_export),
+    ):
+        p = psub.add_parser(name, help=helptext)
+        _add_model_args(p)
+        if name == "simulate":
+            p.add_argument("--spans", help="layer spans per stage, e.g. 0:5,5:9,9:14 (default: equal layer counts)")
+        if name == "export":
+            p.add_argument("--format", choices=["compute_only", "compute_comms"], default="compute_only")
+            p.add_argument("--out", required=True, help="output directory (schedule.csv, stages.json, plan.json)")
+        else:
+            p.add_argument("--out", help="write the plan/simulation JSON here")
+            p.add_argument("--gantt", help="write a Gantt chart PNG here")
+            p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+        add_json_flag(p)
+        p.set_defaults(func=func)
+
+    p = psub.add_parser("run", help="plan, run with real gloo processes on this CPU, compare with the prediction and a uniform split")
+    p.add_argument("--mlp", default="128,128,128,128,128,128,128,128,1024,1024,1024,1024", help="hidden widths of the MLP chain")
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--stages", type=int, default=4)
+    p.add_argument("--schedule", default="auto", choices=["auto", "1f1b", "zbh1", "gpipe", "interleaved"])
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--no-baseline", action="store_true", help="skip the uniform torch Schedule1F1B run")
+    p.add_argument("--out", help="write the report JSON here")
+    p.add_argument("--trace", help="write predicted and measured timelines into one Chrome trace")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_run)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="GPT/Llama config (YAML or JSON)")
+    src.add_argument("--profile", help="profile JSON (from `netweave pipe profile`)")
+    p.add_argument("--topology", help="topology file (default: the built-in 4 x DGX H100 cluster)")
+    p.add_argument("--gpus", help="comma-separated GPUs in pipeline order (default: the first --stages GPUs)")
+    p.add_argument("--stages", type=int, required=True, help="pipeline depth (devices)")
+    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--memory", help="memory per device, e.g. 80GiB (default: each GPU's memory)")
+    p.add_argument("--schedule", default="auto", help="auto, gpipe, 1f1b, zbh1, interleaved, chimera (default auto)")
+    p.add_argument("--chunks", type=int, default=2, help="virtual stages per device for interleaved (default 2)")
+    p.add_argument("--recompute", default="none,selective,full", help="recomputation options the planner may use")
+    p.add_argument("--replicate", type=int, default=1, help="allow PipeDream stage replication up to this many devices")
+
+
+def _load(args: argparse.Namespace):
+    import topology
+
+    from .devices import Device, devices_from_topology
+    from .profile import analytic_profile, load_model_config, load_profile
+
+    if args.stages < 1:
+        raise InputError("expected a positive number of stages", where="--stages")
+    if args.microbatches < 1:
+        raise InputError("expected a positive number of micro-batches", where="--microbatches")
+    prof = analytic_profile(load_model_config(args.model)) if args.model else load_profile(args.profile)
+    if args.stages > len(prof.layers):
+        raise InputError(f"{args.stages} stages but the model has only {len(prof.layers)} layers (embedding, blocks, head)", where="--stages")
+    if args.topology:
+        from topology.io import read_topology
+
+        topo = read_topology(args.topology)
+    else:
+        topo = topology.default_cluster()
+    gpus = [g.strip() for g in args.gpus.split(",")] if getattr(args, "gpus", None) else None
+    count = None if gpus else args.stages
+    devices, links = devices_from_topology(topo, gpus=gpus, count=count, reference_tflops=prof.reference.get("tflops"))
+    if len(devices) != args.stages:
+        raise InputError(f"{len(devices)} GPUs given for {args.stages} stages", where="--gpus")
+    if args.memory:
+        mem = parse_bytes(args.memory)
+        devices = [Device(d.name, d.speed, mem) for d in devices]
+    recompute = [o.strip() for o in args.recompute.split(",") if o.strip()]
+    return prof, topo, devices, links, recompute
+
+
+def _write_outputs(args: argparse.Namespace, result, title: str, data: dict[str, Any]) -> None:
+    from topology.io import atomic_write_text
+
+    from .simulate import gantt_png, write_chrome_trace
+
+    if getattr(args, "out", None):
+        atomic_write_text(args.out, json.dumps(data, indent=1, default=str) + "\n")
+    if getattr(args, "gantt", None):
+        gantt_png(result, args.gantt, title=title)
+    if getattr(args, "trace", None):
+        write_chrome_trace(args.trace, ("predicted", result))
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from topology.io import atomic_write_text
+
+    from .profile import analytic_profile, dumps_profile, load_model_config
+
+    if args.model:
+        prof = analytic_profile(load_model_config(args.model))
+    else:
+        from .calibrate import profile_mlp
+
+        try:
+            widths = [int(x) for x in args.mlp.split(",")]
+        except ValueError:
+            raise InputError("expected comma-separated integers", where="--mlp") from None
+        progress(f"measuring {len(widths)} layers on this CPU ...")
+        prof = profile_mlp(widths, args.dim, args.microbatch, threads=args.threads)
+    if args.out:
+        atomic_write_text(args.out, dumps_profile(prof))
+    lines = [f"profile {prof.name} ({prof.source}, micro-batch {prof.microbatch_size}): {len(prof.layers)} layers",
+             f"{'layer':<12} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'out MiB':>9} {'param MiB':>10} {'act none/sel/full MiB':>24}"]
+    for lay in prof.layers:
+        sv = lay.saved_bytes
+        lines.append(f"{lay.name:<12} {lay.fwd_s * 1e3:>9.4g} {lay.bwd_input_s * 1e3:>9.4g} {lay.bwd_weight_s * 1e3:>9.4g} "
+                     f"{lay.output_bytes / 2**20:>9.3g} {lay.param_bytes / 2**20:>10.4g} "
+                     f"{sv['none'] / 2**20:>8.4g}/{sv['selective'] / 2**20:.4g}/{sv['full'] / 2**20:.4g}")
+    emit(args, prof.to_dict(), "\n".join(lines))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan import plan
+
+    prof, _, devices, links, recompute = _load(args)
+    p = plan(prof, devices, links, microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks, recompute=recompute,
+             max_replicas=args.replicate)
+    data = p.to_dict()
+    _write_outputs(args, p.sim, f"{prof.name}: {p.family}, predicted {p.sim.makespan * 1e3:.4g} ms, bound {p.bound['bound_s'] * 1e3:.4g} ms", data)
+    emit(args, data, p.text())
+    return 0
+
+
+def _parse_spans(text: str, n: int) -> list[tuple[int, int]]:
+    spans = []
+    for k, part in enumerate(text.split(",")):
+        m = re.fullmatch(r"\s*(\d+):(\d+)\s*", part)
+        if not m or int(m.group(1)) >= int(m.group(2)):
+            raise InputError(f"span {k} {part!r}: expected START:END with START < END", where="--spans")
+        spans.append((int(m.group(1)), int(m.group(2))))
+    if spans[0][0] != 0 or spans[-1][1] != n or any(a[1] != b[0] for a, b in zip(spans, spans[1:], strict=False)):
+        raise InputError(f"spans must be contiguous and cover layers 0..{n - 1}", where="--spans")
+    return spans
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .partition import evaluate_partition, uniform_partition
+    from .plan import plan_partition
+
+    prof, _, devices, links, recompute = _load(args)
+    family = "1f1b" if args.schedule == "auto" else args.schedule
+    chunks = args.chunks if family == "interleaved" else 1
+    positions = len(devices) * chunks
+    spans = _parse_spans(args.spans, len(prof.layers)) if args.spans else uniform_partition(prof, positions)
+    if len(spans) != positions:
+        raise InputError(f"{len(spans)} spans for {positions} stage positions", where="--spans")
+    part = evaluate_partition(prof, spans, devices, links, microbatches=args.microbatches, family=family, chunks=chunks, options=recompute)
+    if any(math.isinf(s.time_s) for s in part.stages):
+        bad = [k for k, s in enumerate(part.stages) if math.isinf(s.time_s)]
+        raise InputError(f"stages {bad} do not fit in device memory with recomputation {recompute}", where="--spans")
+    p = plan_partition(prof, part, devices, links, family=family, microbatches=args.microbatches, chunks=chunks)
+    data = p.to_dict()
+    _write_outputs(args, p.sim, f"{prof.name}: {family} (given spans)", data)
+    emit(args, data, p.text())
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from topology.io import atomic_write_text
+
+    from .export import export_plan
+    from .plan import plan
+
+    prof, _, devices, links, recompute = _load(args)
+    fams = args.schedule
+    if fams == "auto":
+        best = None
+        for fam in ("1f1b", "zbh1", "interleaved", "gpipe"):
+            try:
+                cand = plan(prof, devices, links, microbatches=args.microbatches, schedule=fam, chunks=args.chunks, recompute=recompute)
+            except InputError:
+                continue
+            if cand.memory_ok and (best is None or cand.sim.makespan < best.sim.makespan):
+                best = cand
+        if best is None:
+            raise InputError("no exportable schedule fits", where="--schedule")
+        p = best
+    else:
+        p = plan(prof, devices, links, microbatches=args.microbatches, schedule=fams, chunks=args.chunks, recompute=recompute)
+    info = export_plan(p.schedule, p.partition, args.out, format=args.format, layer_names=[lay.name for lay in prof.layers])
+    atomic_write_text(Path(args.out) / "plan.json", json.dumps(p.to_dict(), indent=1, default=str) + "\n")
+    text = (f"{p.family} plan for {prof.name}: predicted {p.sim.makespan * 1e3:.4g} ms\n"
+            f"wrote {info['csv']} ({args.format}) and {info['stages']}\nload with: {info['torch_loader']}")
+    emit(args, info, text)
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from .calibrate import cpu_validation
+    from .runner import measured_timeline
+    from .simulate import write_chrome_trace
+
+    try:
+        widths = [int(x) for x in args.mlp.split(",")]
+    except ValueError:
+        raise InputError("expected comma-separated integers", where="--mlp") from None
+    if args.batch % args.microbatches:
+        raise InputError(f"batch {args.batch} is not divisible into {args.microbatches} micro-batches", where="--batch")
+    if args.stages > len(widths):
+        raise InputError(f"{args.stages} stages but the model has only {len(widths)} layers", where="--stages")
+    progress(f"profiling, planning and running {args.stages} gloo processes ...")
+    rep = cpu_validation(widths, dim=args.dim, batch=args.batch, microbatches=args.microbatches, stages=args.stages, threads=args.threads,
+                         iterations=args.iterations, schedule=args.schedule, baseline=not args.no_baseline)
+    plan_obj, run = rep.pop("_plan"), rep.pop("_run")
+    if args.trace:
+        write_chrome_trace(args.trace, ("predicted", plan_obj.sim), ("measured", measured_timeline(run, args.stages)))
+    if args.out:
+        from topology.io import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(rep, indent=1, default=str) + "\n")
+    o = rep["ours"]
+    lines = [f"plan: {o['schedule']}, spans {rep['plan']['spans']}",
+             f"ours: predicted {o['predicted_s'] * 1e3:.4g} ms, measured {o['measured_s'] * 1e3:.4g} ms (error {o['error']:+.1%}), "
+             f"per-action error {o['per_action_mape']:.1%} mean abs"]
+    if "uniform_torch_1f1b" in rep:
+        u = rep["uniform_torch_1f1b"]
+        lines.append(f"uniform + torch Schedule1F1B: predicted {u['predicted_s'] * 1e3:.4g} ms, measured {u['measured_s'] * 1e3:.4g} ms")
+        lines.append(f"measured speed-up {rep['speedup_measured']:.2f}x (predicted {rep['speedup_predicted']:.2f}x)")
+    emit(args, rep, "\n".join(lines))
+    return 0

@@ -1,0 +1,51 @@
+"""``netweave demo`` part for the pipeline planner: plan a GPT model on the default cluster.
+
+>>> import pathlib, tempfile, topology
+>>> report, text = demo(topology.default_cluster(), pathlib.Path(tempfile.mkdtemp()))
+>>> report["plan"]["schedule"] in ("gpipe", "1f1b", "zbh1", "interleaved", "chimera"), report["predicted_s"] >= report["lower_bound_s"]
+(True, True)
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from .devices import devices_from_topology
+from .partition import PlanError
+from .plan import plan, uniform_plan
+from .profile import GPTConfig, analytic_profile
+from .simulate import gantt_png, write_chrome_trace
+
+# A GPT-3 2.7B-class model (Brown et al. 2020, Table 2.1: 32 layers, d_model 2560, 32 heads, 2048 tokens).
+DEMO_MODEL = GPTConfig(layers=32, hidden=2560, heads=32, seq_len=2048, vocab=50257, microbatch_size=2, name="gpt3-2.7b")
+
+
+def demo(topo: Any, out: pathlib.Path, *, stages: int = 8, microbatches: int = 32) -> tuple[dict[str, Any], str]:
+    """Plan :data:`DEMO_MODEL` over the first ``stages`` GPUs of ``topo``; write the Gantt PNG and a trace under ``out``."""
+    out = pathlib.Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    prof = analytic_profile(DEMO_MODEL)
+    gpus = topo.gpus()
+    if len(gpus) < stages:
+        raise PlanError(f"the demo needs {stages} GPUs, the topology has {len(gpus)}")
+    # Spread the pipeline over all servers when there are several, so stage boundaries cross the network.
+    hosts = topo.hosts()
+    per_host = max(1, stages // max(1, len(hosts)))
+    chosen = [g for h in hosts for g in topo.gpus(host=h)[:per_host]][:stages]
+    if len(chosen) < stages:
+        chosen = gpus[:stages]
+    devices, links = devices_from_topology(topo, gpus=chosen, reference_tflops=prof.reference.get("tflops"))
+    best = plan(prof, devices, links, microbatches=microbatches, schedule="auto")
+    base = uniform_plan(prof, devices, links, microbatches=microbatches, family="1f1b")
+    png = gantt_png(best.sim, out / "pipeline_gantt.png",
+                    title=f"{prof.name}: {best.family}, {best.sim.makespan * 1e3:.1f} ms (bound {best.bound['bound_s'] * 1e3:.1f} ms)")
+    trace = write_chrome_trace(out / "pipeline_trace.json", ("predicted", best.sim))
+    report = {
+        "model": prof.name, "gpus": chosen, "plan": best.to_dict() | {"actions": None}, "predicted_s": best.sim.makespan,
+        "lower_bound_s": best.bound["bound_s"], "uniform_1f1b_s": base.sim.makespan, "speedup_vs_uniform_1f1b": base.sim.makespan / best.sim.makespan,
+        "files": {"gantt": str(png), "trace": str(trace)},
+    }
+    text = best.text() + (f"\nuniform split + 1F1B: {base.sim.makespan * 1e3:.4g} ms -> planned {best.sim.makespan * 1e3:.4g} ms "
+                          f"({base.sim.makespan / best.sim.makespan:.2f}x)\nGantt chart: {png}\nChrome trace: {trace}")
+    return report, text

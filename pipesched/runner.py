@@ -1,0 +1,315 @@
+"""Run a plan on a real model with real processes: torch.distributed.pipelining over gloo on CPU.
+
+:func:`run_pipeline` spawns one process per pipeline rank (``torch.multiprocessing``, start method
+"spawn", a TCP rendezvous on localhost). Each process builds the same model from a factory
+(``"module:function"`` + kwargs, fixed seed), wraps the layer span of every stage id it holds in a
+``PipelineStage`` and runs either our schedule through ``_PipelineScheduleRuntime._load_csv`` (compute_only
+CSV written by :mod:`pipesched.export`) or one of torch's built-in schedules (``"1F1B"``, ``"GPipe"``) as a
+baseline. It measures:
+
+- the iteration time (all ranks start after a barrier; the iteration ends when the last rank's ``step``
+  returns), over ``iterations`` timed steps after ``warmup`` untimed ones;
+- every F / B / I / W action's start and end on its rank (the stage's ``forward_one_chunk``,
+  ``backward_one_chunk`` and ``backward_weight_one_chunk`` are timed);
+- per rank, the peak of live autograd-saved activation bytes during one extra step (``saved_tensors_hooks``
+  counting each saved tensor once until autograd frees it, as the profiler does) and the peak RSS growth (Linux ``VmHWM`` after a reset);
+- the point-to-point link between rank 0 and rank 1 (a ping-pong at two message sizes gives latency and
+  bandwidth) so that the simulator can be fed the transport that was actually used.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import socket
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .schedules import Action
+
+
+@dataclass
+class RunResult:
+    iteration_s: list[float]
+    actions: list[dict[str, Any]]            # last timed iteration: rank, stage, kind, mb, start, end (s from the step's start)
+    action_medians: dict[str, float]         # "stage kind" -> median duration over timed iterations
+    peak_saved_bytes: list[float]            # per rank
+    peak_rss_growth_bytes: list[float]       # per rank
+    link_latency_s: float
+    link_bandwidth_bps: float
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.iteration_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"iteration_s": self.iteration_s, "median_s": self.median_s, "action_medians": self.action_medians,
+                "peak_saved_bytes": self.peak_saved_bytes, "peak_rss_growth_bytes": self.peak_rss_growth_bytes,
+                "link_latency_s": self.link_latency_s, "link_bandwidth_bps": self.link_bandwidth_bps, "losses": self.losses}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _factory(path: str):
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _SavedCounter:
+    """Live bytes of autograd-saved tensors, each tensor (view) counted once while any saved reference lives.
+
+    Parameters (``exclude``: their storages) are not activations and are not counted.
+    """
+
+    def __init__(self, exclude: set[int] | None = None):
+        self.live = 0
+        self.peak = 0
+        self.refs: dict[tuple[int, int], list[int]] = {}
+        self.exclude = exclude or set()
+
+    def pack(self, t):
+        if t.untyped_storage().data_ptr() in self.exclude:
+            return _Held(t, None, self)
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        entry = self.refs.get(key)
+        if entry is None:
+            self.refs[key] = [1, key[1]]
+            self.live += key[1]
+            self.peak = max(self.peak, self.live)
+        else:
+            entry[0] += 1
+        return _Held(t, key, self)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor
+
+
+class _Held:
+    __slots__ = ("counter", "ptr", "tensor")
+
+    def __init__(self, tensor, ptr, counter):
+        self.tensor, self.ptr, self.counter = tensor, ptr, counter
+
+    def __del__(self):
+        entry = self.counter.refs.get(self.ptr)
+        if entry is not None:
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.counter.live -= entry[1]
+                del self.counter.refs[self.ptr]
+
+
+def _rss(field_name: str) -> int:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def _ping_pong(torch, dist, rank: int) -> tuple[float, float]:
+    """Latency and bandwidth between ranks 0 and 1 from round trips at two message sizes."""
+    if rank > 1:
+        return 0.0, 0.0
+    times = {}
+    for nbytes in (4, 4 << 20):
+        buf = torch.zeros(max(1, nbytes // 4))
+        samples = []
+        for _ in range(6):
+            t0 = time.perf_counter()
+            if rank == 0:
+                dist.send(buf, 1)
+                dist.recv(buf, 1)
+            else:
+                dist.recv(buf, 0)
+                dist.send(buf, 0)
+            samples.append((time.perf_counter() - t0) / 2)
+        times[nbytes] = statistics.median(samples[1:])
+    small, large = times[4], times[4 << 20]
+    bandwidth = (4 << 20) / max(large - small, 1e-9)
+    return small, bandwidth
+
+
+def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    torch.set_num_threads(job["threads"])
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        latency, bandwidth = _ping_pong(torch, dist, rank)
+        layers = _factory(job["model"])(**job["model_kwargs"])
+        spans = job["spans"]
+        stage_rank = job["stage_rank"]
+        num_stages = len(spans)
+        records: list[tuple[int, str, int, float, float]] = []
+        stages = []
+        for sid in range(num_stages):
+            if stage_rank[sid] != rank:
+                continue
+            i, j = spans[sid]
+            stage = PipelineStage(torch.nn.Sequential(*layers[i:j]), sid, num_stages, torch.device("cpu"))
+            _instrument(stage, sid, records)
+            stages.append(stage)
+        loss_fn = torch.nn.functional.mse_loss
+        m = job["microbatches"]
+        if job["builtin"]:
+            cls = ts.get_schedule_class(job["builtin"])
+            sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn)
+        else:
+            sched = ts._PipelineScheduleRuntime(stages, n_microbatches=m, loss_fn=loss_fn)
+            sched._load_csv(job["csv"], format="compute_only")
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(job["batch"], job["dim"], generator=gen)
+        y = torch.randn(job["batch"], job["dim"], generator=gen)
+        first = any(s.is_first for s in stages)
+        last = any(s.is_last for s in stages)
+        opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
+        durations, losses = [], []
+        last_records: list[tuple[int, str, int, float, float]] = []
+        for it in range(job["warmup"] + job["iterations"]):
+            dist.barrier()
+            records.clear()
+            t0 = time.perf_counter()
+            step_losses: list = []
+            sched.step(x if first else None, target=y if last else None, losses=step_losses if last else None)
+            t1 = time.perf_counter()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if it >= job["warmup"]:
+                durations.append(t1 - t0)
+                last_records = [(s, k, mb, a - t0, b - t0) for s, k, mb, a, b in records]
+                if step_losses:
+                    losses.append(float(sum(float(v.detach()) for v in step_losses) / len(step_losses)))
+        per_action: dict[str, list[float]] = {}
+        for s, k, _, a, b in last_records:
+            per_action.setdefault(f"{s} {k}", []).append(b - a)
+        # Memory: one more step with saved-tensor accounting and a reset RSS high-water mark.
+        counter = _SavedCounter({p.untyped_storage().data_ptr() for s in stages for p in s.submod.parameters()})
+        dist.barrier()
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+        rss0 = _rss("VmRSS")
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            sched.step(x if first else None, target=y if last else None, losses=[] if last else None)
+        rss_growth = max(0, _rss("VmHWM") - rss0)
+        opt.zero_grad(set_to_none=True)
+        queue.put({"rank": rank, "durations": durations, "actions": last_records, "per_action": per_action, "peak_saved": counter.peak,
+                   "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses})
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as exc:   # report, do not hang the parent
+        import traceback
+
+        queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
+
+
+def _instrument(stage, sid: int, records: list) -> None:
+    forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
+
+    def fwd(chunk_id, *args, **kwargs):
+        t = time.perf_counter()
+        out = forward(chunk_id, *args, **kwargs)
+        records.append((sid, "F", chunk_id, t, time.perf_counter()))
+        return out
+
+    def bwd(chunk_id, loss=None, full_backward=True, last_backward=False):
+        t = time.perf_counter()
+        out = backward(chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
+        records.append((sid, "B" if full_backward else "I", chunk_id, t, time.perf_counter()))
+        return out
+
+    def wgt(chunk_id, last_backward=False):
+        t = time.perf_counter()
+        out = weight(chunk_id, last_backward=last_backward)
+        records.append((sid, "W", chunk_id, t, time.perf_counter()))
+        return out
+
+    stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk = fwd, bwd, wgt
+
+
+def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microbatches: int, batch: int, dim: int,
+                 model: str = "pipesched.models:mlp_chain", model_kwargs: dict[str, Any] | None = None, csv_text: str | None = None,
+                 builtin: str | None = None, iterations: int = 3, warmup: int = 1, threads: int = 1, timeout_s: float = 300) -> RunResult:
+    """Run a pipeline in ``max(stage_rank) + 1`` gloo processes and measure it (see the module docstring).
+
+    Exactly one of ``csv_text`` (our schedule, compute_only CSV) and ``builtin`` (torch's schedule name)
+    is given. ``batch`` is the whole batch; torch splits it into ``microbatches`` along dimension 0.
+    """
+    import torch.multiprocessing as mp
+
+    if (csv_text is None) == (builtin is None):
+        raise ValueError("give exactly one of csv_text and builtin")
+    world = max(stage_rank) + 1
+    with tempfile.TemporaryDirectory(prefix="pipesched-run-") as tmp:
+        csv_path = None
+        if csv_text is not None:
+            csv_path = str(Path(tmp) / "schedule.csv")
+            Path(csv_path).write_text(csv_text)
+        job = {"spans": [list(s) for s in spans], "stage_rank": list(stage_rank), "microbatches": microbatches, "batch": batch, "dim": dim,
+               "model": model, "model_kwargs": dict(model_kwargs or {}), "csv": csv_path, "builtin": builtin, "iterations": iterations,
+               "warmup": warmup, "threads": threads}
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        port = _free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, job, queue), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        results: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(results) < world:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"pipeline run did not finish in {timeout_s:.0f} s")
+                try:
+                    msg = queue.get(timeout=min(remaining, 5.0))
+                except Exception:
+                    dead = [p for p in procs if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(f"rank process exited with code {dead[0].exitcode}") from None
+                    continue
+                if "error" in msg:
+                    raise RuntimeError(f"rank {msg['rank']} failed: {msg['error']}")
+                results[msg["rank"]] = msg
+            for p in procs:
+                p.join(timeout=30)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.terminate()
+                    p.join(timeout=5)
+    iters = [max(results[r]["durations"][k] for r in range(world)) for k in range(iterations)]
+    actions = [{"rank": r, "stage": s, "kind": k, "mb": mb, "start": a, "end": b}
+               for r in range(world) for s, k, mb, a, b in results[r]["actions"]]
+    medians = {key: statistics.median(v) for r in range(world) for key, v in results[r]["per_action"].items()}
+    last_rank = stage_rank[-1]
+    return RunResult(iters, actions, medians, [results[r]["peak_saved"] for r in range(world)],
+                     [results[r]["rss_growth"] for r in range(world)], results[0]["latency"], results[0]["bandwidth"],
+                     losses=results[last_rank]["losses"])
+
+
+def measured_timeline(run: RunResult, ranks: int):
+    """The measured last iteration as a :class:`pipesched.simulate.SimResult` (for Gantt and trace overlays)."""
+    from .simulate import SimResult, Span
+
+    spans = [Span(a["rank"], Action(a["stage"], a["kind"], a["mb"]), a["start"], a["end"]) for a in run.actions]
+    busy = [sum(s.end - s.start for s in spans if s.rank == r) for r in range(ranks)]
+    makespan = max((s.end for s in spans), default=0.0)
+    return SimResult(makespan, sorted(spans, key=lambda s: (s.rank, s.start)), [], busy, [0.0] * ranks, [[] for _ in range(ranks)], {}, ranks)

@@ -1,0 +1,136 @@
+"""Profiles: analytic formulas, measured profiler, JSON round trip and error messages."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipesched.profile import (
+    RECOMPUTE_OPTIONS,
+    GPTConfig,
+    LayerProfile,
+    ModelProfile,
+    ProfileError,
+    analytic_profile,
+    config_from_dict,
+    dumps_profile,
+    load_model_config,
+    load_profile,
+    loads_profile,
+    measure_profile,
+    save_profile,
+)
+
+
+def test_korthikanti_activation_memory():
+    s, b, h, a = 2048, 1, 4096, 32
+    prof = analytic_profile(GPTConfig(layers=2, hidden=h, heads=a, seq_len=s, vocab=50000, microbatch_size=b))
+    block = prof.layers[1]
+    assert block.saved_bytes["none"] == s * b * h * (34 + 5 * a * s / h)
+    assert block.saved_bytes["selective"] == 34 * s * b * h
+    assert block.saved_bytes["full"] == 2 * s * b * h
+    assert block.output_bytes == 2 * s * b * h
+    assert block.param_bytes == 2 * (12 * h * h + 13 * h)    # GPT block: 12h^2 weights + 13h biases/norms, bf16
+
+
+def test_flops_split_and_head_cost():
+    cfg = GPTConfig(layers=4, hidden=1024, heads=16, seq_len=1024, vocab=50257, flops_efficiency=1.0, memory_efficiency=1.0,
+                    tflops=1e6, hbm_gbs=1e9)   # compute-bound everywhere
+    prof = analytic_profile(cfg)
+    t = cfg.seq_len
+    lin, core = 24 * t * 1024**2, 4 * t * t * 1024
+    block = prof.layers[1]
+    assert block.fwd_s == pytest.approx((lin + core) / 1e18)
+    assert block.bwd_input_s == pytest.approx((lin + 2 * core) / 1e18)
+    assert block.bwd_weight_s == pytest.approx(lin / 1e18)
+    head = prof.layers[-1]
+    assert head.name == "lm_head" and head.fwd_s == pytest.approx(2 * t * 1024 * 50257 / 1e18)
+    assert head.fwd_s / block.fwd_s > 0.3      # the head is as costly as a third of a block: it must be planned for
+    assert prof.layers[0].name == "embedding" and prof.layers[0].param_bytes == (50257 * 1024 + 1024 * 1024) * 2
+
+
+def test_llama_config():
+    prof = analytic_profile(GPTConfig(kind="llama", layers=2, hidden=4096, heads=32, kv_heads=8, seq_len=4096, vocab=32000))
+    block = prof.layers[1]
+    f = 11008
+    assert block.param_bytes == 2 * (4096 * (4096 + 2 * 1024) + 4096 * 4096 + 3 * 4096 * f + 2 * 4096)
+    assert block.saved_bytes["full"] < block.saved_bytes["selective"] < block.saved_bytes["none"]
+
+
+@settings(max_examples=30, deadline=None)
+@given(layers=st.integers(1, 6), hidden=st.sampled_from([64, 128, 256]), heads=st.sampled_from([1, 2, 4]), seq=st.integers(1, 512),
+       vocab=st.integers(2, 5000), kind=st.sampled_from(["gpt", "llama"]), dtype=st.sampled_from(["bf16", "fp32"]))
+def test_json_round_trip(layers, hidden, heads, seq, vocab, kind, dtype):
+    prof = analytic_profile(GPTConfig(layers=layers, hidden=hidden, heads=heads, seq_len=seq, vocab=vocab, kind=kind, dtype=dtype))
+    back = loads_profile(dumps_profile(prof))
+    assert back == prof
+    for lay in back.layers:
+        assert lay.saved_bytes["full"] <= lay.saved_bytes["selective"] <= lay.saved_bytes["none"]
+        assert lay.recompute_s["none"] == 0.0 <= lay.recompute_s["selective"] <= lay.recompute_s["full"]
+
+
+def test_save_load_file(tmp_path):
+    prof = analytic_profile(GPTConfig(layers=1, hidden=64, heads=2, seq_len=8, vocab=10))
+    save_profile(prof, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == prof
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d.update(format="x"), "format"),
+    (lambda d: d.update(version=9), "version"),
+    (lambda d: d.update(layers=[]), "layers"),
+    (lambda d: d["layers"][1].update(fwd_s=-1), r"layers\[1\].fwd_s"),
+    (lambda d: d["layers"][0]["saved_bytes"].pop("full"), r"layers\[0\].saved_bytes"),
+    (lambda d: d.update(microbatch_size=0), "microbatch_size"),
+])
+def test_bad_profiles_name_the_field(mutate, message):
+    d = analytic_profile(GPTConfig(layers=1, hidden=64, heads=2, seq_len=8, vocab=10)).to_dict()
+    mutate(d)
+    with pytest.raises(ProfileError, match=message):
+        loads_profile(json.dumps(d), source="p.json")
+    with pytest.raises(ProfileError, match="p.json: line 1"):
+        loads_profile("{bad", source="p.json")
+
+
+def test_model_config_errors(tmp_path):
+    (tmp_path / "m.yaml").write_text("model:\n  layers: 4\n  hidden: 100\n  heads: 3\n  seq_len: 8\n  vocab: 10\n")
+    with pytest.raises(ProfileError, match="m.yaml: heads: hidden .100. must be a multiple of heads"):
+        load_model_config(tmp_path / "m.yaml")
+    with pytest.raises(ProfileError, match="layrs: unknown field"):
+        config_from_dict({"layrs": 2})
+    with pytest.raises(ProfileError, match="vocab: missing"):
+        config_from_dict({"layers": 2, "hidden": 8, "heads": 2, "seq_len": 8})
+    (tmp_path / "bad.yaml").write_text("model: [1, 2\n")
+    with pytest.raises(ProfileError, match="bad.yaml: line"):
+        load_model_config(tmp_path / "bad.yaml")
+    cfg = config_from_dict({"layers": 2, "hidden": 8, "heads": 2, "seq_len": 8, "vocab": 10, "kind": "llama"})
+    assert cfg.kind == "llama"
+
+
+def test_measured_profile_of_a_real_module():
+    torch = pytest.importorskip("torch")
+    dim, width, rows = 32, 256, 16
+    layers = [torch.nn.Sequential(torch.nn.Linear(dim, width), torch.nn.GELU(), torch.nn.Linear(width, dim)), torch.nn.Linear(dim, dim)]
+    prof = measure_profile(layers, torch.randn(rows, dim), repeats=2)
+    first, second = prof.layers
+    assert prof.source == "measured" and prof.microbatch_size == rows
+    assert first.param_bytes == 4 * (dim * width + width + width * dim + dim)
+    assert first.output_bytes == rows * dim * 4
+    # autograd saves: the block input (rows x dim), the GELU input and the second Linear's input (rows x width each)
+    assert first.saved_bytes["none"] == 4 * (rows * dim + 2 * rows * width)
+    assert first.saved_bytes["full"] == 4 * rows * dim                     # only the input is kept
+    assert first.saved_bytes["selective"] < first.saved_bytes["none"]      # what the GELU saved is recomputed
+    assert first.recompute_s["full"] == first.fwd_s and first.recompute_s["selective"] > 0
+    assert second.saved_bytes["none"] == 4 * rows * dim
+    for lay in prof.layers:
+        assert lay.fwd_s > 0 and lay.bwd_input_s > 0 and lay.bwd_weight_s > 0 and lay.bwd_full_s > 0
+    assert loads_profile(dumps_profile(prof)) == prof
+
+
+def test_scaled_profile():
+    lay = LayerProfile("x", 1.0, 2.0, 3.0, 1, 1, {o: 1 for o in RECOMPUTE_OPTIONS}, {o: 0.5 for o in RECOMPUTE_OPTIONS}, bwd_full_s=4.0)
+    prof = ModelProfile("m", (lay,)).scaled(2.0)
+    assert prof.layers[0].fwd_s == 2.0 and prof.layers[0].bwd_s == 8.0 and prof.layers[0].recompute_s["full"] == 1.0
