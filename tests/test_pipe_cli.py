@@ -1,0 +1,96 @@
+"""``netweave pipe`` actions and the demo hook."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from netweave.cli import main
+from pipesched.cli import parse_bytes
+
+GPT = "model:\n  kind: gpt\n  layers: 12\n  hidden: 1024\n  heads: 16\n  seq_len: 1024\n  vocab: 50257\n"
+
+
+@pytest.fixture()
+def gpt(tmp_path):
+    path = tmp_path / "gpt.yaml"
+    path.write_text(GPT)
+    return path
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_json_and_files(capsys, gpt, tmp_path):
+    code, out, _ = run(capsys, "pipe", "plan", "--model", str(gpt), "--stages", "4", "--microbatches", "8", "--memory", "80GiB",
+                       "--schedule", "auto", "--json", "--gantt", str(tmp_path / "g.png"), "--trace", str(tmp_path / "t.json"),
+                       "--out", str(tmp_path / "plan.json"))
+    assert code == 0
+    data = json.loads(out)
+    assert data["predicted"]["makespan_s"] >= data["lower_bound"]["bound_s"] * (1 - 1e-9)
+    assert data["partition"]["stages"][0]["layers"][0] == 0 and data["partition"]["stages"][-1]["layers"][1] == 14
+    assert {a["schedule"] for a in data["alternatives"]} == {"gpipe", "1f1b", "zbh1", "interleaved", "chimera"}
+    assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert json.loads((tmp_path / "plan.json").read_text())["schedule"] == data["schedule"]
+
+
+def test_plan_text_shows_the_lower_bound(capsys, gpt):
+    code, out, _ = run(capsys, "pipe", "plan", "--model", str(gpt), "--stages", "2", "--microbatches", "4", "--schedule", "1f1b")
+    assert code == 0 and "lower bound (1f1b" in out and "predicted iteration" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--stages", "20", "--microbatches", "8"], "--stages: 20 stages but the model has only 14 layers"),
+    (["--stages", "4", "--microbatches", "8", "--memory", "100MiB"], "--memory: layer 0 (embedding) needs"),
+    (["--stages", "4", "--microbatches", "8", "--memory", "80 parsecs"], "--memory: expected a size"),
+    (["--stages", "3", "--microbatches", "8", "--schedule", "chimera"], "even number"),
+    (["--stages", "4", "--microbatches", "8", "--schedule", "zigzag"], "unknown schedule"),
+])
+def test_impossible_requests_get_one_line(capsys, gpt, argv, message):
+    code, out, err = run(capsys, "pipe", "plan", "--model", str(gpt), *argv)
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_missing_model_file(capsys, tmp_path):
+    code, _, err = run(capsys, "pipe", "plan", "--model", str(tmp_path / "nope.yaml"), "--stages", "2", "--microbatches", "2")
+    assert code == 2 and "nope.yaml: cannot read" in err
+
+
+def test_profile_simulate_export(capsys, gpt, tmp_path):
+    code, out, _ = run(capsys, "pipe", "profile", "--model", str(gpt), "--out", str(tmp_path / "p.json"), "--json")
+    assert code == 0 and json.loads(out)["format"] == "netweave-pipe-profile"
+    code, out, _ = run(capsys, "pipe", "simulate", "--profile", str(tmp_path / "p.json"), "--stages", "2", "--microbatches", "4",
+                       "--schedule", "gpipe", "--spans", "0:7,7:14", "--json")
+    data = json.loads(out)
+    assert code == 0 and [s["layers"] for s in data["partition"]["stages"]] == [[0, 7], [7, 14]]
+    code, _, err = run(capsys, "pipe", "simulate", "--profile", str(tmp_path / "p.json"), "--stages", "2", "--microbatches", "4",
+                       "--spans", "0:5,6:14")
+    assert code == 2 and "--spans: spans must be contiguous" in err
+    code, out, _ = run(capsys, "pipe", "export", "--model", str(gpt), "--stages", "4", "--microbatches", "8", "--schedule", "zbh1",
+                       "--out", str(tmp_path / "exp"), "--json")
+    assert code == 0
+    rows = (tmp_path / "exp" / "schedule.csv").read_text().splitlines()
+    assert len(rows) == 4 and rows[3].startswith("3F0,3I0")
+    code, _, err = run(capsys, "pipe", "export", "--model", str(gpt), "--stages", "4", "--microbatches", "8", "--schedule", "chimera",
+                       "--out", str(tmp_path / "exp2"))
+    assert code == 2 and "two ranks" in err
+
+
+def test_parse_bytes():
+    assert parse_bytes("1.5GB") == 1.5e9 and parse_bytes("64") == 64 and parse_bytes("2TiB") == 2 * 2**40
+
+
+def test_demo(tmp_path, cluster):
+    from pipesched.demo import demo
+
+    report, text = demo(cluster, pathlib.Path(tmp_path))
+    assert report["predicted_s"] >= report["lower_bound_s"] * (1 - 1e-9)
+    assert pathlib.Path(report["files"]["gantt"]).read_bytes()[:4] == b"\x89PNG"
+    assert "lower bound" in text and json.dumps(report)
