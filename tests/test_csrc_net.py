@@ -159,3 +159,19 @@ def test_library_exports_the_symbols_nccl_looks_for(build_dir):
         assert os.path.realpath(build_dir / alias) == os.path.realpath(build_dir / ncclhook.PLUGIN_LIB)
 
 
+
+
+def test_plan_change_remarks_a_live_connection(build_dir, tmp_path):
+    """The sender rewrites the plan between iterations; its next isend re-marks every socket of the connection."""
+    path = ncclhook.write_plan(ncclhook.FlowPlan(classes={3: ncclhook.ClassMark(dscp=10, prio=1)}), tmp_path / "p.plan")
+    new = ncclhook.format_plan(ncclhook.FlowPlan(classes={3: ncclhook.ClassMark(dscp=34, prio=4, rate=50_000_000)}))
+    res = run_harness(build_dir, "--tc", 3, "--sizes", "1000,200000", "--iters", 2, "--rewrite-plan", path,
+                      env={"NETWEAVE_PLAN": str(path), "HARNESS_NEW_PLAN": new})
+    assert res.returncode == 0, res.stdout + res.stderr
+    before = marks(res.stdout)["sender"]
+    after = [{"tos": int(t), "prio": int(p), "pacing": int(r)}
+             for t, p, r in re.findall(r"MARKEND sender fd=\d+ tos=(\d+) prio=(\d+) pacing=(\d+)", res.stdout)]
+    assert len(before) == len(after) == 3
+    assert all((s["tos"], s["prio"]) == (10 << 2, 1) for s in before)
+    assert all((s["tos"], s["prio"]) == (34 << 2, 4) for s in after)
+    assert sorted(s["pacing"] for s in after) == [25_000_000, 25_000_000, 2**64 - 1]  # control socket unpaced

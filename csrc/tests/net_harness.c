@@ -8,7 +8,7 @@
  * of the plugin's TCP sockets as seen by getsockopt in each process.
  *
  *   net_harness LIB [--version auto|10|11|12] [--tc N] [--sizes a,b,c] [--iters N]
- *               [--window W] [--multi N] [--oversize] [--nocheck]
+ *               [--window W] [--multi N] [--oversize] [--nocheck] [--rewrite-plan PATH]
  * Output: "VERSION n", "MARK role fd=.. tos=.. prio=.. pacing=..", then "OK ..." (exit 0)
  * or "FAIL ..." (exit 1). */
 #define _GNU_SOURCE
@@ -109,7 +109,7 @@ static void* init_ctx(uint64_t commId, int tc) {
   return ctx;
 }
 
-static void report_marks(void) {
+static void report_marks(const char* label) {
   DIR* d = opendir("/proc/self/fd");
   if (d == NULL) return;
   struct dirent* e;
@@ -134,7 +134,7 @@ static void report_marks(void) {
     getsockname(fd, (struct sockaddr*)&self, &sl);
     int lport = self.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6*)&self)->sin6_port) : ntohs(((struct sockaddr_in*)&self)->sin_port);
     int rport = peer.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6*)&peer)->sin6_port) : ntohs(((struct sockaddr_in*)&peer)->sin_port);
-    printf("MARK %s fd=%d tos=%d prio=%d pacing=%llu lport=%d rport=%d\n", role, fd, tos, prio, (unsigned long long)pacing, lport, rport);
+    printf("%s %s fd=%d tos=%d prio=%d pacing=%llu lport=%d rport=%d\n", label, role, fd, tos, prio, (unsigned long long)pacing, lport, rport);
   }
   closedir(d);
   fflush(stdout);
@@ -150,6 +150,19 @@ static void wait_req(void* req, int* sizes) {
 static size_t sizes[MAXSIZES];
 static int nsizes = 0;
 static int nocheck = 0; /* --nocheck: benchmark mode, no fill/verify loops */
+static const char* rewrite_plan = NULL; /* --rewrite-plan PATH: after iteration 0 the sender writes $HARNESS_NEW_PLAN there */
+
+static void do_rewrite_plan(void) {
+  const char* text = getenv("HARNESS_NEW_PLAN");
+  char tmp[600];
+  snprintf(tmp, sizeof(tmp), "%s.tmp", rewrite_plan);
+  FILE* f = fopen(tmp, "w");
+  if (f == NULL || text == NULL) die("cannot rewrite the plan");
+  fputs(text, f);
+  fclose(f);
+  if (rename(tmp, rewrite_plan) != 0) die("rename plan");
+  usleep(150000); /* the library looks at the plan file at most every 100 ms */
+}
 
 static void run_sender(void* comm, int iters, int window, int multi, int oversize) {
   isend_t isend = (isend_t)T(isend);
@@ -159,6 +172,7 @@ static void run_sender(void* comm, int iters, int window, int multi, int oversiz
   for (int w = 0; w < window; w++) if (!(bufs[w] = malloc(maxs))) die("malloc");
   for (int it = 0; it < iters; it++)
     for (int si = 0; si < nsizes; si++) {
+      if (rewrite_plan && it == 1 && si == 0) do_rewrite_plan();
       size_t size = sizes[si];
       void* reqs[MAXWIN];
       int n = multi > 1 ? multi : window;
@@ -266,6 +280,7 @@ int main(int argc, char** argv) {
     else if (!strcmp(argv[i], "--multi") && i + 1 < argc) multi = atoi(argv[++i]);
     else if (!strcmp(argv[i], "--oversize")) oversize = 1;
     else if (!strcmp(argv[i], "--nocheck")) nocheck = 1;
+    else if (!strcmp(argv[i], "--rewrite-plan") && i + 1 < argc) rewrite_plan = argv[++i];
     else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
   }
   if (window < 1 || window > MAXWIN || multi < 1 || multi > 8) { fprintf(stderr, "window 1..32, multi 1..8\n"); return 2; }
@@ -293,9 +308,10 @@ int main(int argc, char** argv) {
       if (version == 10) { ncclNetCommConfig_t cfg = {tc}; CHECK(n10->connect(0, &cfg, handle, &comm, NULL)); }
       else CHECK(n11->connect(ctx, 0, handle, &comm, NULL));
     }
-    report_marks();
+    report_marks("MARK");
     run_sender(comm, iters, window, multi, oversize);
     /* wait for the receiver to finish before closing (the last bytes may still be in flight) */
+    report_marks("MARKEND");
     char ack;
     if (read(backfd[0], &ack, 1) != 1) die("ack read");
     CHECK(((close_t)T(closeSend))(comm));
@@ -315,7 +331,7 @@ int main(int argc, char** argv) {
   if (write(pipefd[1], handle, sizeof(handle)) != (ssize_t)sizeof(handle)) die("handle write");
   void* comm = NULL;
   while (comm == NULL) CHECK(((accept_t)T(accept))(lcomm, &comm, NULL));
-  report_marks();
+  report_marks("MARK");
   struct timespec t0, t1;
   clock_gettime(CLOCK_MONOTONIC, &t0);
   long long total = run_receiver(comm, iters, window, multi, oversize);
