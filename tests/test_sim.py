@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -287,3 +288,48 @@ def test_checker_rejects_an_allocation_that_is_not_maxmin():
     assert check_maxmin(paths, capacity, [0.5, 0.5, 2.0])  # flow 2 could grow: no bottleneck
     assert check_maxmin(paths, capacity, [0.8, 0.2, 2.8])  # flow 1 is below flow 0 on its only saturated link
     assert check_maxmin(paths, capacity, [0.6, 0.5, 2.5])  # link 0 over capacity
+
+
+# -- the command line ------------------------------------------------------------------------------------------
+
+
+def test_cli_run_writes_result_and_timeline(tmp_path, capsys):
+    from emu.workload import write_workload
+    from netweave.cli import main
+    from topology.io import write_topology
+
+    write_topology(star(3), tmp_path / "t.json")
+    write_workload(Workload("w", [p2p_job("a", [(0, 2, 1 * GB)], iterations=2, compute_s=0.1)]), tmp_path / "w.json")
+    rc = main(["emu", "run", str(tmp_path / "w.json"), "--topology", str(tmp_path / "t.json"), "--out", str(tmp_path / "out"), "--json"])
+    assert rc == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["jobs"][0]["mean_iteration_s"] == pytest.approx(0.2)
+    back = RunResult.read(tmp_path / "out" / "result.json")
+    assert back.jobs["a"].iteration_ends == pytest.approx([0.2, 0.4])
+    assert (tmp_path / "out" / "timeline.png").stat().st_size > 1000
+
+
+def test_cli_example_runs_on_the_default_cluster(tmp_path, capsys):
+    from netweave.cli import main
+
+    assert main(["emu", "example", "--out", str(tmp_path / "ex.yaml")]) == 0
+    assert main(["emu", "run", str(tmp_path / "ex.yaml"), "--out", str(tmp_path / "o"), "--no-flows"]) == 0
+    assert "dp-a" in capsys.readouterr().out
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
+    import sys
+
+    from emu.workload import write_workload
+    from netweave.cli import main
+
+    (tmp_path / "bad.yaml").write_text("jobs:\n  - name: a\n    gpus: [node0/gpu0]\n    phases: [{name: c, duration: -1}]\n")
+    assert main(["emu", "run", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert "bad.yaml: jobs[0].phases[0].duration: expected a non-negative number" in capsys.readouterr().err
+    write_workload(Workload("w", [p2p_job("a", [(0, 1, 1 * GB)])]), tmp_path / "w.yaml")
+    from topology.io import write_topology
+
+    write_topology(star(2), tmp_path / "t.json")
+    monkeypatch.setitem(sys.modules, "emu.mininet_backend", None)  # as if the module were absent
+    assert main(["emu", "compare", str(tmp_path / "w.yaml"), "--topology", str(tmp_path / "t.json"), "--out", str(tmp_path / "o")]) == 2
+    assert "Mininet backend is not available" in capsys.readouterr().err

@@ -1,0 +1,228 @@
+"""Parameter sweeps: every combination of some workload or simulator settings, simulated through one executor interface.
+
+A sweep point is a pure function of its *spec* (topology, workload, simulator
+config, as plain data): :func:`run_point` turns a spec into a result row, so
+any engine that can call a function on a picklable argument can run it.
+
+Executors (``get_executor``)
+    ``local``: a ``concurrent.futures`` process pool (``max_workers=1`` runs in
+    this process); the default and what the tests use.
+    ``ray``: Ray tasks (``ray.remote``/``ray.get``), for sweeps over many
+    machines; chosen by ``auto`` when the ``ray`` package is importable.
+    Emulation points should ask Ray for a ``mininet`` custom resource so that
+    only one Mininet runs per kernel (Mininet cannot share a kernel).
+
+Sweep axes name what they change:
+    ``jobs.<job>.<field>`` (``start_offset``, ``priority``, ``rate_cap``, ``iterations``, ``arrival``, ``routing``),
+    ``jobs.*.<field>`` (every job), ``jobs.<job>.phases.<phase>.<field>`` (``bytes``, ``duration``,
+    ``priority``, ``rate_cap``, ``algorithm``, ``op``), ``config.<field>`` (a :class:`~emu.sim.SimConfig` field).
+
+>>> parse_axes(["jobs.b.start_offset=0,0.5", "config.sharing=strict,weighted"])
+{'jobs.b.start_offset': [0, 0.5], 'config.sharing': ['strict', 'weighted']}
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import importlib.util
+import itertools
+import json
+import math
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor
+from typing import Any, Protocol
+
+from topology.errors import InputError
+from topology.model import Topology
+
+from .workload import Workload, workload_from_dict
+
+
+class SweepError(InputError):
+    """A sweep axis or value that does not fit the workload or the simulator."""
+
+
+class Executor(Protocol):
+    name: str
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        """``[fn(x) for x in items]``, in order, however the engine runs them."""
+        ...
+
+
+class LocalExecutor:
+    """A process pool on this machine (``max_workers=1``: no pool, in this process)."""
+
+    name = "local"
+
+    def __init__(self, max_workers: int | None = None):
+        if max_workers is not None and max_workers < 1:
+            raise SweepError(f"max_workers must be >= 1, got {max_workers}")
+        self.max_workers = max_workers
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        items = list(items)
+        if self.max_workers == 1 or len(items) <= 1:
+            return [fn(x) for x in items]
+        with ProcessPoolExecutor(max_workers=self.max_workers) as pool:
+            return list(pool.map(fn, items))
+
+
+class RayExecutor:
+    """Ray tasks, one per item; ``resources`` (e.g. ``{"mininet": 1}``) are asked for every task."""
+
+    name = "ray"
+
+    def __init__(self, *, num_cpus: float = 1, resources: dict[str, float] | None = None, address: str | None = None):
+        if importlib.util.find_spec("ray") is None:
+            raise SweepError("the Ray executor needs the 'ray' package (pip install 'netweave[ray]'); use --executor local")
+        import ray
+
+        self.ray = ray
+        self.num_cpus = num_cpus
+        self.resources = resources or {}
+        self.address = address
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+        ray = self.ray
+        if not ray.is_initialized():
+            ray.init(address=self.address)
+        task = ray.remote(num_cpus=self.num_cpus, resources=self.resources or None)(fn)
+        return list(ray.get([task.remote(x) for x in items]))
+
+
+def get_executor(kind: str = "auto", *, max_workers: int | None = None, **ray_options: Any) -> LocalExecutor | RayExecutor:
+    """``local``, ``ray``, or ``auto`` (Ray when importable, else local)."""
+    if kind == "auto":
+        kind = "ray" if importlib.util.find_spec("ray") is not None else "local"
+    if kind == "local":
+        return LocalExecutor(max_workers)
+    if kind == "ray":
+        return RayExecutor(**ray_options)
+    raise SweepError(f"unknown executor {kind!r}; expected auto, local or ray")
+
+
+# -- axes and points -------------------------------------------------------------------------------
+
+
+def _value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("none", "null"):
+        return None
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            continue
+    return text.strip()
+
+
+def parse_axes(items: Iterable[str]) -> dict[str, list[Any]]:
+    """``["FIELD=V1,V2", ...]`` -> ``{FIELD: [V1, V2]}`` with numbers, booleans and ``none`` parsed."""
+    axes: dict[str, list[Any]] = {}
+    for item in items:
+        key, sep, values = item.partition("=")
+        if not sep or not key.strip() or not values.strip():
+            raise SweepError(f"--set {item!r}: expected FIELD=V1,V2,...")
+        axes[key.strip()] = [_value(v) for v in values.split(",")]
+    return axes
+
+
+_JOB_FIELDS = {"start_offset", "priority", "rate_cap", "iterations", "arrival", "routing"}
+_PHASE_FIELDS = {"bytes", "duration", "priority", "rate_cap", "algorithm", "op"}
+
+
+def apply_point(workload: dict[str, Any], config: dict[str, Any], point: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Copies of the workload dict and the config dict with ``point``'s values set."""
+    workload, config = copy.deepcopy(workload), dict(config)
+    for path, value in point.items():
+        parts = path.split(".")
+        if parts[0] == "config" and len(parts) == 2:
+            config[parts[1]] = tuple(value) if isinstance(value, list) else value
+            continue
+        if parts[0] != "jobs" or len(parts) not in (3, 5) or (len(parts) == 5 and parts[2] != "phases"):
+            raise SweepError(f"axis {path!r}: expected jobs.<job>.<field>, jobs.<job>.phases.<phase>.<field> or config.<field>")
+        jobs = [j for j in workload["jobs"] if parts[1] in ("*", j["name"])]
+        if not jobs:
+            raise SweepError(f"axis {path!r}: no job named {parts[1]!r}")
+        for job in jobs:
+            if len(parts) == 3:
+                if parts[2] not in _JOB_FIELDS:
+                    raise SweepError(f"axis {path!r}: a job field is one of {', '.join(sorted(_JOB_FIELDS))}")
+                job[parts[2]] = value
+            else:
+                phases = [p for p in job["phases"] if parts[3] in ("*", p["name"])]
+                if not phases:
+                    raise SweepError(f"axis {path!r}: job {job['name']!r} has no phase {parts[3]!r}")
+                if parts[4] not in _PHASE_FIELDS:
+                    raise SweepError(f"axis {path!r}: a phase field is one of {', '.join(sorted(_PHASE_FIELDS))}")
+                for phase in phases:
+                    phase[parts[4]] = value
+    return workload, config
+
+
+def spec_id(spec: dict[str, Any]) -> str:
+    """A content address for a spec (same inputs, same id)."""
+    return hashlib.sha256(json.dumps(spec, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_point(spec: dict[str, Any]) -> dict[str, Any]:
+    """Simulate one spec (``topology``, ``workload``, ``config`` as plain data, plus ``point``) and summarise it."""
+    from .sim import SimConfig, simulate
+
+    topo = Topology.from_dict(spec["topology"])
+    workload = workload_from_dict(spec["workload"], source=f"sweep point {spec['point']}")
+    fields = {f.name for f in dataclasses.fields(SimConfig)}
+    unknown = sorted(set(spec["config"]) - fields)
+    if unknown:
+        raise SweepError(f"config.{unknown[0]}: not a simulator setting; expected one of {', '.join(sorted(fields))}")
+    result = simulate(topo, workload, SimConfig(**spec["config"]), record_flows=False, track_links="none")
+    jobs = {name: {"mean_iteration_s": j.mean_iteration_time(), "jct_s": j.jct, "finish_s": j.finish} for name, j in result.jobs.items()}
+    jcts = [j["jct_s"] for j in jobs.values()]
+    return {"id": spec_id({k: spec[k] for k in ("topology", "workload", "config")}), "point": spec["point"], "makespan_s": result.makespan,
+            "mean_jct_s": sum(jcts) / len(jcts) if jcts else math.nan, "jobs": jobs, "events": result.meta["events"]}
+
+
+def sweep(topo: Topology, workload: Workload, axes: dict[str, list[Any]], *, config: dict[str, Any] | None = None,
+          executor: Executor | None = None) -> dict[str, Any]:
+    """Simulate every combination of ``axes`` values; rows in the order of ``itertools.product``.
+
+    Every point is validated before any runs, so a bad axis fails at once
+    with the field named.
+    """
+    if not axes:
+        raise SweepError("nothing to sweep: give at least one axis")
+    executor = executor or get_executor("auto")
+    base_workload, base_config = workload.to_dict(), dict(config or {})
+    topo_data = topo.to_dict()
+    specs = []
+    for values in itertools.product(*axes.values()):
+        point = dict(zip(axes, values, strict=True))
+        w, c = apply_point(base_workload, base_config, point)
+        workload_from_dict(w, source=f"sweep point {point}").validate(topo)
+        specs.append({"topology": topo_data, "workload": w, "config": c, "point": point})
+    rows = executor.map(run_point, specs)
+    best = min(rows, key=lambda r: r["mean_jct_s"])
+    return {"axes": axes, "executor": executor.name, "rows": rows, "best": {"point": best["point"], "mean_jct_s": best["mean_jct_s"]}}
+
+
+def format_sweep(table: dict[str, Any]) -> str:
+    """The sweep as a text table: one line per point."""
+    axes = list(table["axes"])
+    jobs = list(table["rows"][0]["jobs"]) if table["rows"] else []
+    head = " ".join(f"{a:>22}" for a in axes) + f" {'mean JCT (ms)':>14} {'makespan (ms)':>14}  " + " ".join(f"{j[:12]:>12}" for j in jobs)
+    lines = [head + ("  <- mean iteration (ms)" if jobs else "")]
+    for r in table["rows"]:
+        cells = " ".join(f"{r['point'][a]!s:>22}" for a in axes)
+        its = " ".join(f"{r['jobs'][j]['mean_iteration_s'] * 1e3:>12.4f}" for j in jobs)
+        lines.append(f"{cells} {r['mean_jct_s'] * 1e3:>14.4f} {r['makespan_s'] * 1e3:>14.4f}  {its}")
+    lines.append(f"best: {table['best']['point']} (mean JCT {table['best']['mean_jct_s'] * 1e3:.4f} ms) on the {table['executor']} executor")
+    return "\n".join(lines)
+
+
+__all__ = ["Executor", "LocalExecutor", "RayExecutor", "SweepError", "apply_point", "format_sweep", "get_executor", "parse_axes", "run_point",
+           "spec_id", "sweep"]
