@@ -55,10 +55,13 @@ def socket_baseline(size: int, count: int) -> float:
     return size * count / elapsed / 1e6
 
 
-def plugin_throughput(build_dir: Path, size: int, iters: int, window: int, nsocks: int) -> float:
+def plugin_throughput(build_dir: Path, size: int, iters: int, window: int, nsocks: int, plan: Path | None = None, tc: int = -1) -> float:
     env = {**os.environ, "NETWEAVE_SOCKET_IFNAME": "lo", "NETWEAVE_NSOCKS": str(nsocks)}
+    if plan is not None:
+        env["NETWEAVE_PLAN"] = str(plan)
     res = subprocess.run([str(build_dir / "net_harness"), str(build_dir / ncclhook.PLUGIN_LIB), "--nocheck", "--sizes", str(size),
-                          "--iters", str(iters), "--window", str(window)], capture_output=True, text=True, env=env, timeout=300)
+                          "--iters", str(iters), "--window", str(window), "--tc", str(tc)], capture_output=True, text=True, env=env,
+                         timeout=300)
     if res.returncode != 0:
         raise RuntimeError(res.stdout + res.stderr)
     seconds = float(re.search(r"TIME ([\d.]+)", res.stdout).group(1))
@@ -121,6 +124,12 @@ def main() -> None:
             val = statistics.median(plugin_throughput(build_dir, size, iters, window, nsocks) for _ in range(reps))
             rows.append({"case": f"net plugin loopback, {label}", "variant": f"nsocks={nsocks}", "value": val, "unit": "MB/s",
                          "baseline": base, "ratio": val / base, "note": "baseline: one blocking Python socket"})
+    with tempfile.TemporaryDirectory() as d:
+        for rate in (2_000_000, 8_000_000):  # bytes/s per connection, SO_MAX_PACING_RATE split over 2 data sockets
+            plan = ncclhook.write_plan(ncclhook.FlowPlan(classes={1: ncclhook.ClassMark(rate=rate)}), Path(d) / "pace.plan")
+            val = plugin_throughput(build_dir, 1 << 20, 2 if args.quick else 4, 2, 2, plan=plan, tc=1) * 1e6
+            rows.append({"case": "pacing from the plan (class rate)", "variant": f"rate={rate / 1e6:g} MB/s", "value": val / 1e6, "unit": "MB/s",
+                         "baseline": rate / 1e6, "ratio": val / rate, "note": "ratio = measured / configured rate"})
     r = ring_rates(build_dir, 5000 if args.quick else 20000)
     rows.append({"case": "profiler ring (65536 records)", "variant": "writer, unpaced", "value": r["writer_events_per_s"], "unit": "events/s",
                  "baseline": None, "ratio": None, "note": f"{r['emitted']} records, dropped {r['dropped']}, read {r['read']}"})
