@@ -36,7 +36,7 @@ def plot_timeline(result: RunResult, path: str | os.PathLike[str], *, links: int
     util = result.links
     busiest = util.busiest(links) if util is not None else []
     jobs = list(result.jobs)[:max_jobs]
-    fig = Figure(figsize=(12, 3 + 0.25 * max(len(jobs), 4) + (2.5 if busiest else 0)), dpi=110)
+    fig = Figure(figsize=(14, 3 + 0.25 * max(len(jobs), 4) + (2.5 if busiest else 0)), dpi=110)
     FigureCanvasAgg(fig)
     heights = ([2.5] if busiest else []) + [max(1.5, 0.25 * len(jobs))]
     axes = fig.subplots(len(heights), 1, sharex=True, gridspec_kw={"height_ratios": heights}, squeeze=False)[:, 0]
@@ -48,7 +48,7 @@ def plot_timeline(result: RunResult, path: str | os.PathLike[str], *, links: int
             ax.stairs(util.util[i] * 100, edges, label=f"{util.links[i]} ({util.capacity[i]:g} GB/s)", linewidth=1.2)
         ax.set_ylabel("utilisation %")
         ax.set_ylim(0, 105)
-        ax.legend(fontsize=7, loc="upper right", ncol=2 if len(busiest) > 4 else 1)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
         ax.grid(alpha=0.3)
         ax.set_title(title or f"{result.workload} on {result.topology} ({result.backend})")
     ax = axes[-1]
@@ -68,7 +68,7 @@ def plot_timeline(result: RunResult, path: str | os.PathLike[str], *, links: int
     ax.set_xlim(0, end * 1.02)
     ax.set_xlabel("time (s)")
     handles = [ax.bar(0, 0, color=c, label=k) for k, c in KIND_COLOURS.items()]
-    ax.legend(handles=handles, fontsize=7, loc="lower right")
+    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.005, 1.0), borderaxespad=0.0)
     if not busiest:
         ax.set_title(title or f"{result.workload} on {result.topology} ({result.backend})")
     fig.tight_layout()

@@ -333,3 +333,19 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "emu.mininet_backend", None)  # as if the module were absent
     assert main(["emu", "compare", str(tmp_path / "w.yaml"), "--topology", str(tmp_path / "t.json"), "--out", str(tmp_path / "o")]) == 2
     assert "Mininet backend is not available" in capsys.readouterr().err
+
+
+def test_demo_shows_interference_only_on_the_oversubscribed_fabric(tmp_path, cluster):
+    import json as _json
+
+    from emu.demo import demo
+
+    report, text = demo(cluster, tmp_path)
+    _json.dumps(report)
+    assert abs(report["slowdown_default"]) < 1e-9  # non-blocking fabric: the two jobs do not interfere
+    assert report["slowdown_oversubscribed"] > 0.2
+    s = report["scenarios"]
+    alone = s["alone_oversubscribed"]["mean_iteration_s"]["dp-a"]
+    assert s["shifted_oversubscribed"]["mean_iteration_s"]["dp-a"] < s["together_oversubscribed"]["mean_iteration_s"]["dp-a"]
+    assert s["priority_oversubscribed"]["mean_iteration_s"]["dp-a"] == pytest.approx(alone, rel=1e-9)  # class 0 runs as if alone
+    assert (tmp_path / "timeline-oversubscribed.png").exists() and "oversubscribed" in text
