@@ -106,8 +106,9 @@ def host_tc_commands(plan: FlowPlan, host: str, dev: str, *, rate_mbit: float | 
     ``wire_overhead`` multiplies them (HTB counts frames, plans count payload).
     """
     validate_plan(plan)
+    plan.rules(host)  # an unknown host is an error, not an empty tree
     if rate_mbit is None:
-        link = plan.hosts[host].link_rate if host in plan.hosts else None
+        link = plan.hosts[host].link_rate
         if link is None:
             raise EnforceError(f"no link rate for {host}: give rate_mbit or set hosts.{host}.link_rate in the plan", where="rate_mbit")
         rate_mbit = _kbit(link) / 1000 / time_scale * wire_overhead

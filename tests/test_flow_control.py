@@ -227,3 +227,35 @@ def test_config_file_keys_and_endpoints(tmp_path):
         decode(json.dumps({"type": "hello"}).encode())
     assert decode(encode({"type": "hello", "host": "x", "epoch": -1}))["host"] == "x"
     assert with_epoch(make_plan(1), 3).epoch == 3
+
+
+def test_cli_serve_and_agents_round_trip(tmp_path, capsys):
+    import threading
+
+    from flowsched.plan import write_plan
+    from netweave.cli import main
+
+    assert main(["flow", "keys", "--out", str(tmp_path / "keys"), "--agents", "h0,h1"]) == 0
+    ports = [free_port() for _ in range(3)]
+    cfg = tmp_path / "control.yaml"
+    cfg.write_text(f"format: netweave-flow-control\nversion: 1\nkeys: keys\nheartbeat_s: 0.05\nscheduler: {{bind: 'tcp://127.0.0.1:{ports[0]}'}}\n"
+                   f"agents:\n  h0: {{bind: 'tcp://127.0.0.1:{ports[1]}', dev: veth0, rate_mbit: 100}}\n"
+                   f"  h1: {{bind: 'tcp://127.0.0.1:{ports[2]}', dev: veth1, rate_mbit: 100}}\n")
+    write_plan(make_plan(3), tmp_path / "p.json")
+    codes = {}
+    threads = [threading.Thread(target=lambda h=h: codes.__setitem__(h, main(["flow", "agent", "--config", str(cfg), "--host", h, "--dry-run",
+                                                                                "--until-applied", "--duration", "10"])))
+               for h in ("h0", "h1")]
+    for t in threads:
+        t.start()
+    try:
+        assert main(["flow", "serve", "--config", str(cfg), "--plan", str(tmp_path / "p.json"), "--until-acked", "--duration", "10",
+                     "--json"]) == 0
+    finally:
+        for t in threads:
+            t.join(15)
+    assert codes == {"h0": 0, "h1": 0}
+    out = capsys.readouterr().out
+    status = json.loads(out[out.index("{\n"):out.index("\n}\n") + 2])
+    assert status["epoch"] == 3 and all(a["epoch"] == 3 for a in status["agents"].values())
+    assert "applied epochs [3]" in out

@@ -210,3 +210,44 @@ def test_nccl_plan_marks_agree_with_the_htb_classes(tmp_path):
     assert to_nccl_plan(plan, "h", so_priority=False).classes[7].prio is None
     with pytest.raises(FlowPlanError, match="no host"):
         to_nccl_plan(plan, "other")
+
+
+# -- command line ----------------------------------------------------------------------------------------
+
+
+def test_cli_plan_apply_profile_schedule(tmp_path, capsys, cluster):
+    from emu.workload import write_workload
+    from flowsched.demo import contending_workload
+    from netweave.cli import main
+    from topology.io import write_topology
+
+    write_topology(cluster, tmp_path / "topo.json")
+    write_workload(contending_workload(cluster), tmp_path / "w.yaml")
+    out = tmp_path / "p.json"
+    assert main(["flow", "plan", "--workload", str(tmp_path / "w.yaml"), "--topology", str(tmp_path / "topo.json"), "--policy", "sincronia",
+                 "--out", str(out), "--nccl-plan", str(tmp_path / "nccl"), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    plan = read_plan(out)
+    assert data["order"] == plan.order and data["classes"] == plan.job_priority()
+    assert ncclhook.read_plan(tmp_path / "nccl" / "node0.plan") == to_nccl_plan(plan, "node0")
+    assert main(["flow", "apply", str(out), "--host", "node0", "--dev", "veth9", "--rate-mbit", "100", "--dry-run"]) == 0
+    from flowsched.enforce import host_tc_commands
+
+    assert capsys.readouterr().out.splitlines() == [f"tc {x}" for x in host_tc_commands(plan, "node0", "veth9", rate_mbit=100)]
+    assert main(["flow", "apply", str(out), "--host", "nope", "--dry-run"]) == 2
+    assert "no host 'nope'" in capsys.readouterr().err
+    prof = tmp_path / "prof.json"
+    assert main(["flow", "profile", "--out", str(prof), "--iterations", "1", "--json"]) == 0
+    measured = json.loads(capsys.readouterr().out)
+    assert measured["format"] == "netweave-gradient-profile" and len(measured["names"]) == 6
+    results = {}
+    for policy in ("ddp", "prophet", "bytescheduler"):
+        assert main(["flow", "schedule", "--profile", str(prof), "--policy", policy, "--bandwidth", "0.5", "--json"]) == 0
+        results[policy] = json.loads(capsys.readouterr().out)
+        assert results[policy]["iteration_s"] >= results[policy]["lower_bound_s"] * (1 - 1e-9)
+    assert len({r["lower_bound_s"] for r in results.values()}) == 1
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"format": "netweave-flow-plan", "version": 1, "hosts": {"h": {"rules": [{"job": "a", "priority": 12}]}}}')
+    assert main(["flow", "apply", str(bad), "--host", "h", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "hosts.h.rules[0].priority" in err

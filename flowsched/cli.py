@@ -1,0 +1,243 @@
+"""``netweave flow``: flow plans (cross-job), their enforcement, gradient profiles and in-job schedules, the control plane."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from topology.clitools import add_json_flag, emit, progress
+from topology.errors import InputError
+
+from .plan import POLICIES
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    flow = sub.add_parser("flow", help="flow scheduling: cross-job plans, HTB/DSCP enforcement, gradient schedules, control plane")
+    fsub = flow.add_subparsers(dest="flow_command", metavar="ACTION", required=True)
+
+    p = fsub.add_parser("keys", help="generate CURVE key pairs for the scheduler and agents")
+    p.add_argument("--out", required=True, help="key directory (NAME.key public, NAME.key_secret secret)")
+    p.add_argument("--agents", default="", help="comma-separated agent host names")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_keys)
+
+    p = fsub.add_parser("plan", help="cross-job flow plan for a workload on a topology")
+    p.add_argument("--workload", required=True, help="workload file (YAML or JSON, see docs/workload.md)")
+    p.add_argument("--topology", required=True, help="topology file")
+    p.add_argument("--policy", choices=POLICIES, default="sincronia")
+    p.add_argument("--epoch", type=int, default=1, help="plan generation number (default 1)")
+    p.add_argument("--classes", type=int, default=8, help="priority classes to use (1..8)")
+    p.add_argument("--out", required=True, help="flow plan file (.json)")
+    p.add_argument("--nccl-plan", default=None, metavar="DIR", help="also write each host's NCCL plugin plan file into DIR")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = fsub.add_parser("apply", help="install (or print) a host's HTB tree and DSCP filters")
+    p.add_argument("plan", help="flow plan file")
+    p.add_argument("--host", required=True)
+    p.add_argument("--dev", default="eth0", help="egress interface (default eth0)")
+    p.add_argument("--rate-mbit", type=float, default=None, help="link rate (default: the plan's link_rate of the host)")
+    p.add_argument("--time-scale", type=float, default=1.0, help="divide the plan's rates by this factor (emulation)")
+    p.add_argument("--netns", default=None, help="apply inside this network namespace")
+    p.add_argument("--dry-run", action="store_true", help="print the tc batch instead of running it")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_apply)
+
+    p = fsub.add_parser("profile", help="measure a gradient profile of a torch model and write it as JSON")
+    p.add_argument("--model", default=None, metavar="MODULE:CALLABLE", help="callable returning a torch.nn.Module (default: built-in MLP)")
+    p.add_argument("--input-shape", default=None, help="batch shape for --model, e.g. 32,784")
+    p.add_argument("--bandwidth", type=float, default=10.0, help="all-reduce goodput in GB/s to store in the profile (default 10)")
+    p.add_argument("--overhead-us", type=float, default=10.0, help="cost of one collective launch in microseconds (default 10)")
+    p.add_argument("--iterations", type=int, default=5)
+    p.add_argument("--out", required=True)
+    add_json_flag(p)
+    p.set_defaults(func=cmd_profile)
+
+    p = fsub.add_parser("schedule", help="in-job gradient schedule and its modelled iteration time vs the lower bound")
+    p.add_argument("--profile", required=True, help="gradient profile JSON (netweave flow profile)")
+    p.add_argument("--policy", choices=("ddp", "prophet", "bytescheduler"), default="prophet")
+    p.add_argument("--bandwidth", type=float, default=None, help="override the profile's bandwidth (GB/s)")
+    p.add_argument("--out", default=None, help="write the plan (JSON)")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_schedule)
+
+    p = fsub.add_parser("serve", help="run the scheduler service and publish a plan")
+    p.add_argument("--config", required=True, help="control-plane configuration (see docs/flowsched.md)")
+    p.add_argument("--plan", required=True, help="flow plan to publish")
+    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: until interrupted)")
+    p.add_argument("--until-acked", action="store_true", help="stop as soon as every host acknowledged the plan")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_serve)
+
+    p = fsub.add_parser("agent", help="run one host's agent")
+    p.add_argument("--config", required=True)
+    p.add_argument("--host", required=True)
+    p.add_argument("--dry-run", action="store_true", help="record tc batches instead of running them")
+    p.add_argument("--duration", type=float, default=None)
+    p.add_argument("--until-applied", action="store_true", help="stop after the first plan is applied")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_agent)
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from .control import generate_keys
+
+    agents = [a for a in args.agents.split(",") if a]
+    made = generate_keys(args.out, agents)
+    data = {name: {"public": str(pub), "secret": str(sec)} for name, (pub, sec) in made.items()}
+    emit(args, data, "\n".join(f"{name}: {d['public']} (secret {d['secret']})" for name, d in data.items()))
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from emu.workload import read_workload
+    from topology.io import read_topology
+
+    from .plan import plan_from_workload, write_nccl_plan, write_plan
+
+    topo = read_topology(args.topology)
+    workload = read_workload(args.workload)
+    d = plan_from_workload(workload, topo, args.policy, epoch=args.epoch, classes=args.classes)
+    write_plan(d.plan, args.out)
+    files = [args.out]
+    if args.nccl_plan:
+        Path(args.nccl_plan).mkdir(parents=True, exist_ok=True)
+        for h in d.plan.hosts:
+            files.append(str(write_nccl_plan(d.plan, h, Path(args.nccl_plan) / f"{h}.plan")))
+    lines = [f"{args.policy} plan, epoch {d.plan.epoch}: {len(d.plan.hosts)} hosts, {len(d.plan.jobs())} jobs -> {args.out}",
+             f"  order: {' > '.join(d.order) or '(no inter-host traffic)'}"]
+    for c in d.coflows:
+        j = str(c.name)
+        rate = f", {d.rates[j] * 8 / 1e9:.1f} Gb/s" if j in d.rates else ""
+        lines.append(f"  {j}: class {d.classes.get(j)}{rate}, {sum(f.nbytes for f in c.flows) / 1e9:.3f} GB/iteration between "
+                     f"{len({f.src for f in c.flows} | {f.dst for f in c.flows})} hosts")
+    emit(args, {**d.to_dict(), "files": files}, "\n".join(lines))
+    return 0
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    from .enforce import apply_tc, host_tc_commands
+    from .plan import read_plan
+
+    plan = read_plan(args.plan)
+    lines = host_tc_commands(plan, args.host, args.dev, rate_mbit=args.rate_mbit, time_scale=args.time_scale)
+    if not args.dry_run:
+        apply_tc(lines, args.dev, netns=args.netns)
+    emit(args, {"host": args.host, "dev": args.dev, "applied": not args.dry_run, "commands": lines},
+         "\n".join(f"tc {x}" for x in lines) if args.dry_run else f"installed {len(lines)} tc lines on {args.dev}")
+    return 0
+
+
+def _load_model(spec: str, shape: str | None) -> tuple[Any, Any, Any]:
+    import torch
+
+    mod_name, _, attr = spec.partition(":")
+    if not mod_name or not attr:
+        raise InputError(f"expected MODULE:CALLABLE, got {spec!r}", where="--model")
+    try:
+        factory = getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise InputError(f"cannot load {spec!r}: {exc}", where="--model") from None
+    model = factory()
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(f"{spec} returned {type(model).__name__}, expected a torch.nn.Module", where="--model")
+    if not shape:
+        raise InputError("give the batch shape of the model's input, e.g. 32,784", where="--input-shape")
+    try:
+        dims = tuple(int(x) for x in shape.split(","))
+    except ValueError:
+        raise InputError(f"expected comma-separated integers, got {shape!r}", where="--input-shape") from None
+    gen = torch.Generator().manual_seed(0)
+    return model, lambda: (torch.randn(*dims, generator=gen), None), lambda out, _y: out.float().pow(2).mean()
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .demo import small_model
+    from .gradients import measure_gradient_profile
+
+    model, make_batch, loss = _load_model(args.model, args.input_shape) if args.model else small_model()
+    progress(f"profiling {args.model or 'the built-in MLP'} ({args.iterations} iterations)")
+    prof = measure_gradient_profile(model, make_batch, loss, bandwidth=args.bandwidth * 1e9, overhead=args.overhead_us * 1e-6,
+                                    iterations=args.iterations)
+    prof.save(args.out)
+    emit(args, prof.to_dict(), f"{prof.layers} layers, {prof.total_bytes / 1e6:.2f} MB of gradients, backward {prof.backward * 1e3:.2f} ms, "
+                               f"forward {sum(prof.forward) * 1e3:.2f} ms -> {args.out}")
+    return 0
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from topology.io import atomic_write_text
+
+    from .gradients import GradientProfile
+    from .intrajob import ddp_plan, simulate_iteration, tune_bytescheduler, tune_prophet
+
+    prof = GradientProfile.load(args.profile)
+    if args.bandwidth is not None:
+        if not args.bandwidth > 0:
+            raise InputError(f"expected a positive GB/s, got {args.bandwidth}", where="--bandwidth")
+        prof = prof.with_bandwidth(args.bandwidth * 1e9)
+    plan = {"ddp": ddp_plan, "prophet": tune_prophet, "bytescheduler": tune_bytescheduler}[args.policy](prof)
+    timing = simulate_iteration(prof, plan)
+    bound = prof.lower_bound()
+    if args.out:
+        import json
+
+        atomic_write_text(args.out, json.dumps(plan.to_dict(), indent=1) + "\n")
+    data = {"policy": args.policy, "iteration_s": timing.iteration_time, "lower_bound_s": bound, "ratio": timing.iteration_time / bound,
+            "launches": len(plan.transfers), "comm_end_s": timing.comm_end, "params": plan.params, "plan": plan.to_dict()}
+    emit(args, data, f"{args.policy}: {len(plan.transfers)} launches, modelled iteration {timing.iteration_time * 1e3:.3f} ms, "
+                     f"lower bound {bound * 1e3:.3f} ms ({timing.iteration_time / bound:.3f} x)")
+    return 0
+
+
+def _run_until(service: Any, done: Any, duration: float | None) -> None:
+    deadline = None if duration is None else time.monotonic() + duration
+    try:
+        while (deadline is None or time.monotonic() < deadline) and not done():
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        pass
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .control import Scheduler, load_config
+    from .plan import read_plan
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = load_config(args.config)
+    plan = read_plan(args.plan)
+    with Scheduler(config) as sched:
+        sched.publish(plan)
+        progress(f"scheduler on {config.scheduler_bind}: published epoch {plan.epoch} to {', '.join(plan.hosts)}")
+        _run_until(sched, (lambda: all(sched.agents[h].epoch >= plan.epoch for h in plan.hosts)) if args.until_acked else (lambda: False),
+                   args.duration)
+        status = sched.status()
+    acked = all(status["agents"][h]["epoch"] >= plan.epoch for h in plan.hosts)
+    emit(args, status, f"epoch {plan.epoch}: " + ", ".join(f"{h} {'acked' if a['epoch'] >= plan.epoch else 'pending'}"
+                                                          for h, a in status["agents"].items() if h in plan.hosts))
+    return 0 if acked or not args.until_acked else 1
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from .control import Agent, load_config
+    from .enforce import DryRunApplier, TcApplier, class_bytes
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    config = load_config(args.config)
+    if args.host not in config.agents:
+        raise InputError(f"host {args.host!r} is not in the configuration's agents", source=args.config, where="agents")
+    ac = config.agents[args.host]
+    dev = ac.dev or "eth0"
+    applier = DryRunApplier(dev, ac.rate_mbit) if args.dry_run else TcApplier(dev, ac.rate_mbit, netns=ac.netns)
+    meter = None if args.dry_run else (lambda: {str(p): v["sent_bytes"] for p, v in class_bytes(dev, netns=ac.netns).items()})
+    with Agent(args.host, config, applier, meter=meter) as agent:
+        progress(f"agent {args.host} on {ac.bind}, scheduler {config.scheduler_bind}")
+        _run_until(agent, (lambda: bool(agent.applied)) if args.until_applied else (lambda: False), args.duration)
+        data = {"host": args.host, "epoch": agent.epoch, "applied": agent.applied, "rejected": agent.rejected,
+                "commands": applier.applied[-1][1] if applier.applied else []}
+    emit(args, data, f"agent {args.host}: applied epochs {agent.applied or 'none'}, rejected {len(agent.rejected)} messages")
+    return 0 if agent.applied or not args.until_applied else 1
