@@ -206,3 +206,17 @@ def workloads(draw):
 @given(workloads(), st.sampled_from(["yaml", "json"]))
 def test_round_trip_property(w, fmt):
     assert loads_workload(dumps_workload(w, fmt), fmt) == w
+
+
+def test_the_documented_example_loads_and_round_trips():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "workload.md").read_text()
+    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    w = loads_workload(block, source="docs/workload.md")
+    w.validate(default_cluster())
+    b = w.job("dp-b")
+    assert b.start_offset == pytest.approx(0.002) and b.rate_cap == 40 and b.phases[1].nbytes == 200e6
+    assert b.dependencies()[1] == [[0, 1], [1]]  # compute waits for the previous all-reduce and itself only
+    assert w.job("pipe").routing == "rail"
+    assert loads_workload(dumps_workload(w, "json"), "json") == w
