@@ -9,6 +9,7 @@
  *
  *   net_harness LIB [--version auto|10|11|12] [--tc N] [--sizes a,b,c] [--iters N]
  *               [--window W] [--multi N] [--oversize] [--nocheck] [--rewrite-plan PATH]
+ *               [--split recv|send --handle-file F]
  * Output: "VERSION n", "MARK role fd=.. tos=.. prio=.. pacing=..", then "OK ..." (exit 0)
  * or "FAIL ..." (exit 1). */
 #define _GNU_SOURCE
@@ -266,9 +267,67 @@ static long long run_receiver(void* comm, int iters, int window, int multi, int 
   return total;
 }
 
+/* --split recv|send --handle-file F: one end per process (e.g. in two network namespaces); the
+ * receiver publishes its handle in F (write + rename), the sender waits for F. */
+static int run_split(const char* which, const char* handle_file, int tc, int iters, int window, int multi) {
+  if (handle_file == NULL) die("--split needs --handle-file");
+  char handle[NCCL_NET_HANDLE_MAXSIZE];
+  memset(handle, 0, sizeof(handle));
+  if (!strcmp(which, "recv")) {
+    role = "receiver";
+    void* ctx = init_ctx(0x7ec5, tc);
+    void* lcomm = NULL;
+    CHECK(version == 10 ? n10->listen(0, handle, &lcomm) : n11->listen(ctx, 0, handle, &lcomm));
+    char tmp[600];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", handle_file);
+    FILE* f = fopen(tmp, "wb");
+    if (f == NULL || fwrite(handle, 1, sizeof(handle), f) != sizeof(handle)) die("cannot write %s", tmp);
+    fclose(f);
+    if (rename(tmp, handle_file) != 0) die("rename %s", tmp);
+    void* comm = NULL;
+    while (comm == NULL) CHECK(((accept_t)T(accept))(lcomm, &comm, NULL));
+    report_marks("MARK");
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    long long total = run_receiver(comm, iters, window, multi, 0);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    printf("TIME %.6f\n", (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+    CHECK(((close_t)T(closeRecv))(comm));
+    CHECK(((close_t)T(closeListen))(lcomm));
+    if (version != 10) CHECK(n11->finalize(ctx));
+    printf("OK receiver bytes=%lld version=%d\n", total, version);
+    return 0;
+  }
+  if (strcmp(which, "send") != 0) die("--split takes recv or send");
+  role = "sender";
+  void* ctx = init_ctx(0x5e4d, tc);
+  for (int tries = 0;; tries++) {
+    FILE* f = fopen(handle_file, "rb");
+    if (f != NULL) {
+      size_t got = fread(handle, 1, sizeof(handle), f);
+      fclose(f);
+      if (got == sizeof(handle)) break;
+    }
+    if (tries > 6000) die("no handle in %s after 60 s", handle_file);
+    usleep(10000);
+  }
+  void* comm = NULL;
+  while (comm == NULL) {
+    if (version == 10) { ncclNetCommConfig_t cfg = {tc}; CHECK(n10->connect(0, &cfg, handle, &comm, NULL)); }
+    else CHECK(n11->connect(ctx, 0, handle, &comm, NULL));
+  }
+  report_marks("MARK");
+  run_sender(comm, iters, window, multi, 0);
+  CHECK(((close_t)T(closeSend))(comm)); /* graceful: queued bytes still reach the receiver */
+  if (version != 10) CHECK(n11->finalize(ctx));
+  printf("OK sender\n");
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc < 2) { fprintf(stderr, "usage: %s LIB [options]\n", argv[0]); return 2; }
   const char* want = "auto";
+  const char *split = NULL, *handle_file = NULL;
   int tc = NCCL_NET_TRAFFIC_CLASS_UNDEF, iters = 2, window = 4, multi = 1, oversize = 0;
   const char* sizelist = "0,1,7,4096,65535,65536,131071,131072,131073,262145,1000000,4194304,16777219";
   for (int i = 2; i < argc; i++) {
@@ -281,6 +340,8 @@ int main(int argc, char** argv) {
     else if (!strcmp(argv[i], "--oversize")) oversize = 1;
     else if (!strcmp(argv[i], "--nocheck")) nocheck = 1;
     else if (!strcmp(argv[i], "--rewrite-plan") && i + 1 < argc) rewrite_plan = argv[++i];
+    else if (!strcmp(argv[i], "--split") && i + 1 < argc) split = argv[++i];
+    else if (!strcmp(argv[i], "--handle-file") && i + 1 < argc) handle_file = argv[++i];
     else { fprintf(stderr, "unknown option %s\n", argv[i]); return 2; }
   }
   if (window < 1 || window > MAXWIN || multi < 1 || multi > 8) { fprintf(stderr, "window 1..32, multi 1..8\n"); return 2; }
@@ -291,6 +352,7 @@ int main(int argc, char** argv) {
   load(argv[1], want);
   printf("VERSION %d\n", version);
   fflush(stdout);
+  if (split != NULL) return run_split(split, handle_file, tc, iters, window, multi);
 
   int pipefd[2], backfd[2];
   if (pipe(pipefd) != 0 || pipe(backfd) != 0) die("pipe");
