@@ -21,15 +21,17 @@ keeps half a tree.
 >>> from flowsched.plan import FlowPlan, FlowRule, HostPlan
 >>> p = FlowPlan({"h0": HostPlan([FlowRule("a", 0, rate=2.5e6), FlowRule("b", 3, dscp=46)], link_rate=12.5e6)})
 >>> lines = host_tc_commands(p, "h0", "eth0")
->>> lines[0], lines[-2], lines[-1]  # doctest: +NORMALIZE_WHITESPACE
+>>> lines[0], lines[-2]  # doctest: +NORMALIZE_WHITESPACE
 ('qdisc replace dev eth0 root handle 1: htb default 17 r2q 10',
- 'class change dev eth0 parent 1:1 classid 1:10 htb rate 1000kbit ceil 20000kbit burst 12500 cburst 12500 prio 0 quantum 1514',
- 'filter add dev eth0 parent 1: protocol ip prio 9 u32 match ip tos 0xb8 0xfc flowid 1:13')
+ 'class change dev eth0 parent 1:1 classid 1:10 htb rate 1000kbit ceil 20000kbit burst 12500 cburst 12500 prio 0 quantum 1514')
+>>> lines[-1].endswith('u32 match ip tos 0xb8 0xfc flowid 1:13')  # DSCP 46 (EF) overrides class 3's CS4
+True
 """
 
 from __future__ import annotations
 
 import os
+import re
 import socket
 import struct
 import subprocess
@@ -82,19 +84,26 @@ def ceiling_commands(spec: HtbSpec, ceilings_kbit: dict[int, float]) -> list[str
     return out
 
 
-def dscp_filter_commands(dev: str, dscp_priority: dict[int, int]) -> list[str]:
-    """u32 filters for DSCP values outside :data:`emu.htb.PRIORITY_DSCP` (the plan's overrides)."""
+def dscp_filter_commands(dev: str, dscp_priority: dict[int, int], *, first_pref: int = _FIRST_EXTRA_FILTER_PREF) -> list[str]:
+    """u32 filters for DSCP values outside :data:`emu.htb.PRIORITY_DSCP` (the plan's overrides), prefs from ``first_pref`` on."""
     out = []
     for i, (dscp, p) in enumerate(sorted((d, p) for d, p in dscp_priority.items() if d not in PRIORITY_DSCP)):
-        out.append(f"filter add dev {dev} parent 1: protocol ip prio {_FIRST_EXTRA_FILTER_PREF + i} u32 match ip tos {dscp << 2:#04x} 0xfc "
+        out.append(f"filter add dev {dev} parent 1: protocol ip prio {first_pref + i} u32 match ip tos {dscp << 2:#04x} 0xfc "
                    f"flowid {leaf_classid(p)}")
     return out
 
 
+def _next_filter_pref(lines: Sequence[str]) -> int:
+    """One above the highest filter pref of a tree (overrides are checked after the tree's own filters)."""
+    prefs = [int(m.group(1)) for m in (re.search(r"^filter add .* prio (\d+) ", x) for x in lines) if m]
+    return max(prefs, default=_FIRST_EXTRA_FILTER_PREF - 1) + 1
+
+
 def port_commands(spec: HtbSpec, ceilings_kbit: dict[int, float], dscp_priority: dict[int, int]) -> list[str]:
     """The full batch for one port: the :mod:`emu.htb` tree, ceilings, extra DSCP filters."""
-    tree = htb_tree_commands(spec.dev, spec.rate_mbit, floor_fraction=spec.floor_fraction, queue_packets=spec.queue_packets)
-    return tree + ceiling_commands(spec, ceilings_kbit) + dscp_filter_commands(spec.dev, dscp_priority)
+    extra = {"ack_fraction": spec.ack_fraction} if hasattr(spec, "ack_fraction") else {}  # emu.htb's control leaf, when it has one
+    tree = htb_tree_commands(spec.dev, spec.rate_mbit, floor_fraction=spec.floor_fraction, queue_packets=spec.queue_packets, **extra)
+    return tree + ceiling_commands(spec, ceilings_kbit) + dscp_filter_commands(spec.dev, dscp_priority, first_pref=_next_filter_pref(tree))
 
 
 def host_tc_commands(plan: FlowPlan, host: str, dev: str, *, rate_mbit: float | None = None, floor_fraction: float = 0.01,

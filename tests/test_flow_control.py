@@ -87,6 +87,19 @@ def test_plan_round_trip_to_two_agents_with_acks_and_heartbeats(config):
         assert sched.rejected == [] and a0.rejected == [] and a1.rejected == []
 
 
+def test_agent_reports_metered_class_rates(config):
+    counter = {"n": 0}
+
+    def meter():
+        counter["n"] += 1
+        return {"0": 1000.0 * counter["n"], "3": 0.0}
+
+    with Scheduler(config) as sched, Agent("h0", config, DryRunApplier("eth0"), meter=meter):
+        assert sched.wait_for(lambda: len(sched.agents["h0"].reports) >= 2, 5)
+        rates = sched.agents["h0"].reports[-1]["rates"]
+        assert rates["0"] > 0 and rates["3"] == 0.0
+
+
 def test_restarted_agent_resynchronises(config):
     appliers = {h: DryRunApplier("eth0") for h in ("h0", "h1")}
     with Scheduler(config) as sched, Agent("h1", config, appliers["h1"]):

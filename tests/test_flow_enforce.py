@@ -36,11 +36,12 @@ def test_host_batch_is_the_emu_tree_plus_ceilings_and_override_filters():
                                      FlowRule("b", 2, dscp=46), FlowRule("c", 5)], link_rate=12.5e6)})
     lines = host_tc_commands(plan, "h0", "veth0")
     tree = htb_tree_commands("veth0", 100.0)
+    last_pref = max(int(x.split(" prio ")[1].split()[0]) for x in tree if x.startswith("filter add"))
     assert lines[:len(tree)] == tree
     assert lines[len(tree):] == [
         # class 0 carries 3.75e6 B/s = 30000 kbit; floor 1% of 100 Mbit; burst 1 ms of 100 Mbit
         "class change dev veth0 parent 1:1 classid 1:10 htb rate 1000kbit ceil 30000kbit burst 12500 cburst 12500 prio 0 quantum 1514",
-        "filter add dev veth0 parent 1: protocol ip prio 9 u32 match ip tos 0xb8 0xfc flowid 1:12",
+        f"filter add dev veth0 parent 1: protocol ip prio {last_pref + 1} u32 match ip tos 0xb8 0xfc flowid 1:12",
     ]
     # an explicit rate and a time scale: 3.75e6 B/s / 10 * 1.0 = 3000 kbit on a 10 Mbit link
     scaled = host_tc_commands(plan, "h0", "veth0", rate_mbit=10.0, time_scale=10.0)

@@ -251,3 +251,21 @@ def test_cli_plan_apply_profile_schedule(tmp_path, capsys, cluster):
     assert main(["flow", "apply", str(bad), "--host", "h", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "hosts.h.rules[0].priority" in err
+
+
+def test_demo_writes_plans_and_orders_policies_against_bounds(tmp_path, cluster):
+    from flowsched.demo import demo
+
+    report, text = demo(cluster, tmp_path)
+    json.dumps(report)
+    in_job = report["in_job"]
+    for d in in_job["policies"].values():
+        assert d["iteration_s"] >= in_job["lower_bound_s"] * (1 - 1e-9)
+    cross = report["cross_job"]["sincronia"]
+    assert cross["total_cct_s"] >= cross["lower_bound_s"] * (1 - 1e-9)
+    plan = read_plan(tmp_path / "flow_plan.json")
+    assert plan.order == cross["order"] and plan.policy == "sincronia"
+    assert read_plan(tmp_path / "flow_plan_parrot.json").policy == "parrot"
+    host = report["cross_job"]["tc_host"]
+    assert ncclhook.read_plan(tmp_path / f"{host}.nccl.plan") == to_nccl_plan(plan, host)
+    assert "Sincronia order" in text and "tc qdisc replace" in text
