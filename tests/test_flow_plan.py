@@ -269,3 +269,13 @@ def test_demo_writes_plans_and_orders_policies_against_bounds(tmp_path, cluster)
     host = report["cross_job"]["tc_host"]
     assert ncclhook.read_plan(tmp_path / f"{host}.nccl.plan") == to_nccl_plan(plan, host)
     assert "Sincronia order" in text and "tc qdisc replace" in text
+
+
+def test_documented_example_is_a_valid_plan():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "flowsched.md").read_text()
+    example = text.split("```json\n", 1)[1].split("```", 1)[0]
+    plan = loads_plan(example, source="docs/flowsched.md")
+    assert loads_plan(dumps_plan(plan)) == plan
+    assert class_table(plan, "node0")[0].ceil == 3.8e11 and class_table(plan, "node0")[3].ceil is None
