@@ -11,6 +11,7 @@
 """
 
 from .results import FlowRecord, JobResult, LinkUtilisation, PhaseRecord, RunResult, compare_results
+from .sim import SimConfig, simulate
 from .workload import (
     CollectivePhase,
     ComputePhase,
@@ -33,10 +34,12 @@ __all__ = [
     "P2PPhase",
     "PhaseRecord",
     "RunResult",
+    "SimConfig",
     "Transfer",
     "Workload",
     "WorkloadError",
     "compare_results",
     "read_workload",
+    "simulate",
     "write_workload",
 ]

@@ -202,7 +202,7 @@ def workloads(draw):
     return Workload(draw(names), tuple(jobs))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(workloads(), st.sampled_from(["yaml", "json"]))
 def test_round_trip_property(w, fmt):
     assert loads_workload(dumps_workload(w, fmt), fmt) == w
