@@ -45,7 +45,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,7 +65,12 @@ from .workload import ComputePhase, Job, Workload
 log = logging.getLogger(__name__)
 
 AGENT_PORT = 7000
+PROBE_FLOW_BASE = 10**9  # flow ids of the DSCP probes (the executor numbers its flows from 1)
 DEFAULT_CPU_LIMIT = 0.95
+#: Niceness of agents, torch ranks and the controller during a run. The emulator's timing depends on its processes being
+#: scheduled promptly (a starved receiver stalls its TCP flow); raising their priority keeps the emulation faithful while
+#: other work shares the machine. Root may lower niceness; the driver's own niceness is restored after the run.
+EMULATION_NICE = -10
 
 
 # -- control plane ----------------------------------------------------------------------------------------
@@ -129,7 +135,8 @@ class AgentSet:
             for name in self.net.plan.hosts:
                 logf = open(self.dir / f"{name}.log", "w")  # noqa: SIM115 - the child owns it
                 self.procs[name] = self.net.popen(
-                    name, [sys.executable, "-m", "emu.agent", "--name", name, "--control", self.controller.endpoint, "--port", str(self.port)],
+                    name, ["nice", "-n", str(EMULATION_NICE), sys.executable, "-m", "emu.agent", "--name", name,
+                           "--control", self.controller.endpoint, "--port", str(self.port)],
                     stdout=logf, stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parent.parent),
                 )
                 logf.close()
@@ -320,11 +327,12 @@ class _Executor:
             wait = max(0.0, min(due) - now) if due else 0.05
             for msg in self.agents.controller.poll(min(wait, 0.05)):
                 kind = msg.get("type")
+                if kind in ("recv_done", "send_done") and msg["flow"] not in self.flows:
+                    continue  # a late report of a DSCP probe
                 if kind == "recv_done":
                     self._flow_done(self.flows[msg["flow"]], msg["t_end"], time.monotonic())
                 elif kind == "send_done":
-                    flow = self.flows[msg["flow"]]
-                    flow.start = msg["t_start"]
+                    self.flows[msg["flow"]].start = msg["t_start"]
                 elif kind == "error":
                     raise EmulationError(f"agent {msg.get('agent')}: {msg.get('error')}")
             now = time.monotonic()
@@ -400,7 +408,9 @@ def dscp_probe(net: EmulatedNetwork, agents: AgentSet, priorities: Sequence[int]
     The capture runs on the switch side of the sender's veth (root namespace),
     which carries exactly the frames the sender's interface emits.
     """
-    from scapy.all import IP, TCP, AsyncSniffer  # scapy is slow to import; only here
+    from scapy.all import IP, TCP, AsyncSniffer, conf  # scapy is slow to import; only here
+
+    conf.ifaces.reload()  # scapy caches interface indices; this run's veths are new
 
     plan = net.plan
     src = plan.interfaces[0]
@@ -417,12 +427,19 @@ def dscp_probe(net: EmulatedNetwork, agents: AgentSet, priorities: Sequence[int]
     time.sleep(0.3)
     try:
         for k, p in enumerate(priorities):
-            fid = 10**9 + k
+            fid = PROBE_FLOW_BASE + k
             agents.controller.send(src.host, {"type": "send", "flow": fid, "nbytes": nbytes, "tos": tos_for_priority(p),
                                               "src_ip": src.ip, "dst_ip": dst.ip, "port": port})
-            got = agents.controller.wait_for("recv_done", {dst.host}, timeout_s=20)
-            if got[dst.host]["flow"] != fid:
-                raise EmulationError(f"DSCP probe: unexpected flow {got[dst.host]['flow']}")
+            deadline = time.monotonic() + 20
+            while True:
+                if time.monotonic() > deadline:
+                    raise EmulationError(f"DSCP probe flow {fid} (priority {p}) did not arrive within 20 s")
+                msgs = agents.controller.poll(0.5)
+                for msg in msgs:
+                    if msg.get("type") == "error":
+                        raise EmulationError(f"agent {msg.get('agent')}: {msg.get('error')}")
+                if any(m.get("type") == "recv_done" and m.get("flow") == fid for m in msgs):
+                    break
         time.sleep(0.2)
     finally:
         packets = sniffer.stop() or []
@@ -439,6 +456,21 @@ def dscp_probe(net: EmulatedNetwork, agents: AgentSet, priorities: Sequence[int]
         if not toss or wrong:
             problems.append(f"priority {p}: {len(toss)} packets captured, {wrong} without DSCP {want >> 2}")
     return {"interface": src.switch_dev, "probes": rows, "problems": problems, "ok": not problems}
+
+
+@contextmanager
+def _niceness(value: int) -> Iterator[None]:
+    """Run the block at niceness ``value`` (this thread's process), then restore the old one."""
+    old = os.getpriority(os.PRIO_PROCESS, 0)
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, value)
+    except PermissionError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, old)
 
 
 # -- the entry point --------------------------------------------------------------------------------------
@@ -485,7 +517,7 @@ def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_di
                     failures += fidelity["dscp"]["problems"]
             counters_before = net.class_counters()
             executor = _Executor(topo, workload, plan, agents, timeout_s=timeout_s, byte_scale=byte_scale)
-            with CpuMonitor() as cpu:
+            with CpuMonitor() as cpu, _niceness(EMULATION_NICE):
                 t0, t1 = executor.run()
             counters_after = net.class_counters()
         fidelity["cpu"] = cpu.report()
@@ -566,7 +598,8 @@ def run_torch_job(topo: Topology, mode: str = "allreduce", *, time_scale: float,
                 for rank, (h, iface) in enumerate(zip(names, ifaces, strict=True)):
                     logf = open(net.workdir / f"rank{rank}.log", "w")  # noqa: SIM115 - the child owns it
                     logs.append(net.workdir / f"rank{rank}.log")
-                    args = [sys.executable, "-m", "emu.torchjob", mode, "--rank", str(rank), "--world", str(n), "--master-addr", ifaces[0].ip,
+                    args = ["nice", "-n", str(EMULATION_NICE), sys.executable, "-m", "emu.torchjob", mode, "--rank", str(rank), "--world", str(n),
+                            "--master-addr", ifaces[0].ip,
                             "--master-port", str(master_port), "--ifname", iface.dev, "--bytes", str(nbytes), "--width", str(width),
                             "--iters", str(iterations), "--warmup", str(warmup), "--timeout", str(timeout_s), "--out", str(report_path)]
                     procs.append(net.popen(h, args, stdout=logf, stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parent.parent)))

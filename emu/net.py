@@ -147,6 +147,7 @@ class NetworkPlan:
     floor_fraction: float = 0.01
     queue_packets: int = 200
     gpu_leaf: dict[str, str | None] = field(default_factory=dict)  # GPU -> leaf of its nearest NIC
+    ack_fraction: float = 0.05  # guaranteed share of the pure-ACK control leaf (see emu.htb); 0: ACKs follow their DSCP
 
     def emu_host(self, topo_host: str) -> str:
         for name, h in self.hosts.items():
@@ -168,8 +169,9 @@ class NetworkPlan:
         factor = WIRE_OVERHEAD if self.payload_rates else 1.0
         out: list[tuple[str | None, HtbSpec]] = []
         for i in self.interfaces:
-            out.append((i.host, HtbSpec(i.dev, i.rate_mbit * factor, self.floor_fraction, self.queue_packets)))
-            out.append((None, HtbSpec(i.switch_dev, i.rate_down_mbit * factor, self.floor_fraction, self.queue_packets)))
+            out.append((i.host, HtbSpec(i.dev, i.rate_mbit * factor, self.floor_fraction, self.queue_packets, ack_fraction=self.ack_fraction)))
+            out.append((None, HtbSpec(i.switch_dev, i.rate_down_mbit * factor, self.floor_fraction, self.queue_packets,
+                                      ack_fraction=self.ack_fraction)))
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -177,7 +179,7 @@ class NetworkPlan:
             "topology": self.topology_name, "time_scale": self.time_scale, "nic_mode": self.nic_mode, "hosts": dict(self.hosts),
             "switches": [asdict(s) for s in self.switches], "interfaces": [asdict(i) for i in self.interfaces],
             "payload_rates": self.payload_rates, "wire_overhead": WIRE_OVERHEAD if self.payload_rates else 1.0,
-            "floor_fraction": self.floor_fraction, "queue_packets": self.queue_packets,
+            "floor_fraction": self.floor_fraction, "queue_packets": self.queue_packets, "ack_fraction": self.ack_fraction,
         }
 
 
@@ -534,7 +536,7 @@ class EmulatedNetwork:
         by_ns: dict[str | None, list[str]] = {}
         for where, spec in self.plan.htb_specs():
             by_ns.setdefault(where, []).extend(htb_tree_commands(spec.dev, spec.rate_mbit, floor_fraction=spec.floor_fraction,
-                                                                 queue_packets=spec.queue_packets))
+                                                                 queue_packets=spec.queue_packets, ack_fraction=spec.ack_fraction))
         for where, lines in by_ns.items():
             self._batch(where, lines)
 

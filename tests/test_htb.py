@@ -15,6 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from emu.htb import (
+    ACK_CLASSID,
+    ACK_MATCHES,
     DEFAULT_PRIORITY,
     NUM_PRIORITIES,
     PRIORITY_DSCP,
@@ -72,12 +74,19 @@ def test_tree_commands_structure():
     classes = [c for c in cmds if c.startswith("class add")]
     filters = [c for c in cmds if c.startswith("filter add")]
     pfifos = [c for c in cmds if c.startswith("qdisc add") and "pfifo" in c]
-    assert len(classes) == 1 + NUM_PRIORITIES and len(filters) == NUM_PRIORITIES and len(pfifos) == NUM_PRIORITIES
+    # 8 priority leaves + the control leaf for pure ACKs, each with a pfifo; 8 DSCP filters + the ACK filter
+    assert len(classes) == 2 + NUM_PRIORITIES and len(filters) == NUM_PRIORITIES + 1 and len(pfifos) == NUM_PRIORITIES + 1
+    ack = [c for c in filters if "protocol 6" in c]
+    assert len(ack) == 1 and " prio 1 " in ack[0] and ack[0].endswith(f"flowid {ACK_CLASSID}")  # evaluated first
+    ack_class = [c for c in classes if f"classid {ACK_CLASSID} " in c]
+    assert len(ack_class) == 1 and "rate 20000kbit ceil 400000kbit" in ack_class[0] and " prio 0 " in ack_class[0]
+    plain = htb_tree_commands("s0-eth1", 400, ack_fraction=0)
+    assert sum(c.startswith("filter") for c in plain) == NUM_PRIORITIES and ACK_CLASSID not in " ".join(plain)
     assert "rate 400000kbit ceil 400000kbit" in classes[0]
     for p in range(NUM_PRIORITIES):
         leaf = [c for c in classes if f"classid {leaf_classid(p)} " in c]
         assert len(leaf) == 1 and f" prio {p} " in leaf[0] and "rate 4000kbit ceil 400000kbit" in leaf[0]
-        f = [c for c in filters if c.endswith(f"flowid {leaf_classid(p)}")]
+        f = [c for c in filters if c.endswith(f"flowid {leaf_classid(p)}") and "tos" in c]
         assert len(f) == 1 and f"match ip tos {tos_for_priority(p):#04x} 0xfc" in f[0]
     # the default names an existing leaf (an inner or missing default sends traffic to the unshaped direct queue)
     default = int(cmds[0].split("default ")[1].split()[0], 16)
@@ -85,20 +94,21 @@ def test_tree_commands_structure():
 
 
 @settings(max_examples=60, deadline=None)
-@given(rate=st.floats(1, 1000), floor=st.floats(0.001, 0.125), queue=st.integers(1, 5000))
+@given(rate=st.floats(1, 1000), floor=st.floats(0.001, 0.1), queue=st.integers(1, 5000))
 def test_generated_tree_is_consistent(rate, floor, queue):
     spec = HtbSpec("x", rate, floor_fraction=floor, queue_packets=queue)
     cmds = htb_tree_commands("x", rate, floor_fraction=floor, queue_packets=queue)
     rates = [int(m) for c in cmds for m in re.findall(r" rate (\d+)kbit", c)]
     ceils = [int(m) for c in cmds for m in re.findall(r" ceil (\d+)kbit", c)]
     assert rates[0] == spec.rate_kbit and all(c == spec.rate_kbit for c in ceils)
-    assert sum(rates[1:]) <= spec.rate_kbit + NUM_PRIORITIES * 8  # the floors fit under the link (8 kbit minimum each)
+    assert sum(rates[1:]) <= spec.rate_kbit + (NUM_PRIORITIES + 1) * 8  # floors + ACK share fit under the link (8 kbit minimum each)
     assert spec.burst_bytes >= 2 * spec.mtu  # HTB must be able to send a full packet
     assert all(f"limit {queue}" in c for c in cmds if "pfifo" in c)
 
 
 @pytest.mark.parametrize("kwargs", [{"rate_mbit": 0}, {"rate_mbit": -5}, {"rate_mbit": 10, "floor_fraction": 0.5},
-                                    {"rate_mbit": 10, "queue_packets": 0}])
+                                    {"rate_mbit": 10, "floor_fraction": 0.12}, {"rate_mbit": 10, "queue_packets": 0},
+                                    {"rate_mbit": 10, "ack_fraction": 0.9}])
 def test_bad_spec_raises(kwargs):
     with pytest.raises(HtbError):
         HtbSpec("dev0", **kwargs)
@@ -116,15 +126,18 @@ def test_parse_rate_units():
 
 def test_parse_sample_output():
     qdiscs = parse_tc_qdiscs(SAMPLE_QDISC)
-    assert [q.kind for q in qdiscs].count("pfifo") == 8 and qdiscs[0].parent is None and qdiscs[0].options["default"] == "0x17"
+    assert [q.kind for q in qdiscs].count("pfifo") == 9 and qdiscs[0].parent is None and qdiscs[0].options["default"] == "0x17"
     classes = parse_tc_classes(SAMPLE_CLASS)
-    assert set(classes) == {"1:1"} | {leaf_classid(p) for p in range(8)}
+    assert set(classes) == {"1:1", ACK_CLASSID} | {leaf_classid(p) for p in range(8)}
     assert classes["1:13"].prio == 3 and classes["1:13"].parent == "1:1" and classes["1:13"].rate_bps == 1_046_000
-    assert classes["1:17"].sent_bytes == 90 and classes["1:17"].sent_packets == 1
+    assert classes["1:17"].sent_bytes > 0 and classes["1:17"].sent_packets >= 1  # IPv6 router solicitations etc.
     filters = parse_tc_filters(SAMPLE_FILTER)
-    assert len(filters) == 8
-    assert {f.flowid: f.matches[0][0] >> 16 for f in filters} == {leaf_classid(p): tos_for_priority(p) for p in range(8)}
-    assert class_counters(SAMPLE_CLASS)[7] == {"sent_bytes": 90, "sent_packets": 1, "dropped": 0}
+    assert len(filters) == 9
+    assert [f.matches for f in filters if f.pref == 1] == [list(ACK_MATCHES)]
+    dscp = [f for f in filters if f.pref > 1]
+    assert {f.flowid: f.matches[0][0] >> 16 for f in dscp} == {leaf_classid(p): tos_for_priority(p) for p in range(8)}
+    assert class_counters(SAMPLE_CLASS)[7] == {"sent_bytes": classes["1:17"].sent_bytes, "sent_packets": classes["1:17"].sent_packets,
+                                               "dropped": 0}
 
 
 def test_check_accepts_the_installed_tree():
@@ -142,6 +155,8 @@ def test_check_reports_each_kind_of_damage():
     assert any("no pfifo" in p for p in problems(q=SAMPLE_QDISC.replace("qdisc pfifo 16: parent 1:16 limit 200p\n", "")))
     assert any("TOS 0xa0" in p for p in problems(f=SAMPLE_FILTER.replace("00a00000/00fc0000", "00b80000/00fc0000")))
     assert any("ceil" in p for p in problems(spec=HtbSpec("nwh0-eth0", 200)))  # the tree shapes at the wrong rate
+    assert any("ACK" in p for p in problems(f=SAMPLE_FILTER.replace("0000ff80 at 0", "0000ffc0 at 0")))
+    assert any("control leaf" in p for p in problems(c=SAMPLE_CLASS.replace("leaf 20: prio 0", "leaf 20: prio 3")))
 
 
 def test_class_bytes_check():
