@@ -1,0 +1,202 @@
+"""One rank of the bandwidth-bound training job of :func:`flowsched.validate.run_intrajob_emulation`.
+
+Runs inside an emulated host (one rank per host, gloo over the host's emulated
+interface, ``GLOO_SOCKET_IFNAME``). Steps, all ranks in lockstep:
+
+1. measure the all-reduce goodput on the emulated link (median time of
+   all-reduces of ``--probe-bytes``; bandwidth = bytes / time, the algorithm
+   bandwidth the plans' model uses) and the fixed cost of a tiny all-reduce;
+2. measure the gradient profile of the model on this rank
+   (:func:`~flowsched.gradients.measure_gradient_profile`, no communication)
+   and the optimizer step time; rank 0's profile is broadcast so that every
+   rank builds the same plans;
+3. build the plans (:func:`~flowsched.intrajob.tune_prophet`,
+   :func:`~flowsched.intrajob.tune_bytescheduler`) and, for ``--rounds``
+   rounds, train ``--iters`` iterations with each method: default
+   ``DistributedDataParallel``, then :class:`~flowsched.ddp.GradientScheduler`
+   with each plan. Iteration time = period between consecutive iteration
+   starts (steady state, the first ``--warmup`` of every block dropped).
+
+Rank 0 writes the JSON report (``--out``). Run as
+``python -m flowsched.torchrun_job --rank 0 --world 2 --master-addr 10.0.1.1 --ifname fvh0-eth0 --out r.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+METHODS = ("ddp", "prophet", "bytescheduler")
+#: Local forward + backward + optimizer step with no communication, timed in the same rounds: the compute term of the bound.
+COMPUTE_ONLY = "compute"
+
+
+def build_model(layers: int, width: int, seed: int = 0) -> Any:
+    """An MLP of ``layers`` square ``width`` x ``width`` linear layers with ReLUs (4 * width^2 bytes of gradient each)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    mods: list[Any] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*mods[:-1])
+
+
+def _linear_layers(model: Any) -> list[Any]:
+    import torch
+
+    return [m for m in model if isinstance(m, torch.nn.Linear)]
+
+
+def _time_allreduce(dist: Any, torch: Any, nbytes: int, repeats: int) -> float:
+    x = torch.ones(max(1, nbytes // 4))
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from .ddp import GradientScheduler
+    from .gradients import GradientProfile, measure_gradient_profile
+    from .intrajob import ddp_plan, simulate_iteration, tune_bytescheduler, tune_prophet
+
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}", rank=args.rank, world_size=args.world,
+                            timeout=datetime.timedelta(seconds=args.timeout))
+    gen = torch.Generator().manual_seed(100 + args.rank)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randn(args.batch, args.width, generator=gen)
+    loss_fn = torch.nn.functional.mse_loss
+
+    # 1. the network as gloo sees it
+    _time_allreduce(dist, torch, args.probe_bytes, 1)  # connection set-up
+    probe_s = _time_allreduce(dist, torch, args.probe_bytes, args.probe_repeats)
+    tiny_s = _time_allreduce(dist, torch, 4, 5)
+    bandwidth = args.probe_bytes / max(probe_s - tiny_s, 1e-9)
+
+    # 2. the gradient profile (no communication) and the optimizer step
+    model = build_model(args.layers, args.width)
+    profile = measure_gradient_profile(model, lambda: (x, y), loss_fn, bandwidth=bandwidth, overhead=tiny_s, warmup=2,
+                                       iterations=args.profile_iters, layers=_linear_layers(model))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    steps = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        opt.step()
+        steps.append(time.perf_counter() - t0)
+    step_s = statistics.median(steps)
+    shared = [profile.to_dict(), step_s]
+    dist.broadcast_object_list(shared, src=0)
+    profile = GradientProfile.from_dict(shared[0])
+    step_s = float(shared[1])
+    plans = {"ddp": ddp_plan(profile), "prophet": tune_prophet(profile), "bytescheduler": tune_bytescheduler(profile)}
+
+    # 3. train with every method, interleaved over rounds (machine noise hits all methods alike)
+    runs = (COMPUTE_ONLY, *METHODS)
+    times: dict[str, list[float]] = {m: [] for m in runs}
+    comm: dict[str, list[float]] = {m: [] for m in runs}
+    losses: dict[str, list[float]] = {m: [] for m in runs}
+    for _ in range(args.rounds):
+        for method in runs:
+            model = build_model(args.layers, args.width)
+            starts = []
+            if method == COMPUTE_ONLY:
+                opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+                dist.barrier()
+                for _it in range(args.warmup + args.iters + 1):
+                    starts.append(time.perf_counter())
+                    opt.zero_grad(set_to_none=True)
+                    loss = loss_fn(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    losses[method].append(float(loss.detach()))
+            elif method == "ddp":
+                ddp = DistributedDataParallel(model)
+                opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
+                dist.barrier()
+                for _it in range(args.warmup + args.iters + 1):
+                    starts.append(time.perf_counter())
+                    opt.zero_grad(set_to_none=True)
+                    loss = loss_fn(ddp(x), y)
+                    loss.backward()
+                    opt.step()
+                    losses[method].append(float(loss.detach()))
+                del ddp
+            else:
+                sched = GradientScheduler(_linear_layers(model), plans[method], optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+                dist.barrier()
+                for _it in range(args.warmup + args.iters + 1):
+                    starts.append(time.perf_counter())
+                    loss = loss_fn(model(x), y)
+                    sched.begin_iteration()
+                    loss.backward()
+                    losses[method].append(float(loss.detach()))
+                sched.synchronize(step=True)
+                comm[method] += [log.done[-1] for log in sched.logs[args.warmup:] if log.done]
+                sched.close()
+            periods = [b - a for a, b in zip(starts, starts[1:], strict=False)][args.warmup:]
+            t = torch.tensor(periods, dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration is as slow as the slowest rank
+            times[method] += t.tolist()
+    dist.destroy_process_group()
+    modelled = {m: simulate_iteration(profile, p).iteration_time for m, p in plans.items()}
+    # The bound's compute term is the compute-only iterations timed in the same rounds (same machine load), not the
+    # profile's (measured once, before training): on a shared machine the two differ by tens of percent.
+    compute = statistics.median(times[COMPUTE_ONLY])
+    comm_s = profile.total_bytes / profile.bandwidth
+    return {
+        "world": args.world, "layers": args.layers, "width": args.width, "batch": args.batch, "rounds": args.rounds, "iters": args.iters,
+        "probe": {"bytes": args.probe_bytes, "seconds": probe_s, "tiny_allreduce_s": tiny_s, "goodput_bytes_per_s": bandwidth},
+        "profile": profile.to_dict(), "optimizer_step_s": step_s, "compute_s": compute, "comm_s": comm_s,
+        "profile_compute_s": profile.compute_time + step_s, "lower_bound_s": max(compute, comm_s),
+        "plans": {m: p.to_dict() for m, p in plans.items()}, "modelled_s": modelled,
+        "iteration_s": times, "comm_done_s": comm, "median_s": {m: statistics.median(v) for m, v in times.items()},
+        "loss_first_last": {m: [v[0], v[-1]] for m, v in losses.items() if v},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="one rank of the flowsched intra-job validation (runs inside an emulated host)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master-addr", required=True)
+    p.add_argument("--master-port", type=int, default=29611)
+    p.add_argument("--ifname", required=True)
+    p.add_argument("--layers", type=int, default=5)
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--profile-iters", type=int, default=5)
+    p.add_argument("--probe-bytes", type=int, default=4_000_000)
+    p.add_argument("--probe-repeats", type=int, default=3)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    report = run(args)
+    if args.rank == 0 and args.out:
+        Path(args.out).write_text(json.dumps(report) + "\n")
+
+
+if __name__ == "__main__":
+    main()
