@@ -107,7 +107,7 @@ def test_message_larger_than_buffer_fails_cleanly(build_dir):
 def test_sanitizer_build_runs_the_same_harness(tmp_path):
     san = ncclhook.build(sanitize=True)
     env = {"ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0", "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
-    for args in (["--tc", 2, "--sizes", SIZES, "--iters", 1, "--window", 8], ["--multi", 4, "--sizes", "0,9,200001", "--version", 11],
+    for args in (["--tc", 2, "--sizes", SIZES, "--iters", 1, "--window", 4], ["--multi", 4, "--sizes", "0,9,200001", "--version", 11],
                  ["--oversize", "--sizes", "10,3000000", "--window", 1, "--version", 10]):
         res = run_harness(san, *args, env=env, timeout=180)
         assert res.returncode == 0, res.stdout + res.stderr
