@@ -342,7 +342,11 @@ class _Service:
                             frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._on_message(sock, frames)
+                        try:
+                            self._on_message(sock, frames)
+                        except Exception as exc:  # one bad message must not stop the service
+                            log.exception("%s: error while handling a message", self.name)
+                            self._reject(f"internal error: {exc}")
                 while True:
                     try:
                         op, arg = self._ops.get_nowait()
@@ -609,7 +613,11 @@ class Agent(_Service):
         self._seq += 1
         self._send({"type": "heartbeat", "host": self.host, "epoch": self.epoch, "seq": self._seq, "time": time.time()})
         if self.meter is not None:
-            counts = {str(k): float(v) for k, v in self.meter().items()}
+            try:
+                counts = {str(k): float(v) for k, v in self.meter().items()}
+            except Exception as exc:  # e.g. the interface went away; keep heartbeating
+                log.warning("%s: meter failed: %s", self.name, exc)
+                return
             if self._last_meter is not None:
                 t0, c0 = self._last_meter
                 rates = {k: (v - c0.get(k, 0.0)) / (now - t0) for k, v in counts.items()}

@@ -272,3 +272,47 @@ def test_cli_serve_and_agents_round_trip(tmp_path, capsys):
     status = json.loads(out[out.index("{\n"):out.index("\n}\n") + 2])
     assert status["epoch"] == 3 and all(a["epoch"] == 3 for a in status["agents"].values())
     assert "applied epochs [3]" in out
+
+
+def test_failed_apply_is_nacked_and_keeps_the_old_epoch(config):
+    calls = []
+
+    def flaky(plan, host):
+        calls.append(plan.epoch)
+        if plan.epoch == 2:
+            raise RuntimeError("tc -batch failed")
+        return ["x"]
+
+    with Scheduler(config) as sched, Agent("h0", config, flaky) as agent:
+        sched.publish(FlowPlan({"h0": make_plan(1).hosts["h0"]}, epoch=1))
+        assert sched.wait_acked(1, timeout=5)
+        sched.publish(FlowPlan({"h0": make_plan(2).hosts["h0"]}, epoch=2))
+        assert sched.wait_for(lambda: sched.agents["h0"].nacks, 5)
+        assert "apply failed" in sched.agents["h0"].nacks[0] and agent.epoch == 1 and agent.applied == [1]
+        assert sched.agents["h0"].epoch == 1
+
+
+@pytest.mark.emulation
+def test_agent_installs_the_tree_in_a_namespace(config):
+    import subprocess
+    import uuid
+
+    from emu.htb import HtbSpec, check_htb_tree
+    from flowsched.enforce import TcApplier, class_ceilings, tc_show
+
+    ns = f"nwctl{uuid.uuid4().hex[:6]}"
+    try:
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+        for cmd in (["link", "add", "cta", "type", "veth", "peer", "name", "ctb"], ["link", "set", "cta", "up"], ["link", "set", "ctb", "up"]):
+            subprocess.run(["ip", "-n", ns, *cmd], check=True, capture_output=True)
+        applier = TcApplier("cta", 100.0, netns=ns)
+        with Scheduler(config) as sched, Agent("h0", config, applier):
+            plan = FlowPlan({"h0": make_plan(1).hosts["h0"]}, epoch=1)
+            sched.publish(plan)
+            assert sched.wait_acked(1, timeout=10)
+        texts = [tc_show("cta", w, netns=ns, stats=False) for w in ("qdisc", "class", "filter")]
+        problems = check_htb_tree(HtbSpec("cta", 100.0), *texts)
+        assert problems == ["cta: class 1:13 ceil 8000000 bit/s, expected 100000000"]  # class 3 paced at 1e6 B/s
+        assert class_ceilings("cta", netns=ns)[3] == 8e6
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -183,3 +183,25 @@ def test_failed_batch_leaves_no_half_tree(netns_pair):
     with pytest.raises(EnforceError, match="tc -batch failed"):
         apply_tc(lines, dev, netns=ns)
     assert "htb" not in tc_show(dev, "qdisc", netns=ns, stats=False)
+
+
+class _NetnsNode:
+    """The one method of a Mininet node that apply_tc uses, run inside a namespace."""
+
+    def __init__(self, ns):
+        self.ns = ns
+
+    def cmd(self, line):
+        res = subprocess.run(["ip", "netns", "exec", self.ns, "sh", "-c", line], capture_output=True, text=True)
+        return res.stdout + res.stderr
+
+
+@pytest.mark.emulation
+def test_apply_through_a_mininet_style_node(netns_pair):
+    ns, dev, _ = netns_pair
+    plan = FlowPlan({"h": HostPlan([FlowRule("a", 1, rate=2.5e6)], link_rate=12.5e6)})
+    apply_tc(host_tc_commands(plan, "h", dev), dev, node=_NetnsNode(ns))
+    assert class_ceilings(dev, netns=ns)[1] == 20e6
+    with pytest.raises(EnforceError, match="tc -batch failed"):
+        apply_tc(["qdisc replace dev nosuchdev root handle 1: htb"], dev, node=_NetnsNode(ns))
+    assert "htb" not in tc_show(dev, "qdisc", netns=ns, stats=False)
