@@ -4,7 +4,6 @@ and the tuner plugin applying `tune` rules (driven through its ncclTunerPlugin_v
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 
 import pytest
@@ -14,7 +13,6 @@ from hypothesis import strategies as st
 from flowsched import ncclhook
 
 LIB = ncclhook.build() / ncclhook.PLUGIN_LIB
-os.environ.setdefault("NETWEAVE_SOCKET_IFNAME", "lo")
 clib = ctypes.CDLL(str(LIB))
 clib.netweave_plan_resolve_text.argtypes = [ctypes.c_char_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int,
                                             ctypes.POINTER(ctypes.c_int64), ctypes.c_char_p, ctypes.c_size_t]
@@ -107,9 +105,9 @@ ALLREDUCE, ALLGATHER = 4, 2
 RING, TREE, SIMPLE, LL = 1, 0, 2, 0
 
 
-def use_plan(tmp_path, plan):
+def use_plan(tmp_path, monkeypatch, plan):
     path = ncclhook.write_plan(plan, tmp_path / "tune.plan")
-    os.environ["NETWEAVE_PLAN"] = str(path)
+    monkeypatch.setenv("NETWEAVE_PLAN", str(path))  # the library reads the process environment (putenv)
     time.sleep(0.15)  # the library re-reads the plan at most every 100 ms
 
 
@@ -125,10 +123,10 @@ def coll_info(tuner, ctx, coll, nbytes, unsupported=()):
     return chosen, nch.value, chunk.value
 
 
-def test_tuner_applies_first_matching_rule(tmp_path):
+def test_tuner_applies_first_matching_rule(tmp_path, monkeypatch):
     tuner = TunerV6.in_dll(clib, "ncclTunerPlugin_v6")
     assert tuner.name == b"netweave"
-    use_plan(tmp_path, ncclhook.FlowPlan(tunes=[
+    use_plan(tmp_path, monkeypatch, ncclhook.FlowPlan(tunes=[
         ncclhook.TuneRule("*", coll="allreduce", max_bytes=1 << 20, algo="ring", proto="simple", channels=3, chunk=131072),
         ncclhook.TuneRule("*", coll="allreduce", algo="tree", proto="ll"),
     ]))
@@ -142,9 +140,9 @@ def test_tuner_applies_first_matching_rule(tmp_path):
     assert tuner.finalize(ctx) == 0
 
 
-def test_tuner_class_rule_uses_the_class_the_net_plugin_saw(tmp_path):
+def test_tuner_class_rule_uses_the_class_the_net_plugin_saw(tmp_path, monkeypatch):
     """The net plugin's per-communicator init records (commId -> class); the tuner of the same commId matches class:K."""
-    use_plan(tmp_path, ncclhook.FlowPlan(tunes=[ncclhook.TuneRule("class:2", channels=1)]))
+    use_plan(tmp_path, monkeypatch, ncclhook.FlowPlan(tunes=[ncclhook.TuneRule("class:2", channels=1)]))
     net = NetHead.in_dll(clib, "ncclNetPlugin_v12")
     tuner = TunerV6.in_dll(clib, "ncclTunerPlugin_v6")
     results = {}
