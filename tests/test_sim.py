@@ -379,3 +379,44 @@ def test_compare_results_reports_per_job_error_and_mape():
     cmp = compare_results(sim, slower)
     assert [r["error_pct"] for r in cmp["rows"]] == pytest.approx([10.0, -20.0])
     assert cmp["mape"] == pytest.approx(15.0) and "MAPE" in format_comparison(cmp)
+
+
+@st.composite
+def small_workloads(draw):
+    n = 4
+    jobs = []
+    for j in range(draw(st.integers(1, 3))):
+        phases: list = []
+        names: list[str] = []
+        for k in range(draw(st.integers(1, 4))):
+            name = f"p{k}"
+            after = tuple(draw(st.lists(st.sampled_from(names), unique=True, max_size=2))) if names else ()
+            if draw(st.booleans()):
+                phases.append(ComputePhase(name, draw(st.sampled_from([0.0, 0.05, 0.1, 0.3])), after))
+            else:
+                pairs = draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(0, n - 1)).filter(lambda p: p[0] != p[1]), min_size=1, max_size=3))
+                transfers = tuple(Transfer(f"h/gpu{a}", f"h/gpu{b}", draw(st.sampled_from([0.5, 1.0, 2.0])) * GB) for a, b in pairs)
+                phases.append(P2PPhase(name, transfers, after, priority=draw(st.sampled_from([None, 0, 1, 2])),
+                                       rate_cap=draw(st.sampled_from([None, None, 2.5, 7.0]))))
+            names.append(name)
+        jobs.append(Job(f"j{j}", tuple(f"h/gpu{i}" for i in range(n)), tuple(phases), iterations=draw(st.integers(1, 3)),
+                        start_offset=draw(st.sampled_from([0.0, 0.05, 0.2]))))
+    return Workload("random", tuple(jobs)), draw(st.sampled_from(["strict", "weighted"]))
+
+
+@settings(max_examples=25, deadline=None)
+@given(small_workloads())
+def test_random_workloads_agree_across_solvers_and_respect_line_rates(case):
+    w, sharing = case
+    t = star(4, bw=10.0, down_bw=5.0)
+    fast = simulate(t, w, sharing=sharing, util_bins=32)
+    naive = simulate(t, w, sharing=sharing, solver="python", memo=False)
+    for name, job in fast.jobs.items():
+        assert job.iteration_ends == pytest.approx(naive.jobs[name].iteration_ends, rel=1e-7, abs=1e-12)
+        assert len(job.iteration_ends) == w.job(name).iterations
+    for f in fast.flows:
+        cap = w.job(f.job).phase_rate_cap(w.job(f.job).phases[int(f.phase[1:])])
+        best = min(5.0, cap or math.inf) * GB  # the receiver's 5 GB/s downlink bounds every flow
+        assert f.end - f.start >= f.nbytes / best * (1 - 1e-9)
+    if fast.links is not None and fast.links.util.size:  # (None when nothing took time)
+        assert fast.links.util.max() <= 1 + 1e-9
