@@ -395,9 +395,11 @@ class AgentState:
 class Scheduler(_Service):
     """The scheduler service: publishes plans, collects acks, heartbeats, reports and completions.
 
-    >>> # doctest: +SKIP
-    >>> with Scheduler(load_config("control.yaml")) as s:
-    ...     s.publish(plan); s.wait_acked(plan.epoch, timeout=5)
+    Example (needs running agents)::
+
+        with Scheduler(load_config("control.yaml")) as s:
+            s.publish(read_plan("plan.json"))
+            s.wait_acked(plan.epoch, timeout=5)
     """
 
     name = "flow-scheduler"
