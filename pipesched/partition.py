@@ -201,6 +201,38 @@ class _SparseMin:
         return val, arg
 
 
+def _interval_min(lo: np.ndarray, hi: np.ndarray, vals: np.ndarray, args: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """For every position x < size: the smallest ``vals[k]`` over intervals ``lo[k] <= x <= hi[k]`` and its ``args[k]``.
+
+    Each interval is covered by two power-of-two blocks (a sparse table filled in reverse), then the blocks
+    are pushed down level by level: O((size + k) log size), vectorised.
+    """
+    best_v = np.full(size, np.inf)
+    best_a = np.full(size, -1, dtype=np.int64)
+    if len(lo) == 0:
+        return best_v, best_a
+    lvl = np.floor(np.log2(hi - lo + 1)).astype(np.int64)
+    top = int(lvl.max())
+    tv = [np.full(size, np.inf) for _ in range(top + 1)]
+    ta = [np.full(size, -1, dtype=np.int64) for _ in range(top + 1)]
+    for level in np.unique(lvl):
+        sel = lvl == level
+        v, a = vals[sel], args[sel]
+        for pos in (lo[sel], hi[sel] - (1 << int(level)) + 1):
+            np.minimum.at(tv[level], pos, v)
+            hit = v == tv[level][pos]           # an interval that achieves its block's minimum names it
+            ta[level][pos[hit]] = a[hit]
+    for level in range(top, 0, -1):
+        half = 1 << (level - 1)
+        for shift in (0, half):
+            src_v, src_a = tv[level][: size - shift], ta[level][: size - shift]
+            dst_v, dst_a = tv[level - 1][shift:], ta[level - 1][shift:]
+            upd = src_v < dst_v
+            dst_v[upd] = src_v[upd]
+            dst_a[upd] = src_a[upd]
+    return tv[0], ta[0]
+
+
 class _StageModel:
     """Cost of a stage at one pipeline position (device speed, memory, in-flight count, replicas) for any span.
 
@@ -218,6 +250,21 @@ class _StageModel:
         self.X = {o: (px.work + px.recompute[o]) / speed + sync * px.params for o in options}
         self.Y = {o: px.params * px.state_factor + per_replica * px.saved[o] for o in options}
         self._jmax_mem: dict[str, np.ndarray] = {}
+        self._useful: list[str] | None = None
+
+    @property
+    def useful(self) -> list[str]:
+        """The options worth trying: a slower option only helps where every faster one runs out of memory."""
+        if self._useful is not None:
+            return self._useful
+        out = []
+        for k, o in enumerate(self.options):
+            out.append(o)
+            slower_rest = all(bool((np.diff(self.X[later]) >= np.diff(self.X[o])).all()) for later in self.options[k + 1:])
+            if slower_rest and bool((self.jmax_mem(o) == self.px.n).all()):
+                break
+        self._useful = out
+        return out
 
     def jmax_mem(self, o: str) -> np.ndarray:
         """Largest end per start that fits the memory (vectorised binary search; computed on first use)."""
@@ -252,13 +299,21 @@ class _StageModel:
 
 def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel, *, microbatches: int,
               family: str = "1f1b", stages: int | None = None, chunks: int = 1, max_replicas: int = 1,
-              recompute: Sequence[str] = RECOMPUTE_OPTIONS, rel_tol: float = 1e-12) -> Partition:
+              recompute: Sequence[str] = RECOMPUTE_OPTIONS, rel_tol: float = 1e-12, objective: str = "bottleneck") -> Partition:
     """Optimal contiguous partition of ``profile`` over ``devices`` (see the module docstring).
 
     ``stages``: number of pipeline positions (default: one per device, or ``chunks * len(devices)`` logical
     stages for ``family="interleaved"``, placed loop-style: stage k on device ``k % p``). With
     ``max_replicas > 1`` a stage may take several consecutive devices (PipeDream's replication); the number
     of stages then follows from the DP. ``recompute`` restricts the options the planner may pick.
+
+    ``objective="bottleneck"`` is PipeDream's (slowest stage or cut, then least total time).
+    ``objective="flush"`` minimises instead the flush-schedule bound ``max_s (H_s + m * t_s)`` with
+    ``H_s = sum_{k<s} (t_k + c_k) + c_s`` (fill and drain of the stages before s, cuts in both directions):
+    the makespan no GPipe/1F1B schedule on that partition can beat (:func:`pipesched.simulate.lower_bound`).
+    It prefers the bottleneck stages early, where they delay the fewest others. Exact as well: bisection on
+    T with a DP that keeps, per (position, cut), the least ``H`` among feasible prefixes (a smaller H never
+    hurts later stages), each step an interval minimum.
 
     Algorithm: the DP's bottleneck ``A(n, P)`` is found by bisection on a threshold T (to ``rel_tol``) with an
     exact feasibility DP over reachable cut points (for every start, the feasible ends form a prefix because
@@ -337,7 +392,7 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
                 if not starts.any():
                     continue
                 model = stage_model[(d - 1, r)]
-                far = np.max([model.jmax(o, limit) for o in options], axis=0)
+                far = np.max([model.jmax(o, limit) for o in model.useful], axis=0)
                 idx = np.nonzero(starts)[0]
                 cover = np.zeros(n + 2, dtype=np.int64)     # union of [i+1, far(i)] by a difference array
                 lo, hi = idx + 1, far[idx]
@@ -350,6 +405,11 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
     if not feasible(math.inf):
         raise PlanError(f"no partition of {n} layers into {positions} stages fits in device memory, even with recomputation "
                         f"{options}; use more stages, fewer micro-batches in flight or a larger --memory", where="--memory")
+    if objective == "flush":
+        return _flush_partition(n, positions, positions_devices, replica_choices, options, stage_model, comm, microbatches, family, chunks,
+                                max_replicas, rel_tol)
+    if objective != "bottleneck":
+        raise PlanError(f"unknown objective {objective!r}, expected 'bottleneck' or 'flush'")
     hi = max(float(np.max(np.where(np.isfinite(c), c, 0))) for c in comm) + max(
         float(m.X[o][-1]) for m in stage_model.values() for o in options)
     lo = 0.0
@@ -371,7 +431,7 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
             prev = S[d - r]
             c = comm[d - r]
             model = stage_model[(d - 1, r)]
-            for o in options:
+            for o in model.useful:
                 X = model.X[o]
                 key = np.where(np.isfinite(prev) & (c <= limit), prev + c - X, np.inf)
                 if not np.isfinite(key).any():
@@ -400,6 +460,77 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
     bottleneck = max(max(s.time_s, s.comm_s) for s in out)
     return Partition(stages=tuple(out), bottleneck_s=bottleneck, sum_s=float(sum(s.time_s + s.comm_s for s in out)), family=family,
                      microbatches=microbatches, meta={"chunks": chunks, "max_replicas": max_replicas})
+
+
+def _flush_partition(n, positions, positions_devices, replica_choices, options, stage_model, comm, m, family, chunks, max_replicas,
+                     rel_tol) -> Partition:
+    """Minimise ``max_s (H_s + m * t_s)`` (see :func:`partition`, ``objective="flush"``)."""
+    starts_all = np.arange(n + 1)
+
+    def run(limit: float, keep: bool):
+        H = [np.full(n + 1, np.inf) for _ in range(positions + 1)]
+        H[0][0] = 0.0
+        back: dict[tuple[int, int], tuple[int, int]] = {}
+        for d in range(1, positions + 1):
+            for r in replica_choices:
+                if r > d:
+                    continue
+                head = H[d - r] + comm[d - r]
+                valid = np.isfinite(head)
+                if not valid.any():
+                    continue
+                model = stage_model[(d - 1, r)]
+                for o in model.useful:
+                    X = model.X[o]
+                    allow = np.where(valid, (limit - head) / m, -1.0)
+                    with np.errstate(invalid="ignore"):
+                        jt = np.where(allow >= 0, np.searchsorted(X, X + np.maximum(allow, 0), side="right") - 1, starts_all)
+                    jend = np.minimum(jt, model.jmax_mem(o))
+                    ok = valid & (jend > starts_all)
+                    idx = np.nonzero(ok)[0]
+                    if not len(idx):
+                        continue
+                    val, arg = _interval_min(idx + 1, jend[idx], (head - X)[idx], idx, n + 1)
+                    cand = val + X
+                    better = cand < H[d]
+                    if keep:
+                        for j in np.nonzero(better)[0]:
+                            back[(d, int(j))] = (r, int(arg[j]))
+                    H[d] = np.where(better, cand, H[d])
+        return bool(np.isfinite(H[positions][n])), back
+
+    hi = (m + 1) * max(float(mod.X[o][-1]) for mod in stage_model.values() for o in options) + sum(
+        float(np.max(np.where(np.isfinite(c), c, 0))) for c in comm)
+    hi *= 1.0 + 1e-9
+    if not run(hi, False)[0]:
+        raise PlanError("no partition fits in device memory", where="--memory")
+    lo = 0.0
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        if run(mid, False)[0]:
+            hi = mid
+        else:
+            lo = mid
+    _, back = run(hi, True)
+    out: list[StageAssignment] = []
+    d, j = positions, n
+    while d > 0:
+        r, i = back[(d, j)]
+        model = stage_model[(d - 1, r)]
+        t, option, mem = model.at(i, j)
+        first = d - r
+        out.append(StageAssignment(layers=(i, j), devices=tuple(positions_devices[k] for k in range(first, d)), recompute=option,
+                                   time_s=t, comm_s=float(comm[first][i]), memory_bytes=mem, in_flight=model.flight))
+        d, j = first, i
+    out.reverse()
+    head, bound = 0.0, 0.0
+    for st in out:
+        head += st.comm_s
+        bound = max(bound, head + m * st.time_s)
+        head += st.time_s
+    return Partition(stages=tuple(out), bottleneck_s=max(max(s.time_s, s.comm_s) for s in out),
+                     sum_s=float(sum(s.time_s + s.comm_s for s in out)), family=family, microbatches=m,
+                     meta={"chunks": chunks, "max_replicas": max_replicas, "objective": "flush", "flush_bound_s": bound})
 
 
 def uniform_partition(profile: ModelProfile, stages: int) -> list[tuple[int, int]]:

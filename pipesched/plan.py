@@ -25,6 +25,8 @@ from .simulate import SimResult, StageCost, lower_bound, simulate
 __all__ = ["Plan", "check_plan", "devices_from_topology", "plan", "plan_partition", "stage_costs", "uniform_plan"]
 
 AUTO_FAMILIES = ("1f1b", "zbh1", "interleaved", "gpipe", "chimera")
+# Above this many (layers x stages) the planner uses the faster bottleneck objective instead of the flush bound.
+FLUSH_OBJECTIVE_MAX = 16_000
 
 
 @dataclass
@@ -172,8 +174,11 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
                 raise PlanError("Chimera needs an even number of stages and of micro-batches", where="--schedule")
             if fam == "interleaved" and len(profile.layers) < chunks * p:
                 raise PlanError(f"interleaving {chunks} chunks on {p} devices needs at least {chunks * p} layers", where="--chunks")
+            # Flush schedules: minimise their own lower bound; interleaved/Chimera put several stages on a rank, where the
+            # per-stage bound does not decompose, so they keep PipeDream's bottleneck objective.
             part = partition(profile, devices, links, microbatches=microbatches, family=fam, chunks=chunks if fam == "interleaved" else 1,
-                             max_replicas=max_replicas if fam not in ("interleaved", "chimera") else 1, recompute=recompute)
+                             max_replicas=max_replicas if fam not in ("interleaved", "chimera") else 1, recompute=recompute,
+                             objective=_objective(fam, len(profile.layers) * p))
             if any(len(st.devices) > 1 for st in part.stages):
                 # A replicated stage runs on one rank standing for its replica group.
                 cand = plan_partition(profile, part, _group_devices(devices, part), _group_links(links, part), family=fam,
@@ -237,6 +242,10 @@ def refine(profile: ModelProfile, start: Plan, devices: Sequence[Device], links:
         current.partition.meta["refined_from_s"] = start.sim.makespan
         current.partition.meta["refine_simulations"] = sims
     return current
+
+
+def _objective(family: str, size: int) -> str:
+    return "flush" if family in ("gpipe", "1f1b", "zbh1") and size <= FLUSH_OBJECTIVE_MAX else "bottleneck"
 
 
 def _group_devices(devices: Sequence[Device], part: Partition) -> list[Device]:

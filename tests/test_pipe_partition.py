@@ -168,3 +168,57 @@ def test_interleaved_uses_loop_placement():
     part = partition(prof, [Device(f"g{i}") for i in range(4)], LinkModel.uniform(4, 1e10, 1e-6), microbatches=8,
                      family="interleaved", chunks=2)
     assert [s.devices[0] for s in part.stages] == [0, 1, 2, 3, 0, 1, 2, 3]
+
+
+def brute_force_flush(profile, devices, links, m, family):
+    """min over compositions of max_s (H_s + m t_s), one device per stage, from first principles."""
+    lays = profile.layers
+    n, P = len(lays), len(devices)
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), P - 1):
+        b = [0, *cuts, n]
+        head, bound = 0.0, 0.0
+        for s in range(P):
+            i, j = b[s], b[s + 1]
+            flight = in_flight(family, s, P, m)
+            times = []
+            for o in RECOMPUTE_OPTIONS:
+                mem = sum(lay.param_bytes for lay in lays[i:j]) * profile.state_factor + flight * sum(
+                    lay.saved_bytes[o] for lay in lays[i:j]) + max(lay.saved_bytes["none"] - lay.saved_bytes[o] for lay in lays[i:j])
+                if mem <= devices[s].memory_bytes:
+                    times.append(sum(lay.fwd_s + lay.bwd_s + lay.recompute_s[o] for lay in lays[i:j]) / devices[s].speed)
+            t = min(times, default=math.inf)
+            c = 0.0 if s == 0 else 2 * links.time(s - 1, s, lays[i - 1].output_bytes)
+            head += c
+            bound = max(bound, head + m * t)
+            head += t
+        best = min(best, bound)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_flush_objective_equals_brute_force(seed):
+    rng = random.Random(1000 + seed)
+    n = rng.randint(2, 8)
+    P = rng.randint(1, min(n, 4))
+    prof = random_profile(rng, n)
+    devices = [Device(f"d{i}", speed=rng.choice([1.0, 0.5, 2.0]), memory_bytes=rng.uniform(150, 600)) for i in range(P)]
+    links = random_links(rng, P)
+    m = rng.randint(1, 8)
+    expect = brute_force_flush(prof, devices, links, m, "1f1b")
+    if math.isinf(expect):
+        with pytest.raises(PlanError):
+            partition(prof, devices, links, microbatches=m, objective="flush")
+        return
+    part = partition(prof, devices, links, microbatches=m, objective="flush")
+    assert part.meta["flush_bound_s"] == pytest.approx(expect, rel=1e-9)
+    assert part.boundaries[0] == 0 and part.boundaries[-1] == n
+
+
+def test_flush_objective_puts_the_slack_late():
+    """Ten equal layers on three stages: the flush bound wants the 4-layer stage first, where it delays nobody."""
+    layers = [LayerProfile(f"l{i}", 1.0, 2.0, 0.0, 0, 0, {o: 0 for o in RECOMPUTE_OPTIONS}, {o: 0.0 for o in RECOMPUTE_OPTIONS})
+              for i in range(10)]
+    prof = ModelProfile("eq", tuple(layers))
+    part = partition(prof, [Device(f"g{i}") for i in range(3)], LinkModel.uniform(3, 1e12, 0.0), microbatches=8, objective="flush")
+    assert [s.layers[1] - s.layers[0] for s in part.stages] == [4, 3, 3]
