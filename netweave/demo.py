@@ -8,43 +8,61 @@ their files (JSON, PNG) under ``--out``.
 from __future__ import annotations
 
 import argparse
+import importlib
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from topology import Topology
 from topology.clitools import emit
+from topology.errors import InputError
 
 
-def section_topology(out: Path, report: dict) -> str:
-    from topology.draw import draw_topology
-
-    from topology import default_cluster
+def section_topology(topo: Topology, out: Path) -> tuple[dict, str]:
     from topology.cli import describe, format_description
+    from topology.draw import draw_topology
     from topology.io import write_topology
 
-    topo = default_cluster()
     write_topology(topo, out / "cluster.json")
     draw_topology(topo, out / "cluster.png")
     info = describe(topo)
-    report["topology"] = info
-    return format_description(info) + f"\n  wrote {out / 'cluster.json'} and {out / 'cluster.png'}"
+    return info, format_description(info) + f"\n  wrote {out / 'cluster.json'} and {out / 'cluster.png'}"
 
 
-SECTIONS: list[tuple[str, Callable[[Path, dict], str]]] = [
-    ("Topology: 4 DGX H100 nodes on a rail-optimized 400 Gb/s fabric", section_topology),
+def _package_demo(module: str) -> Callable[[Topology, Path], tuple[dict, str]]:
+    def run(topo: Topology, out: Path) -> tuple[dict, str]:
+        return importlib.import_module(module).demo(topo, out)
+
+    return run
+
+
+# (key, title, function): each returns a JSON-able report and the text to print.
+SECTIONS: list[tuple[str, str, Callable[[Topology, Path], tuple[dict, str]]]] = [
+    ("topology", "Topology: 4 DGX H100 nodes on a rail-optimized 400 Gb/s fabric", section_topology),
+    ("placement", "Placement: HiveD cells and virtual clusters, CASSINI time shifts, launch lines", _package_demo("placement.demo")),
+    ("pipeline", "Pipeline planner: partition, recomputation, schedule, simulation", _package_demo("pipesched.demo")),
+    ("flows", "Flow scheduler: in-job gradient order, cross-job coflow order, rates and classes", _package_demo("flowsched.demo")),
+    ("validation", "Validation: the flow-level simulator on the same cluster", _package_demo("emu.demo")),
 ]
 
 
-def run_demo(out: Path, *, verbose: bool = True) -> dict:
+def run_demo(out: Path, *, verbose: bool = True, only: list[str] | None = None) -> dict:
+    from topology import default_cluster
+
     out.mkdir(parents=True, exist_ok=True)
+    topo = default_cluster()
     report: dict = {"out": str(out), "sections": []}
-    for i, (title, fn) in enumerate(SECTIONS, 1):
+    chosen = [s for s in SECTIONS if not only or s[0] in only]
+    for i, (key, title, fn) in enumerate(chosen, 1):
         started = time.perf_counter()
         if verbose:
-            print(f"\n== [{i}/{len(SECTIONS)}] {title}")
-        text = fn(out, report)
+            print(f"\n== [{i}/{len(chosen)}] {title}", flush=True)
+        section_out = out if key == "topology" else out / key
+        section_out.mkdir(parents=True, exist_ok=True)
+        data, text = fn(topo, section_out)
         elapsed = time.perf_counter() - started
-        report["sections"].append({"title": title, "seconds": round(elapsed, 3)})
+        report[key] = data
+        report["sections"].append({"key": key, "title": title, "seconds": round(elapsed, 3)})
         if verbose:
             print(text)
             print(f"  ({elapsed:.1f} s)")
@@ -52,7 +70,11 @@ def run_demo(out: Path, *, verbose: bool = True) -> dict:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    report = run_demo(Path(args.out), verbose=not args.json)
+    keys = [k for k, _, _ in SECTIONS]
+    for k in args.only or []:
+        if k not in keys:
+            raise InputError(f"--only {k!r}: expected one of {', '.join(keys)}")
+    report = run_demo(Path(args.out), verbose=not args.json, only=args.only)
     if args.json:
         emit(args, report, "")
     else:
@@ -63,5 +85,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the whole stack end to end on the embedded default cluster")
     p.add_argument("--out", default="netweave-demo", help="directory for the demo's files (default netweave-demo)")
+    p.add_argument("--only", action="append", metavar="SECTION", help="run only these sections (repeatable)")
     p.add_argument("--json", action="store_true", help="print the demo's report as JSON")
     p.set_defaults(func=cmd_demo)
