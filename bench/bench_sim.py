@@ -68,6 +68,14 @@ def run(quick: bool) -> None:
                  "events": meta["events"], "events_per_s": meta["events"] / wall, "rate_solves": meta["recomputes"] - meta["memo_hits"],
                  "sim_makespan_s": r.makespan, "speedup_vs_naive": None})
     print(f"scale case: {wall:.1f} s wall, {meta['events']} events, {meta['events'] / wall:.0f} events/s", flush=True)
+    # the same cluster without the memo: every recomputation runs the vectorised solver (10 iterations)
+    w10 = cluster_workload(topo, jobs, 10 if not quick else 3)
+    t0 = time.perf_counter()
+    r10 = simulate(topo, w10, record_flows=False, memo=False)
+    wall10 = time.perf_counter() - t0
+    rows.append({"case": f"{len(topo.gpus())} GPUs x {jobs} jobs x {w10.jobs[0].iterations} it", "solver": "numpy", "memo": False,
+                 "wall_s": wall10, "events": r10.meta["events"], "events_per_s": r10.meta["events"] / wall10,
+                 "rate_solves": r10.meta["recomputes"] - r10.meta["memo_hits"], "sim_makespan_s": r10.makespan, "speedup_vs_naive": None})
     # -- vectorised vs naive rate computation on a smaller case (memo off: every recomputation solves) ---------
     small_topo = build_cluster(8)
     small = cluster_workload(small_topo, 12, 2 if quick else 5, seed=1, sizes=[16, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2])
