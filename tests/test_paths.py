@@ -289,3 +289,36 @@ def test_to_dict_round_trip_fields():
     d = gpu_path(t, 0, 9).to_dict()
     assert d["path_type"] == "NET" and d["bw"] == 50.0 and d["nodes"][0] == "node0/gpu0" and d["hops"] == len(d["nodes"]) - 1
     assert any(t.graph.nodes[n].get("tier") == SwitchTier.LEAF for n in d["nodes"])
+
+
+@pytest.mark.parametrize("name", ["pcie-tree", "gb200", "dgx-a100", "pcie-server"])
+def test_single_source_search_equals_pair_search(name):
+    """The bulk search used for host blocks, NIC choice and routes agrees with the per-pair search."""
+    from topology.paths import _NVS, _p2c_sensitive, _search, _search_all, view
+
+    t = CLUSTERS[name]()
+    vw = view(t)
+    rng = random.Random(name)
+    sources = [a for a in range(len(vw.names)) if vw.island[a] >= 0 and vw.kind[a] != _NVS]
+    for s in rng.sample(sources, min(12, len(sources))):
+        targets = [x for x in range(len(vw.names)) if vw.island[x] == vw.island[s] and x != s and vw.kind[x] != _NVS]
+        bulk = _search_all(vw, s, targets)
+        for x in targets:
+            pair = _search(vw, s, x)
+            if _p2c_sensitive(vw, x, s):
+                continue
+            if pair is None:
+                assert x not in bulk
+                continue
+            cls, bw, nhops, _, hops = bulk[x]
+            assert (cls, bw, nhops) == (pair[0], pair[1], len(pair[2])), (vw.names[s], vw.names[x])
+            # the bulk path is a walk s -> x of the same class and width
+            assert hops[0][0] == s and hops[-1][1].v == x
+            assert max(_edge_cls(vw, u, e, s, x) for u, e in hops) == cls
+            assert min(e.bw for _, e in hops) == bw
+
+
+def _edge_cls(vw, u, e, s, x):
+    from topology.paths import _edge_class
+
+    return _edge_class(vw, u, e, s, x)

@@ -405,6 +405,152 @@ def _search(vw: _View, s: int, t: int, max_class: int = PathType.NET, classes: b
     return cls, w_best, hops
 
 
+def _p2c_sensitive(vw: _View, t: int, s: int) -> bool:
+    """Whether a path s -> t can contain a PCIe hop whose class depends on ``t`` (P2C rather than PHB).
+
+    That hop touches a CPU that ``t`` reaches over C2C and comes from a PCIe
+    switch, a GPU or ``s`` itself (a NIC is never crossed, only an end).
+    """
+    for cpu in vw.c2c_cpus.get(t, ()):
+        for e in vw.adj[cpu]:
+            if e.lk == _PCI and not e.c2c and (vw.kind[e.v] in (_GPU, _PCIESW) or e.v == s):
+                return True
+    return False
+
+
+def _search_all(vw: _View, s: int, targets: list[int], hops: bool = True) -> dict[int, tuple[int, float, int, float, list]]:
+    """:func:`_search` from ``s`` to many targets of its own island at once: {t: (class, bw, hop count, widest bw, hops)}.
+
+    The last item is the widest path of any class. Exact for every target ``t``
+    unless ``_p2c_sensitive(vw, t, s)`` (callers fall back to :func:`_search`
+    for those; the widest-any-class item is exact for every target): the only other way a pair search depends on its
+    target is that a GPU may be *entered* over PCIe only when it is the target,
+    which single-source labels model as terminal states (node, entered over PCIe).
+    Hop counts and hop lists ``[(u, edge), ...]`` are those of pass 3 of
+    :func:`_search` (an optimal path of the same cost; skipped when ``hops`` is false).
+    """
+    static = vw.cache.get("island_moves")
+    if static is None:
+        # per node: its links inside its island with the class they have when the node is not the
+        # source (t-independent), the end that is a CPU (for P2C), and whether they enter a GPU over PCIe
+        static = vw.cache["island_moves"] = []
+        for u, lst in enumerate(vw.adj):
+            row = []
+            for e in lst:
+                if vw.island[e.v] != vw.island[u] or vw.island[u] == -1:
+                    continue
+                cpu = u if vw.kind[u] == _CPUN else e.v if vw.kind[e.v] == _CPUN else -1
+                row.append((e, _edge_class(vw, u, e, -1, -1), cpu, vw.kind[e.v] == _GPU and e.lk != _NVL))
+            static.append(row)
+    src_moves = [(e, _edge_class(vw, s, e, s, -1), tv) for e, _, _, tv in static[s]]
+    c2c_s = vw.c2c_cpus.get(s, ())
+
+    def moves(u: int):
+        if u == s:
+            yield from src_moves
+            return
+        for e, ce, cpu, tv in static[u]:
+            if ce == PathType.PHB and cpu in c2c_s and e.lk == _PCI and not e.c2c:
+                ce = PathType.P2C
+            yield e, ce, tv
+
+    # pass 1: minimax class
+    best: dict[tuple[int, bool], int] = {(s, False): 0}
+    heap: list = [(0, s, False)]
+    done = set()
+    while heap:
+        c, u, term = heapq.heappop(heap)
+        if (u, term) in done:
+            continue
+        done.add((u, term))
+        if term:
+            continue
+        for e, ce, tv in moves(u):
+            nc = c if c > ce else ce
+            key = (e.v, tv)
+            if nc < best.get(key, 99):
+                best[key] = nc
+                heapq.heappush(heap, (nc, e.v, tv))
+
+    def widest(max_cls: int) -> dict[tuple[int, bool], float]:
+        width: dict[tuple[int, bool], float] = {(s, False): math.inf}
+        heap2: list = [(-math.inf, s, False)]
+        done2 = set()
+        while heap2:
+            negw, u, term = heapq.heappop(heap2)
+            if (u, term) in done2:
+                continue
+            done2.add((u, term))
+            if term:
+                continue
+            for e, ce, tv in moves(u):
+                if ce > max_cls:
+                    continue
+                nw = min(-negw, e.bw)
+                key = (e.v, tv)
+                if nw > width.get(key, 0.0):
+                    width[key] = nw
+                    heapq.heappush(heap2, (-nw, e.v, tv))
+        return width
+
+    def fewest(max_cls: int, min_bw: float) -> tuple[dict, dict]:
+        dist: dict[tuple[int, bool], tuple[int, int, int]] = {(s, False): (0, 0, 0)}
+        pred: dict[tuple[int, bool], tuple[tuple[int, bool], VEdge]] = {}
+        heap3: list = [(0, 0, 0, s, False)]
+        done3 = set()
+        while heap3:
+            nh, cs, h, u, term = heapq.heappop(heap3)
+            if (u, term) in done3:
+                continue
+            done3.add((u, term))
+            if term:
+                continue
+            for e, ce, tv in moves(u):
+                if ce > max_cls or e.bw < min_bw:
+                    continue
+                nd = (nh + (e.lk == _NET), cs + ce, h + 1)
+                key = (e.v, tv)
+                if nd < dist.get(key, (1 << 30, 0, 0)):
+                    dist[key] = nd
+                    pred[key] = ((u, False), e)
+                    heapq.heappush(heap3, (*nd, e.v, tv))
+        return dist, pred
+
+    def pick(labels: dict, t: int, better) -> Any:
+        vals = [labels[k] for k in ((t, False), (t, True)) if k in labels]
+        return better(vals) if vals else None
+
+    cls = {t: pick(best, t, min) for t in targets}
+    widths: dict[int, dict] = {}
+    any_w = widest(PathType.DIS)
+    out: dict[int, tuple[int, float, int, float, list]] = {}
+    groups: dict[tuple[int, float], list[int]] = {}
+    for t in targets:
+        if cls[t] is None:
+            continue
+        c = cls[t]
+        if c not in widths:
+            widths[c] = widest(c)
+        w = pick(widths[c], t, max)
+        groups.setdefault((c, w), []).append(t)
+    for (c, w), ts in groups.items():
+        if not hops:
+            for t in ts:
+                out[t] = (c, w, 0, pick(any_w, t, max), [])
+            continue
+        dist, pred = fewest(c, w)
+        for t in ts:
+            key = min((k for k in ((t, False), (t, True)) if k in dist), key=lambda k: dist[k])
+            path = []
+            while key != (s, False):
+                prev, e = pred[key]
+                path.append((prev[0], e))
+                key = prev
+            path.reverse()
+            out[t] = (c, w, len(path), pick(any_w, t, max), path)
+    return out
+
+
 def _resolve(vw: _View, topo: Topology, node: str) -> int:
     if node not in topo.graph:
         raise TopologyError(f"unknown node {node!r}")
@@ -511,22 +657,26 @@ def _island_data(vw: _View, nodes: list[int]) -> _IslandData:
     k = len(gl)
     bw = np.zeros((k, k))
     pt = np.full((k, k), int(PathType.DIS), dtype=np.int8)
-    for x, i in enumerate(gl):
-        for y, j in enumerate(gl):
-            if i == j:
-                bw[x, y], pt[x, y] = LOC_BW, PathType.LOC
-                continue
-            found = _search(vw, nodes[i], nodes[j])
-            if found is not None:
-                pt[x, y], bw[x, y] = found[0], found[1]
     up = np.zeros((k, len(pl)))
     down = np.zeros((len(pl), k))
-    for x, i in enumerate(gl):
+    gpu_nodes = [nodes[i] for i in gl]
+    for x, g in enumerate(gpu_nodes):
+        found = _search_all(vw, g, gpu_nodes + [nodes[p] for p in pl], hops=False)
+        for y, h in enumerate(gpu_nodes):
+            if g == h:
+                bw[x, y], pt[x, y] = LOC_BW, PathType.LOC
+            elif _p2c_sensitive(vw, h, g):
+                f = _search(vw, g, h)
+                if f is not None:
+                    pt[x, y], bw[x, y] = f[0], f[1]
+            elif h in found:
+                pt[x, y], bw[x, y] = found[h][0], found[h][1]
         for y, p in enumerate(pl):
-            f = _search(vw, nodes[i], nodes[p], classes=False)
-            up[x, y] = f[1] if f else 0.0
-            f = _search(vw, nodes[p], nodes[i], classes=False)
-            down[y, x] = f[1] if f else 0.0
+            up[x, y] = found[nodes[p]][3] if nodes[p] in found else 0.0
+    for y, p in enumerate(pl):
+        found = _search_all(vw, nodes[p], gpu_nodes, hops=False)
+        for x, g in enumerate(gpu_nodes):
+            down[y, x] = found[g][3] if g in found else 0.0
     return _IslandData(gl, pl, bw, pt, up, down)
 
 

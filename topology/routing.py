@@ -60,7 +60,7 @@ from typing import Any
 
 from .errors import TopologyError
 from .model import Topology
-from .paths import _NET, _NVS, _SW, PathType, VEdge, _islands, _search, _View, view
+from .paths import _GPU, _NET, _NIC, _NVS, _SW, PathType, VEdge, _islands, _p2c_sensitive, _search, _search_all, _View, view
 
 Edge = tuple[str, str, Any]
 POLICIES = ("shortest", "ecmp", "rail")
@@ -83,6 +83,10 @@ def _check_policy(policy: str) -> None:
 
 
 def _striped(phys: list[tuple[str, str, Any, float]]) -> Stage:
+    """Parallel physical links used together, each in proportion to its bandwidth."""
+    if len(phys) == 1:
+        u, v, k, _ = phys[0]
+        return [(1.0, ((u, v, k),))]
     total = sum(p[3] for p in phys)
     return [(p[3] / total, ((p[0], p[1], p[2]),)) for p in phys]
 
@@ -136,11 +140,26 @@ def _host_segment(vw: _View, a: int, b: int) -> list[Stage]:
         shared = vw.cache.setdefault("local_hops", {})
         lkey = (id(data), local[a], local[b])
         if lkey not in shared:
-            found = _search(vw, a, b)
-            if found is None:
-                raise TopologyError(f"no path from {vw.names[a]} to {vw.names[b]}")
-            # store as (local u, local v, rank among u's links to v), valid for every island of this structure
-            shared[lkey] = [(local[u], local[e.v], [x for x in vw.adj[u] if x.v == e.v].index(e)) for u, e in found[2]]
+            # one single-source search gives the paths from a to every node of its island
+            # (P2C-sensitive GPU targets get their own pair search, see paths._search_all)
+            targets = [x for x in nodes if x != a and vw.kind[x] in (_GPU, _NIC)]
+            found_all = _search_all(vw, a, [x for x in targets if not _p2c_sensitive(vw, x, a)])
+            for x in targets:
+                f = found_all.get(x)
+                hops = f[4] if f is not None else None
+                if hops is None and _p2c_sensitive(vw, x, a):
+                    g = _search(vw, a, x)
+                    hops = g[2] if g is not None else None
+                if hops is not None:
+                    # stored as (local u, local v, rank among u's links to v): valid for every island of this structure
+                    shared[(id(data), local[a], local[x])] = [
+                        (local[u], local[e.v], [y for y in vw.adj[u] if y.v == e.v].index(e)) for u, e in hops
+                    ]
+            if lkey not in shared:  # a target that is neither a GPU nor a NIC
+                g = _search(vw, a, b)
+                if g is None:
+                    raise TopologyError(f"no path from {vw.names[a]} to {vw.names[b]}")
+                shared[lkey] = [(local[u], local[e.v], [y for y in vw.adj[u] if y.v == e.v].index(e)) for u, e in g[2]]
         hops = []
         for lu, lv, k in shared[lkey]:
             u, v = nodes[lu], nodes[lv]
@@ -155,14 +174,6 @@ def _ports_of_island(vw: _View, isl: int) -> list[int]:
         nodes = _islands(vw)[isl][0]
         cache[isl] = [a for a in nodes if any(e.lk == _NET for e in vw.adj[a])]
     return cache[isl]
-
-
-def _port_rank(vw: _View, a: int, p: int) -> tuple:
-    found = _search(vw, a, p)
-    if found is None:
-        return (PathType.DIS, 0.0, 1 << 30)
-    cls, bw, hops = found
-    return (cls, -bw, len(hops))
 
 
 def nearest_port(topo: Topology, node: str) -> str | None:
@@ -193,9 +204,10 @@ def _nearest(vw: _View, a: int) -> int | None:
         choice: dict[int, int | None] = {}
         rank_by_set: dict[tuple[int, ...], int] = {}
         for x in nodes:
-            if vw.kind[x] == _NVS or x in ports:
-                continue
-            ranks = [(_port_rank(vw, x, p), p) for p in ports]
+            if vw.kind[x] != _GPU or x in ports:
+                continue  # other devices are decided on demand, below
+            found = _search_all(vw, x, ports)  # targets are NICs: the single-source search is exact
+            ranks = [((found[p][0], -found[p][1], found[p][2]) if p in found else (PathType.DIS, 0.0, 1 << 30), p) for p in ports]
             best = min((r for r, _ in ranks), default=None)
             if best is None or best[0] == PathType.DIS:
                 choice[local[x]] = None
@@ -209,7 +221,13 @@ def _nearest(vw: _View, a: int) -> int | None:
                 rank_by_set[cands] = k + 1
                 choice[local[x]] = local[cands[k % len(cands)]]
         data.nearest = choice
-    p = data.nearest.get(vw.cache["island_local"][a])
+    la = vw.cache["island_local"][a]
+    if la not in data.nearest:  # a CPU or PCIe switch as a flow end: its best port, lowest position on ties
+        ports = _ports_of_island(vw, vw.island[a])
+        found = _search_all(vw, a, ports)
+        ranked = sorted(((found[p][0], -found[p][1], found[p][2]), i) for i, p in enumerate(ports) if p in found)
+        data.nearest[la] = nodes.index(ports[ranked[0][1]]) if ranked else None
+    p = data.nearest[la]
     return None if p is None else nodes[p]
 
 
@@ -220,7 +238,8 @@ def _rail_port(vw: _View, a: int, rail: Any) -> int | None:
         return None
     if len(ports) == 1:
         return ports[0]
-    return min(ports, key=lambda p: (_port_rank(vw, a, p), p))
+    found = _search_all(vw, a, ports, hops=True)  # NIC targets: exact
+    return min(ports, key=lambda p: ((found[p][0], -found[p][1], found[p][2]) if p in found else (PathType.DIS, 0.0, 1 << 30), p))
 
 
 # --------------------------------------------------------------------------------------------
