@@ -9,7 +9,8 @@
    is extrapolated from it (pairs grow as n^2), since running it would take
    minutes.
 3. Bisection bandwidth (max-flow) of the 1024- and 8192-GPU clusters.
-4. Routing and collective cost: a 1024-GPU ring all-reduce priced with
+4. Matrix and ring cost on two GB200 NVL72 racks (big multi-host NVLink islands).
+5. Routing and collective cost: a 1024-GPU ring all-reduce priced with
    ``collective_time`` (cold caches), then again through ``alpha_beta`` (warm);
    an all-to-all among 64 GPUs (4032 flows) routed cold and warm.
 
@@ -70,6 +71,14 @@ def run(quick: bool) -> None:
     rows.append({"what": f"naive matrix, {n_mid} GPUs (extrapolated x{(n_mid // 64) ** 2})", "seconds": extrapolated, "target_s": "", "ratio": 1.0})
     rows.append({"what": f"vectorised bandwidth_matrix, {n_mid} GPUs", "seconds": matrix_s, "target_s": 10.0, "ratio": extrapolated / matrix_s})
     rows.append({"what": f"bandwidth_classes, {n_mid} GPUs", "seconds": classes_s, "target_s": 10.0, "ratio": extrapolated / classes_s})
+
+    racks = build_cluster(36, node="gb200-nvl72", fabric="leaf-spine")
+    nvl_s, _ = timed(cold(racks, lambda: bandwidth_matrix(racks)), repeat=3)
+    rows.append({"what": "vectorised bandwidth_matrix, 144 GPUs in 2 GB200 NVL72 racks (72-GPU NVLink islands)", "seconds": nvl_s,
+                 "target_s": "", "ratio": ""})
+    nvl_ring_s, nvl_ring = timed(cold(racks, lambda: collective_time(racks, "all_reduce", racks.gpus(), 2**30)), repeat=1)
+    rows.append({"what": f"collective_time ring all-reduce, 144 GB200 GPUs (busbw {nvl_ring.busbw_beta:.1f} GB/s)", "seconds": nvl_ring_s,
+                 "target_s": "", "ratio": ""})
 
     bis_mid_s, bis_mid = timed(cold(mid, lambda: bisection_bandwidth(mid)), repeat=1)
     rows.append({"what": f"bisection_bandwidth, {n_mid} GPUs ({bis_mid['bw']:.0f} GB/s)", "seconds": bis_mid_s, "target_s": "", "ratio": ""})

@@ -227,6 +227,8 @@ def test_matrix_subset_and_structure_cache():
     assert m.get("node0/gpu4", "node0/gpu1") == (PathType.NVL, 450.0)
     assert m.get("node2/gpu1", "node0/gpu1") == (PathType.NET, 50.0)
     assert np.all(np.diag(m.bw) == LOC_BW)
+    d = m.to_dict()
+    assert d["gpus"] == sub and d["path_type"][1][2] == "NVL" and d["bw"][0][2] == 50.0
     from topology.paths import view
 
     assert view(t).cache["island_structures"] == 1  # three identical DGX: one intra-host search

@@ -613,6 +613,11 @@ class BandwidthMatrix:
         i, j = self.position(a), self.position(b)
         return PathType(int(self.path_type[i, j])), float(self.bw[i, j])
 
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: GPU ids, bandwidth rows (GB/s) and path-type names."""
+        names = [p.name for p in PathType]
+        return {"gpus": list(self.gpus), "bw": self.bw.tolist(), "path_type": [[names[int(x)] for x in row] for row in self.path_type]}
+
 
 @dataclass
 class _IslandData:
@@ -944,3 +949,9 @@ def bisection_bandwidth(topo: Topology) -> dict[str, Any]:
         results[name] = value
     cut = min(results, key=lambda k: results[k])
     return {"bw": results[cut], "cut": cut, "cuts": results}
+
+
+__all__ = [
+    "LOC_BW", "BandwidthMatrix", "GpuPath", "PathType", "bandwidth_classes", "bandwidth_matrix", "bisection_bandwidth",
+    "clear_cache", "device_path", "gpu_path",
+]
