@@ -418,16 +418,22 @@ def _p2c_sensitive(vw: _View, t: int, s: int) -> bool:
     return False
 
 
-def _search_all(vw: _View, s: int, targets: list[int], hops: bool = True) -> dict[int, tuple[int, float, int, float, list]]:
-    """:func:`_search` from ``s`` to many targets of its own island at once: {t: (class, bw, hop count, widest bw, hops)}.
+def _search_all(
+    vw: _View, s: int, targets: list[int], hops: bool = True, width_only: bool = False
+) -> dict[int, tuple[int, float, int, float, list]]:
+    """:func:`_search` from ``s`` to many targets of its own island at once: {t: (class, bw, hop count, widest, hops)}.
 
-    The last item is the widest path of any class. Exact for every target ``t``
-    unless ``_p2c_sensitive(vw, t, s)`` (callers fall back to :func:`_search`
-    for those; the widest-any-class item is exact for every target): the only other way a pair search depends on its
-    target is that a GPU may be *entered* over PCIe only when it is the target,
-    which single-source labels model as terminal states (node, entered over PCIe).
-    Hop counts and hop lists ``[(u, edge), ...]`` are those of pass 3 of
+    ``widest`` is the widest path of any class, computed only with
+    ``width_only`` (then the other items are placeholders; otherwise it is 0).
+    Hop counts and hop lists ``[(u, edge), ...]`` come from pass 3 of
     :func:`_search` (an optimal path of the same cost; skipped when ``hops`` is false).
+
+    A pair search depends on its target in two ways. A GPU may be *entered*
+    over PCIe only when it is the target: single-source labels model that as
+    terminal states (node, entered over PCIe), exactly. And a PCIe hop at a
+    CPU that the target reaches over C2C is P2C rather than PHB: results are
+    exact for every target unless ``_p2c_sensitive(vw, t, s)``, and callers
+    fall back to :func:`_search` for those (the widest item is always exact).
     """
     static = vw.cache.get("island_moves")
     if static is None:
@@ -454,23 +460,24 @@ def _search_all(vw: _View, s: int, targets: list[int], hops: bool = True) -> dic
                 ce = PathType.P2C
             yield e, ce, tv
 
-    # pass 1: minimax class
-    best: dict[tuple[int, bool], int] = {(s, False): 0}
-    heap: list = [(0, s, False)]
-    done = set()
-    while heap:
-        c, u, term = heapq.heappop(heap)
-        if (u, term) in done:
-            continue
-        done.add((u, term))
-        if term:
-            continue
-        for e, ce, tv in moves(u):
-            nc = c if c > ce else ce
-            key = (e.v, tv)
-            if nc < best.get(key, 99):
-                best[key] = nc
-                heapq.heappush(heap, (nc, e.v, tv))
+    def minimax() -> dict[tuple[int, bool], int]:  # pass 1: minimax class
+        best: dict[tuple[int, bool], int] = {(s, False): 0}
+        heap: list = [(0, s, False)]
+        done = set()
+        while heap:
+            c, u, term = heapq.heappop(heap)
+            if (u, term) in done:
+                continue
+            done.add((u, term))
+            if term:
+                continue
+            for e, ce, tv in moves(u):
+                nc = c if c > ce else ce
+                key = (e.v, tv)
+                if nc < best.get(key, 99):
+                    best[key] = nc
+                    heapq.heappush(heap, (nc, e.v, tv))
+        return best
 
     def widest(max_cls: int) -> dict[tuple[int, bool], float]:
         width: dict[tuple[int, bool], float] = {(s, False): math.inf}
@@ -520,9 +527,12 @@ def _search_all(vw: _View, s: int, targets: list[int], hops: bool = True) -> dic
         vals = [labels[k] for k in ((t, False), (t, True)) if k in labels]
         return better(vals) if vals else None
 
+    if width_only:
+        any_w = widest(PathType.DIS)
+        return {t: (PathType.DIS, 0.0, 0, w, []) for t in targets if (w := pick(any_w, t, max)) is not None}
+    best = minimax()
     cls = {t: pick(best, t, min) for t in targets}
     widths: dict[int, dict] = {}
-    any_w = widest(PathType.DIS)
     out: dict[int, tuple[int, float, int, float, list]] = {}
     groups: dict[tuple[int, float], list[int]] = {}
     for t in targets:
@@ -536,7 +546,7 @@ def _search_all(vw: _View, s: int, targets: list[int], hops: bool = True) -> dic
     for (c, w), ts in groups.items():
         if not hops:
             for t in ts:
-                out[t] = (c, w, 0, pick(any_w, t, max), [])
+                out[t] = (c, w, 0, 0.0, [])
             continue
         dist, pred = fewest(c, w)
         for t in ts:
@@ -547,7 +557,7 @@ def _search_all(vw: _View, s: int, targets: list[int], hops: bool = True) -> dic
                 path.append((prev[0], e))
                 key = prev
             path.reverse()
-            out[t] = (c, w, len(path), pick(any_w, t, max), path)
+            out[t] = (c, w, len(path), 0.0, path)
     return out
 
 
@@ -666,7 +676,8 @@ def _island_data(vw: _View, nodes: list[int]) -> _IslandData:
     down = np.zeros((len(pl), k))
     gpu_nodes = [nodes[i] for i in gl]
     for x, g in enumerate(gpu_nodes):
-        found = _search_all(vw, g, gpu_nodes + [nodes[p] for p in pl], hops=False)
+        found = _search_all(vw, g, gpu_nodes, hops=False)
+        reach = _search_all(vw, g, [nodes[p] for p in pl], width_only=True)
         for y, h in enumerate(gpu_nodes):
             if g == h:
                 bw[x, y], pt[x, y] = LOC_BW, PathType.LOC
@@ -677,9 +688,9 @@ def _island_data(vw: _View, nodes: list[int]) -> _IslandData:
             elif h in found:
                 pt[x, y], bw[x, y] = found[h][0], found[h][1]
         for y, p in enumerate(pl):
-            up[x, y] = found[nodes[p]][3] if nodes[p] in found else 0.0
+            up[x, y] = reach[nodes[p]][3] if nodes[p] in reach else 0.0
     for y, p in enumerate(pl):
-        found = _search_all(vw, nodes[p], gpu_nodes, hops=False)
+        found = _search_all(vw, nodes[p], gpu_nodes, width_only=True)
         for x, g in enumerate(gpu_nodes):
             down[y, x] = found[g][3] if g in found else 0.0
     return _IslandData(gl, pl, bw, pt, up, down)
