@@ -99,7 +99,7 @@ def _capacity(capacity: Mapping[Edge, float] | Topology, jobs: Sequence[PlacedJo
 class FluidSlowdown:
     """Job-level fluid simulation with emu's max-min solver (see the module docstring)."""
 
-    def __init__(self, capacity: Mapping[Edge, float] | Topology, *, iterations: int = 6, phase_quantum: float = 0.01,
+    def __init__(self, capacity: Mapping[Edge, float] | Topology, *, iterations: int = 4, phase_quantum: float = 0.025,
                  cache_limit: int = 200_000):
         self.capacity = capacity
         self.iterations = max(2, iterations)
@@ -118,26 +118,36 @@ class FluidSlowdown:
             out.update(self._component(comp))
         return out
 
-    def _key(self, comp: Sequence[PlacedJob]) -> tuple:
-        items = []
+    def _key(self, comp: Sequence[PlacedJob]) -> tuple[tuple, list[str]]:
+        """A name- and link-free key: the fluid simulation depends only on the jobs' timings, quantised phases and
+        the distinct columns (per-link demands of every job, capacity) of the demand matrix."""
+        bins = max(1, round(1 / self.phase_quantum))
+        rows = []
         for j in comp:
             p = j.profile
-            q = round((j.phase_s % p.period_s) / (p.period_s * self.phase_quantum)) if p.period_s > 0 else 0
-            items.append((p.gpus, round(p.compute_s, 9), round(p.comm_s, 9), q % round(1 / self.phase_quantum), j.name))
-        return tuple(sorted(items))
+            q = round((j.phase_s % p.period_s) / p.period_s * bins) % bins if p.period_s > 0 else 0
+            rows.append((round(p.compute_s, 9), round(p.comm_s, 9), q, tuple(sorted(round(r, 6) for r in p.link_rates.values())), j.name))
+        rows.sort()
+        pos = {r[4]: i for i, r in enumerate(rows)}
+        cap = _capacity(self.capacity, comp)
+        users: dict[Edge, list[tuple[int, float]]] = {}
+        for j in comp:
+            for e, r in j.profile.link_rates.items():
+                users.setdefault(e, []).append((pos[j.name], round(r, 6)))
+        columns = frozenset((tuple(sorted(u)), round(cap[e], 6)) for e, u in users.items())
+        return (tuple(r[:3] for r in rows), columns), [r[4] for r in rows]
 
     def _component(self, comp: Sequence[PlacedJob]) -> dict[str, float]:
         self.calls += 1
-        key = self._key(comp)  # sorted; the job name is last so that equal job sets in other names share the entry
-        shape = tuple(k[:4] for k in key)
-        hit = self.cache.get(shape)
+        key, order = self._key(comp)
+        hit = self.cache.get(key)
         if hit is not None:
             self.hits += 1
-            return {k[4]: hit[i] for i, k in enumerate(key)}
+            return {name: hit[i] for i, name in enumerate(order)}
         times = simulate_fluid(comp, _capacity(self.capacity, comp), iterations=self.iterations)
         if len(self.cache) > self.cache_limit:
             self.cache.clear()
-        self.cache[shape] = [times[k[4]] for k in key]
+        self.cache[key] = [times[name] for name in order]
         return times
 
 
@@ -196,6 +206,8 @@ def simulate_fluid(comp: Sequence[PlacedJob], capacity: Mapping[Edge, float], *,
     iter_start = start.copy()
     durations: list[list[float]] = [[] for _ in range(n)]
     t = 0.0
+    rate_cache: dict[bytes, np.ndarray] = {}  # the set of communicating jobs repeats from iteration to iteration
+    eps = 1e-12
     for _guard in range(200_000):
         live = done < iterations
         if not live.any():
@@ -203,7 +215,11 @@ def simulate_fluid(comp: Sequence[PlacedJob], capacity: Mapping[Edge, float], *,
         comm = (mode == 2) & live
         x = np.zeros(n)
         if comm.any():
-            x[comm] = progress_rates(dem[comm], cap_arr)
+            k = comm.tobytes()
+            sub = rate_cache.get(k)
+            if sub is None:
+                sub = rate_cache[k] = progress_rates(dem[comm], cap_arr)
+            x[comm] = sub
         # next event: a compute/idle phase ending, or a communication finishing at the current rates
         waits = np.where(live & (mode != 2), t_end - t, np.inf)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -214,19 +230,19 @@ def simulate_fluid(comp: Sequence[PlacedJob], capacity: Mapping[Edge, float], *,
         dt = max(dt, 0.0)
         t += dt
         remaining[comm] -= x[comm] * dt
-        for i in np.flatnonzero(live):
-            if mode[i] in (0, 1) and t_end[i] - t <= 1e-12:
-                if mode[i] == 0:
-                    mode[i], t_end[i], iter_start[i] = 1, t + profiles[i].compute_s, t
-                elif comm_len[i] > 0 and dem[i].any():
+        timer = live & (mode != 2) & (t_end - t <= eps)
+        finished = comm & (remaining <= eps * np.maximum(1.0, comm_len))
+        for i in np.flatnonzero(timer | finished):
+            if mode[i] == 1 and comm_len[i] > 0:  # compute done: communicate
+                if dem[i].any():
                     mode[i], remaining[i] = 2, comm_len[i]
                 else:
-                    t_end[i] += profiles[i].comm_s  # communication on unshared links only: its isolated time
-                    mode[i] = 3
-            elif (mode[i] == 3 and t_end[i] - t <= 1e-12) or (mode[i] == 2 and remaining[i] <= 1e-12 * max(1.0, comm_len[i])):
+                    mode[i], t_end[i] = 3, t + comm_len[i]  # on links no other job uses: its isolated time
+                continue
+            if mode[i] != 0:  # an iteration ends (communication done, or compute of a job that does not communicate)
                 durations[i].append(t - iter_start[i])
                 done[i] += 1
-                mode[i], t_end[i], iter_start[i] = 1, t + profiles[i].compute_s, t
+            mode[i], t_end[i], iter_start[i] = 1, t + profiles[i].compute_s, t
     out = {}
     for i, p in enumerate(profiles):
         d = durations[i][1:] or durations[i] or [p.period_s]

@@ -119,7 +119,7 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
 
     Results are cached per (topology, job shape, GPUs, policy).
     """
-    key = (id(topo), topo.graph.number_of_edges(), spec.gpus, spec.tp, spec.compute_s, spec.grad_bytes, spec.algorithm, tuple(gpus), policy)
+    key = (id(topo.graph), len(topo.graph), spec.gpus, spec.tp, spec.compute_s, spec.grad_bytes, spec.algorithm, tuple(gpus), policy)
     hit = _PROFILE_CACHE.get(key)
     if hit is not None:
         return hit if hit.job == spec.name else CommProfile(spec.name, hit.gpus, hit.compute_s, hit.comm_s, hit.link_rates, hit.link_bytes)
