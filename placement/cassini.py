@@ -175,17 +175,19 @@ def link_classes(profiles: Mapping[str, CommProfile], links: Mapping[Edge, list[
 
 
 def time_shifts(profiles: Mapping[str, CommProfile], capacity: Mapping[Edge, float] | Topology, *,
-                fixed: Mapping[str, float] | None = None, buckets: int = DEFAULT_BUCKETS, max_periods: int = 8) -> ShiftResult:
+                fixed: Mapping[str, float] | None = None, buckets: int = DEFAULT_BUCKETS, max_periods: int = 8,
+                group_links: bool = True) -> ShiftResult:
     """CASSINI's time shifts for ``profiles`` sharing links of the given capacities (GB/s, or a Topology).
 
     ``fixed`` pins the shifts of jobs already running; the others are found by
     per-link optimisation and a BFS over the affinity graph (links that carry
-    the same jobs at the same demands form one node, see :func:`link_classes`).
+    the same jobs at the same demands form one node, see :func:`link_classes`;
+    ``group_links=False`` keeps one node per link, the benchmark's baseline).
     """
     fixed = dict(fixed or {})
     cap = _capacities(capacity, profiles)
     all_links = shared_links(profiles)
-    classes = link_classes(profiles, all_links, cap)
+    classes = link_classes(profiles, all_links, cap) if group_links else {e: [e] for e in all_links}
     links = {e: all_links[e] for e in classes}
     shifts: dict[str, float] = {name: fixed.get(name, 0.0) for name in profiles}
     perimeter = unified_perimeter([profiles[j].period_s for js in links.values() for j in js], max_periods=max_periods)
