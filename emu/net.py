@@ -601,17 +601,29 @@ class EmulatedNetwork:
         expected = min(src.rate_mbit, dst.rate_down_mbit)
         if not self.plan.payload_rates:
             expected /= WIRE_OVERHEAD
-        server = self.popen(dst.host, ["iperf3", "-s", "-1", "-p", str(port), "-B", dst.ip])
+        # iperf3 takes whole seconds (``-t 0.5`` would be read as 0 = run forever); every process gets a deadline.
+        whole = max(1, round(seconds))
+        omit = 1
+        server = self.popen(dst.host, ["iperf3", "-s", "-1", "-p", str(port), "-B", dst.ip], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        client = None
         try:
             time.sleep(0.2)
-            omit = 1
-            out = self.host_cmd(src.host, f"iperf3 -c {dst.ip} -p {port} -B {src.ip} -t {seconds:g} -O {omit} -J")
-        finally:
+            client = self.popen(src.host, ["iperf3", "-c", dst.ip, "-p", str(port), "-B", src.ip, "-t", str(whole), "-O", str(omit), "-J"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             try:
-                server.wait(timeout=5)
+                raw, _ = client.communicate(timeout=whole + omit + 15)
             except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+                raise FidelityError(f"calibration iperf3 {src.dev} -> {dst.dev} did not finish within {whole + omit + 15} s") from None
+            out = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        finally:
+            for proc in (client, server):
+                if proc is None:
+                    continue
+                try:
+                    proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         import json
 
         try:
@@ -621,7 +633,7 @@ class EmulatedNetwork:
             raise FidelityError(f"calibration iperf3 gave no result: {out[-400:]}") from exc
         error = measured / expected - 1
         report = {"src": src.dev, "dst": dst.dev, "expected_mbit": expected, "measured_mbit": measured, "error": error,
-                  "tolerance": tolerance, "seconds": seconds, "ok": abs(error) <= tolerance}
+                  "tolerance": tolerance, "seconds": whole, "ok": abs(error) <= tolerance}
         if not report["ok"]:
             report["problems"] = [f"calibration flow {src.dev} -> {dst.dev}: {measured:.1f} Mbit/s measured, {expected:.1f} configured "
                                   f"({error:+.1%}, tolerance {tolerance:.0%})"]
