@@ -324,3 +324,60 @@ def _edge_cls(vw, u, e, s, x):
     from topology.paths import _edge_class
 
     return _edge_class(vw, u, e, s, x)
+
+
+def _random_topology(seed: int) -> Topology:
+    """Hosts with random PCIe trees, NVLinks, NVSwitches and NICs, on a random switch fabric."""
+    rng = random.Random(seed)
+    t = Topology(f"random{seed}")
+    bws = [12.5, 25.0, 50.0, 63.0, 100.0]
+    switches = [t.add_node(f"sw{j}", NodeKind.SWITCH, tier=rng.choice([SwitchTier.LEAF, SwitchTier.SPINE])) for j in range(rng.randint(1, 4))]
+    for j in range(1, len(switches)):  # a connected fabric, plus a few extra cables
+        t.add_link(switches[j], switches[rng.randrange(j)], LinkKind.NETWORK, rng.choice(bws))
+    for _ in range(rng.randint(0, 2)):
+        a, b = rng.sample(switches, 2) if len(switches) > 1 else (None, None)
+        if a:
+            t.add_link(a, b, LinkKind.NETWORK, rng.choice(bws))
+    nics = []
+    for h in range(rng.randint(2, 4)):
+        host = f"h{h}"
+        cpus = [t.add_node(f"{host}/cpu{c}", NodeKind.CPU, host=host, numa=c) for c in range(rng.randint(1, 2))]
+        if len(cpus) == 2:
+            t.add_link(cpus[0], cpus[1], LinkKind.CPU, rng.choice([10.0, 22.0]))
+        pcie = []
+        for p in range(rng.randint(1, 4)):
+            sw = t.add_node(f"{host}/pcie{p}", NodeKind.PCIE_SWITCH, host=host)
+            parent = rng.choice(cpus + pcie)
+            t.add_link(sw, parent, LinkKind.PCIE, rng.choice(bws))
+            pcie.append(sw)
+        gpus = []
+        for g in range(rng.randint(1, 4)):
+            gpu = t.add_node(f"{host}/gpu{g}", NodeKind.GPU, host=host, index=g)
+            t.add_link(gpu, rng.choice(pcie), LinkKind.PCIE, rng.choice(bws))
+            gpus.append(gpu)
+        if len(gpus) > 1 and rng.random() < 0.5:
+            nvs = t.add_node(f"{host}/nvs0", NodeKind.NVSWITCH, host=host, domain=host)
+            for gpu in gpus:
+                t.add_link(gpu, nvs, LinkKind.NVLINK, rng.choice([100.0, 450.0]))
+        for _ in range(rng.randint(0, 2)):
+            if len(gpus) > 1:
+                a, b = rng.sample(gpus, 2)
+                t.add_link(a, b, LinkKind.NVLINK, rng.choice([20.0, 40.0]))
+        for n in range(rng.randint(0, 2)):
+            nic = t.add_node(f"{host}/nic{n}", NodeKind.NIC, host=host, index=n, rail=n)
+            t.add_link(nic, rng.choice(pcie + cpus), LinkKind.PCIE, rng.choice(bws))
+            t.add_link(nic, rng.choice(switches), LinkKind.NETWORK, rng.choice(bws))
+            nics.append(nic)
+    if len(nics) > 1 and rng.random() < 0.3:  # a back-to-back cable
+        a, b = rng.sample(nics, 2)
+        if t.host_of(a) != t.host_of(b):
+            t.add_link(a, b, LinkKind.NETWORK, rng.choice(bws))
+    return t
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6))
+def test_matrix_equals_pairwise_paths_random_graphs(seed):
+    t = _random_topology(seed)
+    gpus = t.gpus()
+    _assert_matrix_matches_pairs(t, gpus, [(i, j) for i in range(len(gpus)) for j in range(len(gpus))])
