@@ -7,8 +7,10 @@ from collections import defaultdict
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_paths import _random_topology  # tests/ is on sys.path under pytest
 
-from topology import InputError, NodeKind, SwitchTier, build_cluster, build_node
+from topology import InputError, NodeKind, SwitchTier, TopologyError, build_cluster, build_node
+from topology.paths import PathType, device_path
 from topology.routing import POLICIES, flow_paths, link_utilisation, nearest_port, route_flows
 
 
@@ -207,3 +209,22 @@ def test_rail_policy_never_uses_a_spine_within_a_scalable_unit(nodes, per_su, a,
         # and it still arrives on the destination GPU's own rail
         rail = t.graph.nodes[dst]["index"]
         assert any(u == f"{t.host_of(dst)}/nic{rail}" for u, _, _ in loads)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), policy=st.sampled_from(POLICIES), pick=st.lists(st.integers(0, 10**6), min_size=2, max_size=2))
+def test_random_graphs_route_exactly_where_a_path_exists(seed, policy, pick):
+    t = _random_topology(seed)
+    ends = t.gpus() + t.nodes(NodeKind.NIC)
+    src, dst = ends[pick[0] % len(ends)], ends[pick[1] % len(ends)]
+    connected = device_path(t, src, dst).path_type != PathType.DIS
+    try:
+        paths = flow_paths(t, src, dst, policy)
+    except TopologyError:
+        assert not connected
+        return
+    assert connected
+    assert sum(f for f, _ in paths) == pytest.approx(1.0)
+    net = _net_flow(route_flows(t, [(src, dst, 2.0)], policy))
+    for node, x in net.items():
+        assert x == pytest.approx(2.0 if node == src else -2.0 if node == dst else 0.0, abs=1e-9)
