@@ -53,7 +53,7 @@ from topology.errors import InputError
 from topology.model import Topology
 
 from .results import FlowRecord, JobResult, LinkUtilisation, PhaseRecord, RunResult
-from .sim_maxmin import maxmin_rates, maxmin_rates_reference
+from .sim_maxmin import maxmin_rates_coo, maxmin_rates_reference
 from .workload import CollectivePhase, ComputePhase, Job, P2PPhase, Workload, validate_against_topology, validate_workload
 
 DEFAULT_CLASS_WEIGHTS = (8.0, 7.0, 6.0, 5.0, 4.0, 3.0, 2.0, 1.0)
@@ -165,7 +165,13 @@ class _StepTemplate:
     inf_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
     all_alive: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
     shared: frozenset[int] = frozenset()  # the links that another phase (of any job) may use at the same time
-    neighbours: tuple[tuple[int, int], ...] = ()  # the (job, phase) pairs whose steps use some of those links
+    mask: int = 0  # the shared links as a bit set (bit i: shared link i)
+    # the incidence the solver sees: a link that only one sub-flow can ever use is a cap on that sub-flow, not an entry
+    solve_sub: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
+    solve_link: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
+    solve_cap: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    own_sub: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))  # (sub-flow, link) of those links
+    own_link: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
 
 
 def _build_step(net: _Network, flows: list[tuple[str, str, float]], policy: str, *, prio: int, cap_gbs: float | None,
@@ -312,9 +318,10 @@ class Simulator:
         self.heap: list[tuple[float, int, int, Any, Any]] = []
         self.seq = 0
         self.groups: dict[int, _Group] = {}
-        self.active: dict[tuple[int, int], int] = {}  # (job, phase) -> its group in flight
+        self.coupled: dict[int, _Group] = {}  # the groups in flight that use some shared link
+        self._present = np.zeros(len(self.net.edges), dtype=bool)
+        self._local_of = np.zeros(len(self.net.edges), dtype=np.intp)
         self.dirty: set[int] = set()  # groups whose rates must be recomputed
-        self.overlap: dict[tuple[int, int], bool] = {}  # (template uid, template uid) -> do they share a link
         self.next_gid = 0
         self.phases: list[PhaseRecord] = []
         self.flows: list[FlowRecord] = []
@@ -346,11 +353,29 @@ class Simulator:
                 for tpl in self._steps(j, p):
                     for link in tpl.links:
                         users.setdefault(link, set()).add((j, p))
-        shared = {link for link, who in users.items() if len(who) > 1}
+        shared = sorted(link for link, who in users.items() if len(who) > 1)
+        bit = {link: i for i, link in enumerate(shared)}
         for tpl in self.step_cache.values():
-            tpl.shared = frozenset(link for link in tpl.links if link in shared)
-            tpl.neighbours = tuple(sorted({who for link in tpl.shared for who in users[link]}))
+            tpl.shared = frozenset(link for link in tpl.links if link in bit)
+            tpl.mask = sum(1 << bit[link] for link in tpl.shared)
+            self._reduce(tpl, bit)
         self.shared_links = len(shared)
+
+    def _reduce(self, tpl: _StepTemplate, shared: dict[int, int]) -> None:
+        """Turn the links that a single sub-flow of the template uses, and no other phase, into caps on that sub-flow.
+
+        Such a link only ever carries that sub-flow (the template's group is
+        the only one on it at any time), so ``rate <= capacity`` is all it
+        says; as a cap it leaves the max-min solution unchanged and the
+        incidence the solver works on much smaller (NVLink and PCIe hops).
+        """
+        links, counts = np.unique(tpl.entry_link, return_counts=True)
+        single = links[(counts == 1) & np.array([int(x) not in shared for x in links], dtype=bool)]
+        own = np.isin(tpl.entry_link, single)
+        tpl.solve_sub, tpl.solve_link = tpl.entry_sub[~own], tpl.entry_link[~own]
+        tpl.own_sub, tpl.own_link = tpl.entry_sub[own], tpl.entry_link[own]
+        tpl.solve_cap = tpl.sub_cap.copy()
+        np.minimum.at(tpl.solve_cap, tpl.own_sub, self.net.capacity[tpl.own_link])
 
     # -- setup -------------------------------------------------------------------------------------------
     def _job_state(self, job: Job) -> _JobState:
@@ -411,7 +436,8 @@ class Simulator:
                 self.next_gid += 1
                 g = _Group(gid, tpl, run, t)
                 self.groups[gid] = g
-                self.active[(run.job, run.phase)] = gid
+                if tpl.mask:
+                    self.coupled[gid] = g
                 self.dirty.add(gid)
                 return
             # nothing to send (local or empty flows): the step takes its latency only
@@ -484,9 +510,10 @@ class Simulator:
         if g.n_alive == 0:
             g.flow_end[np.isnan(g.flow_end)] = t
             del self.groups[g.gid]
-            del self.active[(g.run.job, g.run.phase)]
             self.dirty.discard(g.gid)
-            self.dirty.update(self._neighbours(g))
+            if tpl.mask:
+                del self.coupled[g.gid]
+                self.dirty.update(gid for gid, h in self.coupled.items() if h.tpl.mask & tpl.mask)
             self.util.set_load(tpl.link_arr, np.zeros(len(tpl.link_arr)), t)
             g.version += 1
             end = self._record_flows(g.run, tpl, g.start, g.flow_end)
@@ -505,48 +532,43 @@ class Simulator:
         g.flow_end[(g.flows_left == 0) & (counts > 0)] = t
         self.dirty.add(g.gid)
 
-    def _neighbours(self, g: _Group) -> list[int]:
-        """The groups in flight that share a link with ``g``."""
-        out = []
-        active, overlap = self.active, self.overlap
-        tpl = g.tpl
-        for key in tpl.neighbours:
-            gid = active.get(key)
-            if gid is None or gid == g.gid:
-                continue
-            other = self.groups[gid].tpl
-            pair = (tpl.uid, other.uid)
-            hit = overlap.get(pair)
-            if hit is None:
-                hit = overlap[pair] = not tpl.shared.isdisjoint(other.shared)
-            if hit:
-                out.append(gid)
-        return out
+    def _components(self, seeds: set[int]) -> list[list[_Group]]:
+        """The groups in flight connected to the ``seeds`` through shared links, one list per connected component.
 
-    def _component(self, seeds: set[int]) -> list[_Group]:
-        """The groups in flight connected to the ``seeds`` through shared links."""
-        groups = self.groups
-        seen: set[int] = set()
-        comp: list[_Group] = []
-        stack = list(seeds)
-        while stack:
-            gid = stack.pop()
-            if gid in seen or gid not in groups:
+        Templates carry their shared links as a bit set, so growing a component
+        is a pass of integer ANDs over the (few) groups in flight that use any
+        shared link.
+        """
+        groups, coupled = self.groups, self.coupled
+        assigned: set[int] = set()
+        components = []
+        for seed in seeds:
+            if seed in assigned or seed not in groups:
                 continue
-            seen.add(gid)
-            g = groups[gid]
-            comp.append(g)
-            if g.tpl.neighbours:
-                stack.extend(self._neighbours(g))
-        return comp
+            g = groups[seed]
+            assigned.add(seed)
+            comp = [g]
+            mask = g.tpl.mask
+            grown = bool(mask)
+            while grown:
+                grown = False
+                for gid, h in coupled.items():
+                    if gid not in assigned and h.tpl.mask & mask:
+                        assigned.add(gid)
+                        comp.append(h)
+                        mask |= h.tpl.mask
+                        grown = True
+            components.append(comp)
+        return components
 
     def _recompute(self, t: float) -> None:
         seeds, self.dirty = self.dirty, set()
-        comp = self._component(seeds)
+        for comp in self._components(seeds):
+            self._recompute_component(comp, t)
+
+    def _recompute_component(self, comp: list[_Group], t: float) -> None:
         self.recomputes += 1
         self.max_component = max(self.max_component, len(comp))
-        if not comp:
-            return
         for g in comp:
             if g.last != t:
                 g.rem = np.maximum(g.rem - g.rate * (t - g.last), 0.0)
@@ -580,30 +602,41 @@ class Simulator:
         if len(comp) == 1:
             g = comp[0]
             tpl = g.tpl
-            entry_sub, entry_link = tpl.entry_sub, tpl.entry_link
-            alive, weight, cap, prio = g.alive, tpl.sub_weight, tpl.sub_cap, tpl.sub_prio
+            entry_sub, entry_link, own_sub, own_link = tpl.solve_sub, tpl.solve_link, tpl.own_sub, tpl.own_link
+            alive, weight, cap, prio = g.alive, tpl.sub_weight, tpl.solve_cap, tpl.sub_prio
             sizes = [len(g.rem)]
         else:
             sizes = [len(g.rem) for g in comp]
-            offsets = np.cumsum([0, *sizes[:-1]])
-            entry_sub = np.concatenate([g.tpl.entry_sub + off for g, off in zip(comp, offsets, strict=True)])
-            entry_link = np.concatenate([g.tpl.entry_link for g in comp])
+            offsets = np.cumsum([0, *sizes[:-1]]).tolist()
+            entry_sub = np.concatenate([g.tpl.solve_sub + off for g, off in zip(comp, offsets, strict=True)])
+            entry_link = np.concatenate([g.tpl.solve_link for g in comp])
+            own_sub = np.concatenate([g.tpl.own_sub + off for g, off in zip(comp, offsets, strict=True)])
+            own_link = np.concatenate([g.tpl.own_link for g in comp])
             alive = np.concatenate([g.alive for g in comp])
             weight = np.concatenate([g.tpl.sub_weight for g in comp])
-            cap = np.concatenate([g.tpl.sub_cap for g in comp])
+            cap = np.concatenate([g.tpl.solve_cap for g in comp])
             prio = np.concatenate([g.tpl.sub_prio for g in comp])
-        uniq, local = np.unique(entry_link, return_inverse=True)
+        # local link numbers without sorting: mark the links used, number them, look the entries up
+        present = self._present
+        present[entry_link] = True
+        uniq = np.flatnonzero(present)
+        present[uniq] = False
+        self._local_of[uniq] = np.arange(len(uniq))
+        local = self._local_of[entry_link]
         capacity = self.net.capacity[uniq]
         if self.cfg.solver == "numpy":
-            indptr = np.searchsorted(entry_sub, np.arange(len(alive) + 1))
-            rates = maxmin_rates(indptr, local, capacity, weight=weight, cap=cap, prio=prio, alive=alive, sharing=self.cfg.sharing)
+            rates = maxmin_rates_coo(entry_sub, local, len(alive), capacity, weight=weight, cap=cap, prio=prio, alive=alive,
+                                     sharing=self.cfg.sharing)
         else:
             rates = self._reference_rates(entry_sub, local, capacity, alive, weight, cap, prio)
         load = np.bincount(local, weights=rates[entry_sub], minlength=len(uniq))
+        # the single-user links carry their sub-flow's rate
+        links = np.concatenate([uniq, own_link])
+        load = np.concatenate([load, rates[own_sub]])
         bounds = np.cumsum([0, *sizes])
         with np.errstate(divide="ignore"):
             inv = np.where(rates > 0, 1.0 / rates, np.inf)
-        return [(rates[a:b], inv[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)], uniq, load
+        return [(rates[a:b], inv[a:b]) for a, b in zip(bounds[:-1], bounds[1:], strict=True)], links, load
 
     def _reference_rates(self, entry_sub: np.ndarray, local: np.ndarray, capacity: np.ndarray, alive: np.ndarray, weight: np.ndarray,
                          cap: np.ndarray, prio: np.ndarray) -> np.ndarray:

@@ -56,20 +56,45 @@ def maxmin_rates(
     A flow with no link gets its cap (``inf`` when uncapped).
     """
     n_flows = len(indptr) - 1
+    entry_flow = np.repeat(np.arange(n_flows), np.diff(indptr))
+    return maxmin_rates_coo(entry_flow, links, n_flows, capacity, weight=weight, cap=cap, prio=prio, alive=alive, sharing=sharing)
+
+
+def maxmin_rates_coo(
+    entry_flow: np.ndarray,
+    entry_link: np.ndarray,
+    n_flows: int,
+    capacity: np.ndarray,
+    *,
+    weight: np.ndarray | None = None,
+    cap: np.ndarray | None = None,
+    prio: np.ndarray | None = None,
+    alive: np.ndarray | None = None,
+    sharing: str = "strict",
+) -> np.ndarray:
+    """:func:`maxmin_rates` with the incidence as (flow, link) pairs (COO), the form the simulator keeps.
+
+    >>> maxmin_rates_coo(np.array([0, 1, 1, 2]), np.array([0, 0, 1, 1]), 3, np.array([1.0, 3.0])).tolist()
+    [0.5, 0.5, 2.5]
+    """
     capacity = np.asarray(capacity, dtype=float)
     weight = np.ones(n_flows) if weight is None else np.asarray(weight, dtype=float)
     cap = np.full(n_flows, np.inf) if cap is None else np.asarray(cap, dtype=float)
     alive = np.ones(n_flows, dtype=bool) if alive is None else np.asarray(alive, dtype=bool)
-    entry_flow = np.repeat(np.arange(n_flows), np.diff(indptr))
-    entry_link = np.asarray(links, dtype=np.intp)
+    entry_flow = np.asarray(entry_flow, dtype=np.intp)
+    entry_link = np.asarray(entry_link, dtype=np.intp)
     rate = np.zeros(n_flows)
     residual = capacity.astype(float, copy=True)
     if sharing == "weighted" or prio is None:
         _fill(entry_flow, entry_link, alive.copy(), weight, cap, residual, capacity, rate)
     elif sharing == "strict":
         prio = np.asarray(prio)
-        for c in np.unique(prio[alive]):
-            _fill(entry_flow, entry_link, alive & (prio == c), weight, cap, residual, capacity, rate)
+        classes = np.unique(prio[alive])
+        if len(classes) == 1:
+            _fill(entry_flow, entry_link, alive.copy(), weight, cap, residual, capacity, rate)
+        else:
+            for c in classes:
+                _fill(entry_flow, entry_link, alive & (prio == c), weight, cap, residual, capacity, rate)
     else:
         raise ValueError(f"sharing must be 'strict' or 'weighted', got {sharing!r}")
     return rate
@@ -215,4 +240,4 @@ def check_maxmin(paths: Sequence[Sequence[int]], capacity: Sequence[float], rate
     return problems
 
 
-__all__ = ["check_maxmin", "maxmin_rates", "maxmin_rates_reference"]
+__all__ = ["check_maxmin", "maxmin_rates", "maxmin_rates_coo", "maxmin_rates_reference"]
