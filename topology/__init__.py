@@ -20,11 +20,27 @@ from .builders import (
     add_pcie_server,
     build_node,
 )
+from .collectives import P2PFlow, alpha_beta, collective_flows, collective_time
 from .errors import InputError, TopologyError
 from .fabrics import FABRIC_BUILDERS, build_cluster, default_cluster, fat_tree, fat_tree_ports, leaf_spine, rail_optimized
 from .model import LinkKind, NodeKind, SwitchTier, Topology
+from .paths import PathType, bandwidth_classes, bandwidth_matrix, bisection_bandwidth, clear_cache, device_path, gpu_path
+from .routing import flow_paths, route_flows
 
 __all__ = [
+    "P2PFlow",
+    "PathType",
+    "alpha_beta",
+    "bandwidth_classes",
+    "bandwidth_matrix",
+    "bisection_bandwidth",
+    "clear_cache",
+    "collective_flows",
+    "collective_time",
+    "device_path",
+    "flow_paths",
+    "gpu_path",
+    "route_flows",
     "FABRIC_BUILDERS",
     "NODE_BUILDERS",
     "NVLINK_DOMAIN_HOSTS",
