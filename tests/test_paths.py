@@ -381,3 +381,19 @@ def test_matrix_equals_pairwise_paths_random_graphs(seed):
     t = _random_topology(seed)
     gpus = t.gpus()
     _assert_matrix_matches_pairs(t, gpus, [(i, j) for i in range(len(gpus)) for j in range(len(gpus))])
+
+
+def test_cached_paths_follow_changes_made_through_the_topology():
+    from topology import LinkKind, NodeKind, Topology
+
+    t = Topology()
+    for g in ("h/g0", "h/g1"):
+        t.add_node(g, NodeKind.GPU, host="h")
+    t.add_link("h/g0", "h/g1", LinkKind.NVLINK, 25.0)
+    assert gpu_path(t, "h/g0", "h/g1").bw == 25.0
+    t.add_link("h/g0", "h/g1", LinkKind.NVLINK, 100.0)  # a parallel link adds its bandwidth
+    assert gpu_path(t, "h/g0", "h/g1").bw == 125.0
+    for _, _, d in t.graph.edges(data=True):  # an in-place edit, declared with touch()
+        d["bw"] = 10.0
+    t.touch()
+    assert gpu_path(t, "h/g0", "h/g1").bw == 20.0

@@ -67,6 +67,7 @@ class _Links:
                 if end not in graph:
                     raise TopologyError(f"link {u} -> {v}: unknown node {end!r}")
         graph.add_edges_from(self.edges)
+        self.topo.touch()
         self.edges = []
 
 

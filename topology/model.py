@@ -77,6 +77,7 @@ class Topology:
         self.graph: nx.MultiDiGraph = graph if graph is not None else nx.MultiDiGraph()
         self.graph.graph.setdefault("name", name)
         self.graph.graph.update(meta)
+        self.revision = 0  # bumped by every change made through this object; caches key on it
 
     # -- construction -----------------------------------------------------------
     @property
@@ -94,6 +95,7 @@ class Topology:
             attrs["tier"] = SwitchTier(attrs.get("tier", SwitchTier.LEAF))
         attrs.setdefault("host", None)
         self.graph.add_node(node, kind=kind, **attrs)
+        self.revision += 1
         return node
 
     def add_link(
@@ -114,9 +116,14 @@ class Topology:
         if not bw > 0:
             raise TopologyError(f"link {u} -> {v}: bandwidth must be positive, got {bw!r}")
         kind = LinkKind(kind)
+        self.revision += 1
         self.graph.add_edge(u, v, kind=kind, bw=float(bw), latency_us=float(latency_us), **attrs)
         if duplex:
             self.graph.add_edge(v, u, kind=kind, bw=float(bw), latency_us=float(latency_us), **attrs)
+
+    def touch(self) -> None:
+        """Declare an in-place edit of ``graph`` (e.g. a changed ``bw``) so cached paths are recomputed."""
+        self.revision += 1
 
     # -- queries ----------------------------------------------------------------
     def kind(self, node: str) -> NodeKind:

@@ -161,7 +161,7 @@ class _View:
     rep: dict[str, str]  # physical NVSwitch -> the plane that names its group
     groups: dict[int, list[str]]  # view index of a group -> its physical planes
     c2c_cpus: dict[int, frozenset[int]]  # GPU -> CPUs it reaches over C2C
-    fingerprint: int
+    fingerprint: tuple[int, int]
     attrs: list[dict[str, Any]] = field(default_factory=list)  # node attribute dicts of topo.graph
     cache: dict[str, Any] = field(default_factory=dict)
 
@@ -181,8 +181,9 @@ class _View:
 _VIEWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _fingerprint(topo: Topology) -> int:
-    return topo.graph.number_of_nodes()
+def _fingerprint(topo: Topology) -> tuple[int, int]:
+    # Changes made through Topology bump its revision; direct graph edits must call topo.touch() or clear_cache().
+    return topo.graph.number_of_nodes(), getattr(topo, "revision", 0)
 
 
 def clear_cache(topo: Topology) -> None:
@@ -191,7 +192,7 @@ def clear_cache(topo: Topology) -> None:
 
 
 def view(topo: Topology, *, check: bool = True) -> _View:
-    """The cached indexed view of ``topo`` (rebuilt when its node count changed or after :func:`clear_cache`)."""
+    """The cached indexed view of ``topo`` (rebuilt after changes made through the Topology, ``topo.touch()`` or :func:`clear_cache`)."""
     v = _VIEWS.get(topo.graph)
     if v is not None and (not check or v.fingerprint == _fingerprint(topo)):
         return v
