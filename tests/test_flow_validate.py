@@ -245,7 +245,7 @@ def test_priority_protects_the_small_job_in_mininet():
     emu = {}
     for policy in ("fair", "sincronia"):
         result, fidelity = emulate_policy(topo, jobs, sim[policy]["plan"], time_scale=1000, byte_scale=40, probe_dscp=False,
-                                          calibrate_seconds=0.5)
+                                          calibrate_seconds=1.0)
         assert fidelity["htb_before"]["ok"] and fidelity["calibration_before"]["ok"], fidelity
         emu[policy] = {n: j.jct for n, j in result.jobs.items()}
     small = jobs[0].name
