@@ -420,3 +420,26 @@ def test_random_workloads_agree_across_solvers_and_respect_line_rates(case):
         assert f.end - f.start >= f.nbytes / best * (1 - 1e-9)
     if fast.links is not None and fast.links.util.size:  # (None when nothing took time)
         assert fast.links.util.max() <= 1 + 1e-9
+
+
+def test_single_user_links_as_caps_leave_the_rates_unchanged():
+    """The solver's reduced incidence (single-user links folded into caps) gives the full incidence's rates."""
+    from emu.sim import SimConfig, Simulator
+    from emu.sim_maxmin import maxmin_rates_coo
+    from topology import build_cluster
+
+    t = build_cluster(2)
+    g = t.gpus()
+    w = Workload("w", [Job.data_parallel("a", g[:3] + g[8:11], compute_s=0.0, nbytes=1e9, routing="ecmp"),
+                       Job("b", tuple(g[4:6] + g[12:14]), (CollectivePhase("ag", "all_to_all", 1e9, rate_cap=20.0),), routing="rail")])
+    sim = Simulator(t, w, SimConfig())
+    reduced_somewhere = False
+    for tpl in sim.step_cache.values():
+        n = len(tpl.sub_bytes)
+        local_full = np.unique(tpl.entry_link, return_inverse=True)
+        full = maxmin_rates_coo(tpl.entry_sub, local_full[1], n, sim.net.capacity[local_full[0]], cap=tpl.sub_cap)
+        local_red = np.unique(tpl.solve_link, return_inverse=True)
+        red = maxmin_rates_coo(tpl.solve_sub, local_red[1], n, sim.net.capacity[local_red[0]], cap=tpl.solve_cap)
+        assert red == pytest.approx(full, rel=1e-9)
+        reduced_somewhere |= len(tpl.solve_link) < len(tpl.entry_link)
+    assert reduced_somewhere
