@@ -19,11 +19,22 @@ Model
       ``w`` of the cap (so the flow never exceeds the cap).
     - Compute phases are delays. Dependencies follow :mod:`emu.workload`.
 
-Events are flow completions, step and phase completions, and job releases;
-between events all rates are constant, so the simulation is exact for the
-fluid model (no time step). Rates are recomputed only for the connected
-component (flows linked by shared links) that an event touched, and each
-recomputation is vectorised over the component's flow x link incidence.
+Events are sub-flow completions (per step in flight, the earliest), step and
+phase completions, and job releases; between events all rates are constant,
+so the simulation is exact for the fluid model (no time step).
+
+Speed (``bench/bench_sim.py``):
+
+- every distinct step is routed once (a ring's 2(n-1) steps are one template);
+- a link used by one phase only can never couple two steps in flight, so an
+  event recomputes only the connected component of steps linked through the
+  other, *shared* links (found with bit-set ANDs), and a link used by a single
+  sub-flow is folded into that sub-flow's cap;
+- each max-min solve is vectorised over the component's sub-flow x link
+  incidence (COO index arrays, ``np.bincount`` per filling round);
+- the rates depend only on which sub-flows are in flight, not on their bytes,
+  so a component's solution is memoised and reused whenever the same set is in
+  flight again (every step of a ring, every iteration of a job).
 
 Deviation from packet reality (by design of the fluid model): no slow start,
 no queueing delay, no loss; ECMP hashing is modelled by its mean split.
