@@ -38,7 +38,7 @@ RESULT_FORMAT = "netweave-emu-result"
 RESULT_VERSION = 1
 
 
-@dataclass
+@dataclass(slots=True)
 class FlowRecord:
     """One point-to-point flow: ``step`` is the collective step (0 for p2p phases)."""
 
@@ -57,7 +57,7 @@ class FlowRecord:
         return self.end - self.start
 
 
-@dataclass
+@dataclass(slots=True)
 class PhaseRecord:
     """One phase instance: ``kind`` is compute, collective or p2p."""
 
