@@ -17,7 +17,8 @@ the shift is applied as the second job's ``start_offset`` in the workload
 format, and the same workload runs in :func:`emu.sim.simulate` and in
 :func:`emu.mininet_backend.run_mininet`. The iteration-time *gain* of a shift
 is the jobs' mean iteration time without it over the mean with it (warm-up
-iterations skipped); :func:`agreement` asks that the emulated gain have the
+iterations skipped, and only iterations while both jobs run,
+:func:`measured_iteration_times`); :func:`agreement` asks that the emulated gain have the
 simulated gain's direction and be within ``tolerance`` (15 %) of its size.
 
 Closed form (:func:`fluid_iteration_time`): two identical jobs with compute
@@ -228,11 +229,26 @@ def fluid_iteration_time(compute_s: float, comm_s: float, shift_s: float) -> flo
 
 
 def measured_iteration_times(result: RunResult, warmup: int) -> dict[str, float]:
-    """Each job's mean iteration time (workload seconds), its first ``warmup`` iterations left out."""
+    """Each job's mean iteration time (workload seconds) while every job runs, its first ``warmup`` iterations left out.
+
+    Only iterations that lie inside the window in which all jobs are running
+    (from the last release to the first finish) count: a shifted job's first
+    iterations before the other is released, or its last ones after the
+    other has finished, meet no contention and measure nothing about the
+    shift. When no iteration of a job lies inside the window, all its
+    iterations after the warm-up count.
+    """
+    jobs = list(result.jobs.values())
+    start = max(j.release for j in jobs)
+    end = min(j.finish for j in jobs)
+    eps = 1e-9 * max(1.0, abs(end))
     out = {}
-    for name, job in result.jobs.items():
-        times = job.iteration_times()[warmup:]
-        out[name] = float(statistics.fmean(times)) if times else math.nan
+    for job in jobs:
+        ends = [job.release, *job.iteration_ends]
+        spans = list(zip(ends, ends[1:], strict=False))[warmup:]
+        inside = [b - a for a, b in spans if a >= start - eps and b <= end + eps]
+        times = inside or [b - a for a, b in spans]
+        out[job.name] = float(statistics.fmean(times)) if times else math.nan
     return out
 
 
