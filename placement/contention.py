@@ -209,9 +209,9 @@ def simulate_fluid(comp: Sequence[PlacedJob], capacity: Mapping[Edge, float], *,
     rate_cache: dict[bytes, np.ndarray] = {}  # the set of communicating jobs repeats from iteration to iteration
     eps = 1e-12
     for _guard in range(200_000):
-        live = done < iterations
-        if not live.any():
+        if (done >= iterations).all():
             break
+        live = np.ones(n, dtype=bool)  # every job keeps running (and contending) until all have done their iterations
         comm = (mode == 2) & live
         x = np.zeros(n)
         if comm.any():
