@@ -7,7 +7,7 @@
    versus the uniform split with torch's Schedule1F1B, by measured iteration time.
 3. Our plan versus the uniform split + 1F1B on a GPT-3 2.7B-class model on the default cluster (simulated).
 
-Run: ``.venv/bin/python bench/bench_pipesched.py [--quick]``.
+Run: ``.venv/bin/python bench/bench_pipesched.py [--quick] [--cpu-only]``.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def bench_plan_speed(rows: list, quick: bool) -> dict:
     from pipesched.partition import partition
 
     extra = {}
-    for n_blocks, P, dense in ((248, 16, True), (998, 64, False)):
+    for n_blocks, P, dense in ((248, 16, True), (498, 32, True), (998, 64, not quick)):
         prof = perturbed_gpt(n_blocks)
         devs = [Device(f"g{i}") for i in range(P)]     # memory unconstrained: pure DP speed
         links = LinkModel.uniform(P, 100e9, 2e-6)
@@ -94,25 +94,25 @@ def bench_cpu_validation(quick: bool) -> tuple[list, dict]:
     from pipesched.models import tail_heavy_widths
 
     widths = tail_heavy_widths(12, 384, 3072)
-    cfg = {"dim": 384, "batch": 384, "microbatches": 8, "stages": 4, "iterations": 3 if quick else 5}
+    base_cfg = {"dim": 384, "batch": 384, "microbatches": 8, "iterations": 3 if quick else 5}
     rows, reports = [], {}
-    for schedule in ("1f1b", "auto"):
+    # 4 ranks on this machine's cores (the required setting), and as many ranks as cores (where balance can show).
+    for stages, schedule in ((4, "1f1b"), (4, "auto"), (2, "auto")):
+        cfg = {**base_cfg, "stages": stages}
         load0 = os.getloadavg()[0]
-        rep = cpu_validation(widths, schedule=schedule, threads=1, baseline=(schedule == "1f1b"), **cfg)
+        rep = cpu_validation(widths, schedule=schedule, threads=1, baseline=True, **cfg)
         load1 = os.getloadavg()[0]
         rep.pop("_plan"), rep.pop("_run"), rep.pop("profile")
-        o = rep["ours"]
-        rows.append({"run": f"ours ({schedule} -> {o['schedule']})", "spans": str(rep["plan"]["spans"]), "predicted_ms": o["predicted_s"] * 1e3,
-                     "measured_median_ms": o["measured_s"] * 1e3, "measured_min_ms": min(o["measured_iterations_s"]) * 1e3,
-                     "error": o["error"], "per_action_mape": o["per_action_mape"], "loadavg": f"{load0:.1f}->{load1:.1f}"})
-        if "uniform_torch_1f1b" in rep:
-            u = rep["uniform_torch_1f1b"]
-            rows.append({"run": "uniform + torch Schedule1F1B", "spans": str(u["spans"]), "predicted_ms": u["predicted_s"] * 1e3,
-                         "measured_median_ms": u["measured_s"] * 1e3, "measured_min_ms": min(u["measured_iterations_s"]) * 1e3,
-                         "error": u["error"], "per_action_mape": u["per_action_mape"], "loadavg": f"{load0:.1f}->{load1:.1f}",
-                         "speedup_measured": rep["speedup_measured"], "speedup_predicted": rep["speedup_predicted"]})
-        reports[schedule] = rep
-    return rows, {"config": {"widths": widths, **cfg}, "reports": reports}
+        o, u = rep["ours"], rep["uniform_torch_1f1b"]
+        for name, r in ((f"{stages} ranks: ours ({schedule} -> {o['schedule']})", o), (f"{stages} ranks: uniform + torch Schedule1F1B", u)):
+            rows.append({"run": name, "spans": str(rep["plan"]["spans"] if r is o else u["spans"]), "predicted_ms": r["predicted_s"] * 1e3,
+                         "measured_median_ms": r["measured_s"] * 1e3, "measured_min_ms": min(r["measured_iterations_s"]) * 1e3,
+                         "error": r["error"], "per_action_mape": r["per_action_mape"], "loadavg": f"{load0:.1f}->{load1:.1f}"})
+        rows[-2] |= {"speedup_measured_median": rep["speedup_measured"],
+                     "speedup_measured_min": min(u["measured_iterations_s"]) / min(o["measured_iterations_s"]),
+                     "speedup_predicted": rep["speedup_predicted"]}
+        reports[f"{stages}-{schedule}"] = rep
+    return rows, {"config": {"widths": widths, **base_cfg}, "reports": reports}
 
 
 def bench_gpt_cluster() -> list:
@@ -139,6 +139,10 @@ def bench_gpt_cluster() -> list:
 
 def main() -> None:
     quick = "--quick" in sys.argv
+    if "--cpu-only" in sys.argv:      # re-measure only the CPU validation (e.g. when the machine is quieter)
+        cpu_rows, extra = bench_cpu_validation(quick)
+        write_cpu_results(cpu_rows, extra)
+        return
     speed_rows: list = []
     bench_plan_speed(speed_rows, quick)
     write_results("pipesched_plan_speed", speed_rows, title="Pipeline planner: partitioning speed",
@@ -148,10 +152,15 @@ def main() -> None:
     write_results("pipesched_gpt_cluster", gpt_rows, title="Pipeline planner: planned vs uniform split + 1F1B (simulated, default cluster)",
                   notes="Analytic GPT-3 2.7B-class profile (H100 roofline at 50% FLOP/s, 80% HBM); links from topology.paths.gpu_path.")
     cpu_rows, extra = bench_cpu_validation(quick)
-    write_results("pipesched_cpu_validation", cpu_rows, title="Pipeline planner: predicted vs measured (gloo, 4 processes, this CPU)",
+    write_cpu_results(cpu_rows, extra)
+
+
+def write_cpu_results(cpu_rows: list, extra: dict) -> None:
+    write_results("pipesched_cpu_validation", cpu_rows, title="Pipeline planner: predicted vs measured (gloo processes, this CPU)",
                   notes=f"{os.cpu_count()} CPUs shared with other jobs (load average in the table). The simulator shares the cores among "
                         "ranks (processor sharing) and uses the link measured by ping-pong in the same processes; the profile is measured "
-                        "in one process just before the run. 'error' = predicted / measured median - 1.",
+                        "in one process just before the run. 'error' = predicted / measured median - 1. speedups: uniform + torch "
+                        "Schedule1F1B time / our plan's time, both measured back to back.",
                   extra=extra)
 
 

@@ -30,6 +30,10 @@ partitions that reach the optimal bottleneck ``t*``, one with the smallest sum o
 the pipeline fill and drain. Both passes are exact (see ``tests/test_pipe_partition.py``: brute force on random
 instances). See :func:`partition` for how the DP is evaluated in O(P * n log n) rather than O(P * n^2).
 
+``objective="flush"`` replaces both passes by the exact minimisation of the GPipe/1F1B lower bound
+``max_s (H_s + m * t_s)`` (fill and drain before stage s plus its m micro-batches), which the planner uses for
+flush schedules: the bottleneck alone does not say where the slack should sit.
+
 >>> from pipesched.profile import GPTConfig, analytic_profile
 >>> from pipesched.devices import Device, LinkModel
 >>> prof = analytic_profile(GPTConfig(layers=8, hidden=1024, heads=16, seq_len=1024, vocab=50000))

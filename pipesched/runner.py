@@ -120,8 +120,10 @@ def _rss(field_name: str) -> int:
     return 0
 
 
-def _ping_pong(torch, dist, rank: int) -> tuple[float, float]:
+def _ping_pong(torch, dist, rank: int, world: int) -> tuple[float, float]:
     """Latency and bandwidth between ranks 0 and 1 from round trips at two message sizes."""
+    if world < 2:
+        return 0.0, float("inf")
     if rank > 1:
         return 0.0, 0.0
     times = {}
@@ -153,7 +155,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
     torch.set_num_threads(job["threads"])
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        latency, bandwidth = _ping_pong(torch, dist, rank)
+        latency, bandwidth = _ping_pong(torch, dist, rank, world)
         layers = _factory(job["model"])(**job["model_kwargs"])
         spans = job["spans"]
         stage_rank = job["stage_rank"]
