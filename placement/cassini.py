@@ -330,6 +330,7 @@ class RankedCandidate:
     compat: float
     cost: float
     inconsistent_loops: int
+    shared: int = 0  # links it shares with running jobs
 
     def to_dict(self) -> dict[str, Any]:
         return {"index": self.index, "compat": self.compat, "cost": self.cost, "comm_s": self.profile.comm_s,
@@ -338,13 +339,16 @@ class RankedCandidate:
 
 
 def rank_candidates(capacity: Mapping[Edge, float] | Topology, running: Mapping[str, tuple[CommProfile, float]],
-                    candidates: Sequence[CommProfile], *, buckets: int = DEFAULT_BUCKETS) -> list[RankedCandidate]:
+                    candidates: Sequence[CommProfile], *, buckets: int = DEFAULT_BUCKETS, tie: float = 0.01) -> list[RankedCandidate]:
     """Rank candidate placements of one new job against the running jobs (profile, fixed shift), best first.
 
     A candidate's cost is its alpha-beta iteration time (compute + collective
     time on that placement) times ``2 - compat``, ``compat`` being the lowest
     compatibility score, after time-shifting, among the links it shares (1 when
-    it shares none). Candidates with an inconsistent affinity loop go last.
+    it shares none). Candidates with an inconsistent affinity loop go last;
+    among costs within ``tie`` (1 %) of the best, fewer shared links win, then
+    the allocator's own order (its packing choice): a shift makes sharing
+    tolerable on the circle, but periods that are not commensurate drift.
     """
     profiles = {name: p for name, (p, _) in running.items()}
     fixed = {name: s for name, (_, s) in running.items()}
@@ -354,6 +358,10 @@ def rank_candidates(capacity: Mapping[Edge, float] | Topology, running: Mapping[
         res = time_shifts(allp, capacity, fixed=fixed, buckets=buckets)
         compat = res.min_score([cand.job], allp)
         cost = cand.period_s * (2.0 - compat)
-        out.append(RankedCandidate(i, cand, res, compat, cost, res.inconsistent_loops))
-    out.sort(key=lambda r: (r.inconsistent_loops > 0, r.cost, r.index))
+        shared = sum(1 for e in res.link_scores if e in cand.link_rates)
+        out.append(RankedCandidate(i, cand, res, compat, cost, res.inconsistent_loops, shared))
+    # costs within ``tie`` of the best count as equal: then the allocator's own order (its packing choice) decides
+    best = min((r.cost for r in out), default=0.0)
+    out.sort(key=lambda r: (r.inconsistent_loops > 0, True, r.cost, 0, r.index) if r.cost > best * (1 + tie)
+             else (r.inconsistent_loops > 0, False, 0.0, r.shared, r.index))
     return out
