@@ -444,6 +444,7 @@ class EmulatedNetwork:
         self.net: Any = None
         self.nodes: dict[str, Any] = {}
         self._lock_file: Any = None
+        self.lock_wait_s = 0.0  # time spent waiting for another emulation to finish
         self.workdir = Path(tempfile.mkdtemp(prefix="netweave-emu-"))
 
     # -- lifecycle
@@ -462,11 +463,13 @@ class EmulatedNetwork:
         mn = import_mininet()
         mn.log.setLogLevel("error")
         self._lock_file = open(LOCK_PATH, "w")  # noqa: SIM115 - held for the network's lifetime
+        t_lock = time.monotonic()
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             log.info("waiting for another netweave emulation to finish (%s)", LOCK_PATH)
             fcntl.flock(self._lock_file, fcntl.LOCK_EX)
+        self.lock_wait_s = time.monotonic() - t_lock
         self._remove_leftovers()
         net = mn.net.Mininet(topo=None, switch=mn.nodelib.LinuxBridge, controller=None, link=mn.link.Link, build=False,
                              autoSetMacs=False, waitConnected=False)
