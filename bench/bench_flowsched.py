@@ -100,6 +100,34 @@ def decision_speed(n: int, hosts: int, repeats: int, seed: int = 7) -> dict[str,
     return out
 
 
+def plot(rows: list[dict]) -> None:
+    """Bar chart of mean total CCT over the lower bound (and over the best order where known), per case and order."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from bench._common import RESULTS
+
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    names = ["sincronia", "sebf", "fifo", "random"]
+    fig, axes = plt.subplots(1, len(cases), figsize=(4 * len(cases), 3.4), sharey=True)
+    for ax, case in zip(axes, cases, strict=True):
+        sub = {r["order"]: r for r in rows if r["case"] == case}
+        xs = range(len(names))
+        ax.bar([x - 0.2 for x in xs], [sub[n]["mean_vs_lb"] for n in names], 0.4, label="vs lower bound", color="#4477aa")
+        if "mean_vs_opt" in sub["sincronia"]:
+            ax.bar([x + 0.2 for x in xs], [sub[n]["mean_vs_opt"] for n in names], 0.4, label="vs best order", color="#228833")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xticks(list(xs), names, fontsize=8)
+        ax.set_title(case, fontsize=8)
+    axes[0].set_ylabel("mean total CCT ratio")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(RESULTS / "flowsched_quality.png", dpi=120)
+    plt.close(fig)
+
+
 def run(quick: bool) -> None:
     rows = []
     small, small_t = quality(10 if quick else 40, 6, 4, brute=True, seed=1)
@@ -133,6 +161,7 @@ the CPU time (time.process_time) is what the plan costs. ratio_vs_baseline = BSS
 """
     write_results("flowsched", rows, title="Coflow ordering quality (Sincronia BSSI vs brute force, lower bound, baselines)",
                   notes=notes, extra={"speed": speed_rows, "quick": quick})
+    plot(rows)
     write_results("flowsched_speed", speed_rows, title="Coflow plan decision speed (BSSI order + priority bands)",
                   notes="Median wall and CPU time per plan; target: a new plan for 100 concurrent coflows in < 10 ms (CPU time; the "
                         "machine is shared, so wall time includes waiting for a core).", extra={"quick": quick})

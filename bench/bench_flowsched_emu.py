@@ -51,7 +51,7 @@ def _plt():
 
 
 def intrajob(quick: bool, repeats: int) -> None:
-    setup = IntrajobSetup(rate_mbit=80.0, iters=5 if quick else 8, rounds=1 if quick else 2)
+    setup = IntrajobSetup(rate_mbit=80.0, iters=5 if quick else 6, rounds=1 if quick else 3)
     reports = []
     for rep in range(repeats):
         t0 = time.monotonic()
@@ -81,7 +81,9 @@ def intrajob(quick: bool, repeats: int) -> None:
     notes = f"""
 Setup: {setup.world} emulated hosts on one switch, {setup.rate_mbit:g} Mbit/s links (HTB, 8-class tree), one gloo rank per host
 (GLOO_SOCKET_IFNAME = the host's interface, 1 torch thread), MLP of {setup.layers} x ({setup.width} x {setup.width}) linear layers
-({setup.gradient_bytes / 1e6:.2f} MB of gradients), batch {setup.batch}; {setup.rounds} round(s) x {setup.iters} timed iterations per method,
+({setup.gradient_bytes / 1e6:.2f} MB of gradients); batch scaled by the ranks until compute ~= {setup.balance:g} x communication
+(compute time follows the shared machine's load; batch per run: {', '.join(str(r['batch']) for r in reports)});
+{setup.rounds} round(s) x {setup.iters} timed iterations per method,
 methods interleaved; iteration time = period between iteration starts, max over ranks; {repeats} run(s).
 All-reduce goodput measured on the link: {probe['goodput_bytes_per_s'] / 1e6:.2f} MB/s ({probe['bytes'] / 1e6:g} MB all-reduces),
 tiny all-reduce {probe['tiny_allreduce_s'] * 1e3:.2f} ms.

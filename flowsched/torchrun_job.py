@@ -6,6 +6,9 @@ interface, ``GLOO_SOCKET_IFNAME``). Steps, all ranks in lockstep:
 1. measure the all-reduce goodput on the emulated link (median time of
    all-reduces of ``--probe-bytes``; bandwidth = bytes / time, the algorithm
    bandwidth the plans' model uses) and the fixed cost of a tiny all-reduce;
+   With ``--balance B`` the batch is then scaled (at most three times) until
+   a local training step takes about B x the gradients' all-reduce time, so
+   that the job's regime does not drift with the shared machine's load;
 2. measure the gradient profile of the model on this rank
    (:func:`~flowsched.gradients.measure_gradient_profile`, no communication)
    and the optimizer step time; rank 0's profile is broadcast so that every
@@ -92,6 +95,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tiny_s = _time_allreduce(dist, torch, 4, 5)
     bandwidth = args.probe_bytes / max(probe_s - tiny_s, 1e-9)
 
+    # 1b. the regime: compute time tracks the machine's load (2 shared cores), so instead of a fixed batch the batch is
+    # scaled until compute ~= balance x communication, timed with every rank computing at once as in training.
+    balance_log = []
+    if args.balance > 0:
+        model = build_model(args.layers, args.width)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        comm_est = args.layers * (args.width * args.width + args.width) * 4 / bandwidth
+        for _ in range(3):
+            times = []
+            for _it in range(4):
+                dist.barrier()
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model(x), y).backward()
+                opt.step()
+                times.append(time.perf_counter() - t0)
+            t = torch.tensor([statistics.median(times[1:])], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            compute_est = float(t.item())
+            want = max(8, round(x.shape[0] * args.balance * comm_est / compute_est))
+            balance_log.append({"batch": x.shape[0], "compute_s": compute_est, "comm_s": comm_est, "next_batch": want})
+            if abs(want - x.shape[0]) <= 0.1 * x.shape[0]:
+                break
+            x = torch.randn(want, args.width, generator=gen)
+            y = torch.randn(want, args.width, generator=gen)
+
     # 2. the gradient profile (no communication) and the optimizer step
     model = build_model(args.layers, args.width)
     profile = measure_gradient_profile(model, lambda: (x, y), loss_fn, bandwidth=bandwidth, overhead=tiny_s, warmup=2,
@@ -163,7 +192,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     compute = statistics.median(times[COMPUTE_ONLY])
     comm_s = profile.total_bytes / profile.bandwidth
     return {
-        "world": args.world, "layers": args.layers, "width": args.width, "batch": args.batch, "rounds": args.rounds, "iters": args.iters,
+        "world": args.world, "layers": args.layers, "width": args.width, "batch": int(x.shape[0]), "balance": args.balance,
+        "balance_log": balance_log, "rounds": args.rounds, "iters": args.iters,
         "probe": {"bytes": args.probe_bytes, "seconds": probe_s, "tiny_allreduce_s": tiny_s, "goodput_bytes_per_s": bandwidth},
         "profile": profile.to_dict(), "optimizer_step_s": step_s, "compute_s": compute, "comm_s": comm_s,
         "profile_compute_s": profile.compute_time + step_s, "lower_bound_s": max(compute, comm_s),
@@ -184,6 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--balance", type=float, default=0.0, help="scale the batch until compute ~= BALANCE x communication (0: keep --batch)")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)

@@ -16,9 +16,10 @@ Three scenarios, each a builder (pure data, tested without root) plus a runner:
    max-min sharing), ``sincronia`` (BSSI order of the jobs' coflows mapped to
    strict priority classes, DSCP-marked, HTB ``prio`` at every port),
    ``geryon`` (the same order folded onto fewer classes by equal-bytes bands)
-   and ``parrot`` (Parrot's LP rates, enforced per flow by
-   ``SO_MAX_PACING_RATE`` pacing in the emulator and by rate caps in the
-   simulator, recomputed at every job completion). The same workload runs in
+   and ``parrot`` (Parrot's LP allocation, recomputed at every job completion;
+   on a shared bottleneck its optimum is "SRPT job first, a floor for the
+   others", enforced by classes whose HTB guaranteed rate is the floor; see
+   :func:`policy_plan` for why not per-flow pacing). The same workload runs in
    :func:`emu.sim.simulate` and :func:`emu.mininet_backend.run_mininet`.
 3. **Coflow ordering quality** on random instances (:func:`random_coflows`,
    :func:`sebf_order`): the benchmark compares BSSI against brute force, the
@@ -380,7 +381,10 @@ class IntrajobSetup:
     """The bandwidth-bound job of scenario 1: an MLP of ``layers`` x (``width`` x ``width``) on ``world`` emulated hosts.
 
     ``rate_mbit`` is the emulated link rate (payload); the time scale is 1, so
-    emulated seconds are the job's seconds.
+    emulated seconds are the job's seconds. ``balance`` > 0 lets the ranks scale
+    the batch (starting from ``batch``) until compute ~= ``balance`` x
+    communication: on a shared machine compute time follows the load, and the
+    regime (how bandwidth-bound the job is) should not.
 
     >>> s = IntrajobSetup()
     >>> round(s.gradient_bytes / 1e6, 2), s.rank_args(0, "10.0.1.1", "fvh0-eth0")[:4]
@@ -392,10 +396,11 @@ class IntrajobSetup:
     layers: int = 5
     width: int = 512
     batch: int = 1024
-    iters: int = 8
+    iters: int = 6
     warmup: int = 2
-    rounds: int = 2
+    rounds: int = 3
     threads: int = 1
+    balance: float = 0.65
     master_port: int = 29611
 
     def __post_init__(self) -> None:
@@ -416,7 +421,8 @@ class IntrajobSetup:
     def rank_args(self, rank: int, master_addr: str, ifname: str) -> list[str]:
         return ["--rank", str(rank), "--world", str(self.world), "--master-addr", master_addr, "--master-port", str(self.master_port),
                 "--ifname", ifname, "--layers", str(self.layers), "--width", str(self.width), "--batch", str(self.batch),
-                "--iters", str(self.iters), "--warmup", str(self.warmup), "--rounds", str(self.rounds), "--threads", str(self.threads)]
+                "--iters", str(self.iters), "--warmup", str(self.warmup), "--rounds", str(self.rounds), "--threads", str(self.threads),
+                "--balance", str(self.balance)]
 
 
 def summarize_intrajob(report: dict[str, Any]) -> dict[str, Any]:
