@@ -235,16 +235,28 @@ class _Executor:
             return False
         return i == 0 or all(self._done(job, i - 1, q) for q in previous[p])
 
+    def _ready_time(self, job: Job, i: int, p: int, t0: float) -> float:
+        """When (phase i, p) became ready: its release or the last stamped end among its dependencies."""
+        within, previous = self._deps[job.name]
+        ends = [t0 + (job.arrival + job.start_offset) * self.K]
+        ends += [self.runs[(job.name, i, q)].end for q in within[p]]
+        if i > 0:
+            ends += [self.runs[(job.name, i - 1, q)].end for q in previous[p]]
+        return max(ends)
+
     def _done(self, job: Job, i: int, p: int) -> bool:
         r = self.runs.get((job.name, i, p))
         return r is not None and r.done
 
     # -- starting work
-    def _start_phase(self, run: _PhaseRun, now: float) -> None:
+    def _start_phase(self, run: _PhaseRun, now: float, ready: float) -> None:
         phase = run.job.phases[run.index]
         run.start = now
         if isinstance(phase, ComputePhase):
-            self.timers.append((now + phase.duration * self.K, "compute", run))
+            # A compute phase is a modelled delay: it starts when its dependencies were done (their stamps), not
+            # when the controller noticed, so control-plane latency does not leak into compute time.
+            run.start = min(now, ready)
+            self.timers.append((run.start + phase.duration * self.K, "compute", run))
             return
         run.steps = phase_flows(self.topo, run.job, phase)
         self._next_step(run, now)
@@ -313,7 +325,7 @@ class _Executor:
                             key = (job.name, i, p)
                             if key not in self.runs and self._ready(job, i, p, now, t0):
                                 self.runs[key] = run = _PhaseRun(job, i, p)
-                                self._start_phase(run, now)
+                                self._start_phase(run, now, self._ready_time(job, i, p, t0))
                                 progress = True
             finished = sum(r.done for r in self.runs.values())
             if finished == total:
