@@ -632,7 +632,7 @@ def run_torch_job(topo: Topology, mode: str = "allreduce", *, time_scale: float,
         report = json.loads(report_path.read_text())
         fidelity["htb_after"] = net.verify_htb(raise_on_error=False)
         fidelity["calibration_after"] = net.calibrate(seconds=calibrate_seconds, tolerance=calibration_tolerance, raise_on_error=False)
-    fidelity["cpu"] = cpu.report()
+    fidelity["cpu"] = cpu.report(window=tuple(report["window"]))  # the timed iterations, not torch's start-up
     busy = fidelity["cpu"]["busy_mean"]
     if busy is not None and busy > cpu_limit:
         failures.append(f"CPU busy {busy:.0%} on average during the run (limit {cpu_limit:.0%}): the emulator was saturated")

@@ -377,6 +377,7 @@ class CpuMonitor:
     def __init__(self, interval_s: float = 0.25):
         self.interval_s = interval_s
         self.samples: list[float] = []
+        self.stamps: list[float] = []  # monotonic end of each sample's interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._first: tuple[int, int] | None = None
@@ -398,6 +399,7 @@ class CpuMonitor:
             dt = cur[1] - prev[1]
             if dt > 0:
                 self.samples.append((cur[0] - prev[0]) / dt)
+                self.stamps.append(time.monotonic())
             prev = cur
 
     def __enter__(self) -> CpuMonitor:
@@ -412,11 +414,16 @@ class CpuMonitor:
             self._thread.join()
         self._last = self.read()
 
-    def report(self) -> dict[str, Any]:
+    def report(self, window: tuple[float, float] | None = None) -> dict[str, Any]:
+        """Busy fraction over the whole run, or over the samples inside ``window`` (monotonic start, end) if given."""
         busy = None
-        if self._first and self._last and self._last[1] > self._first[1]:
+        samples = self.samples
+        if window is not None:
+            samples = [b for b, t in zip(self.samples, self.stamps, strict=True) if window[0] + self.interval_s <= t <= window[1]]
+            busy = sum(samples) / len(samples) if samples else None
+        elif self._first and self._last and self._last[1] > self._first[1]:
             busy = (self._last[0] - self._first[0]) / (self._last[1] - self._first[1])
-        ordered = sorted(self.samples)
+        ordered = sorted(samples)
         p90 = ordered[int(0.9 * (len(ordered) - 1))] if ordered else None
         return {"busy_mean": busy, "busy_p90": p90, "busy_max": ordered[-1] if ordered else None, "samples": len(ordered),
                 "cpus": os.cpu_count()}

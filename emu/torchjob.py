@@ -48,17 +48,20 @@ def run_allreduce(args: argparse.Namespace) -> dict:
     for _ in range(args.warmup):
         dist.all_reduce(x)
     times = []
+    window_start = time.monotonic()
     for _ in range(args.iters):
         x.fill_(1.0)
         dist.barrier()
         t0 = time.monotonic()
         dist.all_reduce(x)
         times.append(time.monotonic() - t0)
+    window_end = time.monotonic()
     ok = bool(torch.all(x == float(args.world)))
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()
-    return {"mode": "allreduce", "world": args.world, "bytes": n * 4, "iteration_s": t.tolist(), "correct": ok}
+    return {"mode": "allreduce", "world": args.world, "bytes": n * 4, "iteration_s": t.tolist(), "correct": ok,
+            "window": [window_start, window_end]}
 
 
 def run_ddp(args: argparse.Namespace) -> dict:
@@ -74,7 +77,10 @@ def run_ddp(args: argparse.Namespace) -> dict:
     gen = torch.Generator().manual_seed(1 + args.rank)
     w_true = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
     losses, times = [], []
+    window_start = 0.0
     for step in range(args.warmup + args.iters):
+        if step == args.warmup:
+            window_start = time.monotonic()
         xb = torch.randn(128, 64, generator=gen)
         yb = xb @ w_true
         dist.barrier()
@@ -86,11 +92,13 @@ def run_ddp(args: argparse.Namespace) -> dict:
         if step >= args.warmup:
             times.append(time.monotonic() - t0)
             losses.append(float(loss))
+    window_end = time.monotonic()
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     dist.destroy_process_group()
-    return {"mode": "ddp", "world": args.world, "grad_bytes": grad_bytes, "iteration_s": t.tolist(), "loss": losses}
+    return {"mode": "ddp", "world": args.world, "grad_bytes": grad_bytes, "iteration_s": t.tolist(), "loss": losses,
+            "window": [window_start, window_end]}
 
 
 def main(argv: list[str] | None = None) -> None:
