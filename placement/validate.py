@@ -51,7 +51,7 @@ import math
 import statistics
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,6 @@ class ShiftScenario:
     warmup: int = 1
     time_scale: float = 1000.0
     byte_scale: float = 100.0
-    meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def profiles(self) -> dict[str, CommProfile]:
         """Each job's CASSINI profile: compute, then its all-reduce's demand on every network link it crosses."""
