@@ -387,13 +387,14 @@ def _tensor_bytes(t) -> int:
 
 def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Callable[[Any], Any] | None = None,
                     repeats: int = 5, warmup: int = 1, threads: int | None = None, name: str = "measured",
-                    state_factor: float = 4.0) -> ModelProfile:
+                    state_factor: float = 4.0, statistic: str = "median") -> ModelProfile:
     """Run a chain of ``torch.nn.Module`` layers on CPU and time and size every layer for one micro-batch.
 
     For each layer (fed the previous layer's real output): the forward time; the input-gradient time
     (``torch.autograd.grad(out, inputs)`` with the graph retained) and then the weight-gradient time
     (``torch.autograd.grad(out, params)``) on the same graph; and one fused backward over inputs and weights.
-    Times are medians over ``repeats``. Saved activations are counted with ``torch.autograd.graph.
+    Times are medians over ``repeats`` (``statistic="min"``: minima, the usual estimate of the undisturbed
+    cost on a machine shared with other jobs). Saved activations are counted with ``torch.autograd.graph.
     saved_tensors_hooks`` (each saved tensor once, parameters excluded) and attributed to the layer's direct
     child module that was running. "selective" recomputation drops what parameter-free children (activations,
     norms without weights, softmax, dropout) saved and pays their forward time again; "full" keeps only the
@@ -417,7 +418,7 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
         x = example_input
         for index, layer in enumerate(layers):
             is_last = index == len(layers) - 1
-            results.append(_measure_layer(torch, layer, x, loss_fn if is_last else None, repeats, warmup, f"layer{index}"))
+            results.append(_measure_layer(torch, layer, x, loss_fn if is_last else None, repeats, warmup, f"layer{index}", statistic))
             with torch.no_grad():
                 x = layer(x)
     finally:
@@ -427,7 +428,8 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
                         reference={"name": "cpu", "threads": threads or old_threads})
 
 
-def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: str) -> LayerProfile:
+def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: str, statistic: str = "median") -> LayerProfile:
+    stat = {"median": statistics.median, "min": min}[statistic]
     params = [p for p in layer.parameters() if p.requires_grad]
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     needs_input_grad = torch.is_tensor(x) and x.is_floating_point()
@@ -509,11 +511,11 @@ def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: st
     cheap = sum(nbytes for nbytes, owner in saved.values() if owner is not None and not child_has_params[owner])
     wgrad = sum(nbytes for nbytes, owner in saved.values() if owner is None or child_has_params[owner])
     input_bytes = _tensor_bytes(x) if torch.is_tensor(x) else 0
-    fwd = statistics.median(f_times)
+    fwd = stat(f_times)
     return LayerProfile(
-        name=name, fwd_s=fwd, bwd_input_s=statistics.median(i_times), bwd_weight_s=statistics.median(w_times),
+        name=name, fwd_s=fwd, bwd_input_s=stat(i_times), bwd_weight_s=stat(w_times),
         output_bytes=output_bytes, param_bytes=sum(_tensor_bytes(p) for p in params),
         saved_bytes={"none": total, "selective": max(total - cheap, min(total, input_bytes)), "full": min(total, input_bytes)},
-        recompute_s={"none": 0.0, "selective": statistics.median(sel_times) if cheap else 0.0, "full": fwd},
-        weight_grad_bytes=min(wgrad, total), bwd_full_s=statistics.median(full_times),
+        recompute_s={"none": 0.0, "selective": stat(sel_times) if cheap else 0.0, "full": fwd},
+        weight_grad_bytes=min(wgrad, total), bwd_full_s=stat(full_times),
     )
