@@ -185,6 +185,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             t = torch.tensor(periods, dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)  # an iteration is as slow as the slowest rank
             times[method] += t.tolist()
+    # The plans' collectives alone (no compute), issued as the scheduler issues them (credit-limited async all-reduces):
+    # separates the communication path's own cost from the CPU contention between compute and communication.
+    comm_only = {}
+    for method in ("prophet", "bytescheduler"):
+        plan = plans[method]
+        bufs = [torch.ones(max(1, int(t.nbytes) // 4)) for t in plan.transfers]
+        reps = []
+        for _ in range(3):
+            dist.barrier()
+            t0 = time.perf_counter()
+            in_flight: list[tuple[Any, float]] = []
+            for buf, tr in zip(bufs, plan.transfers, strict=True):
+                while in_flight and sum(b for _, b in in_flight) + tr.nbytes > max(plan.credit, 0.0):
+                    in_flight.pop(0)[0].wait()
+                in_flight.append((dist.all_reduce(buf, async_op=True), tr.nbytes))
+            for work, _ in in_flight:
+                work.wait()
+            reps.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(reps)], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        comm_only[method] = float(t.item())
     dist.destroy_process_group()
     modelled = {m: simulate_iteration(profile, p).iteration_time for m, p in plans.items()}
     # The bound's compute term is the compute-only iterations timed in the same rounds (same machine load), not the
@@ -198,7 +219,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "profile": profile.to_dict(), "optimizer_step_s": step_s, "compute_s": compute, "comm_s": comm_s,
         "profile_compute_s": profile.compute_time + step_s, "lower_bound_s": max(compute, comm_s),
         "plans": {m: p.to_dict() for m, p in plans.items()}, "modelled_s": modelled,
-        "iteration_s": times, "comm_done_s": comm, "median_s": {m: statistics.median(v) for m, v in times.items()},
+        "iteration_s": times, "comm_done_s": comm, "comm_only_s": comm_only, "median_s": {m: statistics.median(v) for m, v in times.items()},
         "loss_first_last": {m: [v[0], v[-1]] for m, v in losses.items() if v},
     }
 
