@@ -198,6 +198,7 @@ def _f(x: float | None) -> str:
 def plot_jct(results: dict[str, Any], path: str | Path, *, title: str = "") -> None:
     """CDF of job completion times, one line per policy (PNG)."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -209,6 +210,7 @@ def plot_jct(results: dict[str, Any], path: str | Path, *, title: str = "") -> N
         if len(j):
             ax.plot(j, np.arange(1, len(j) + 1) / len(j), label=f"{name} (avg {j.mean():.0f} s)")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("job completion time (s)")
     ax.set_ylabel("fraction of jobs")
     ax.set_title(title)
