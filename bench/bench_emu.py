@@ -73,6 +73,8 @@ def agreement_cases(quick: bool) -> list[tuple[str, Topology, Workload, dict]]:
             ("2 jobs share a downlink, strict priority, low first", star(3), two_jobs(1, 0, 5e-5), k),
             ("default cluster, example workload (aggregate NICs)", default_cluster(), example_workload(default_cluster()),
              {"time_scale": 8000, "nic_mode": "aggregate", "byte_scale": 100}),
+            ("default cluster, example workload (one veth per NIC)", default_cluster(), example_workload(default_cluster()),
+             {"time_scale": 8000, "byte_scale": 100}),
         ]
     return cases
 

@@ -434,9 +434,14 @@ def dscp_probe(net: EmulatedNetwork, agents: AgentSet, priorities: Sequence[int]
     def ours(pkt: Any) -> bool:
         return IP in pkt and TCP in pkt and pkt[TCP].dport == port and pkt[IP].src == src.ip
 
-    sniffer = AsyncSniffer(iface=src.switch_dev, lfilter=ours, store=True)
+    last_tos = tos_for_priority(priorities[-1])
+
+    def last_probe_closed(pkt: Any) -> bool:  # the sender's FIN of the last probe: everything before it was seen
+        return ours(pkt) and bool(pkt[TCP].flags.F) and (pkt[IP].tos & 0xFC) == last_tos
+
+    sniffer = AsyncSniffer(iface=src.switch_dev, lfilter=ours, store=True, stop_filter=last_probe_closed)
     sniffer.start()
-    time.sleep(0.3)
+    time.sleep(1.0)  # the capture socket is opened by the sniffer's thread
     try:
         for k, p in enumerate(priorities):
             fid = PROBE_FLOW_BASE + k
@@ -452,9 +457,10 @@ def dscp_probe(net: EmulatedNetwork, agents: AgentSet, priorities: Sequence[int]
                         raise EmulationError(f"agent {msg.get('agent')}: {msg.get('error')}")
                 if any(m.get("type") == "recv_done" and m.get("flow") == fid for m in msgs):
                     break
-        time.sleep(0.2)
     finally:
-        packets = sniffer.stop() or []
+        # scapy decodes packets in Python and lags behind the wire on a busy machine: wait for the last FIN.
+        sniffer.join(timeout=15)
+        packets = (sniffer.stop() if sniffer.running else sniffer.results) or []
     by_conn: dict[int, list[int]] = {}
     for pkt in packets:
         by_conn.setdefault(pkt[TCP].sport, []).append(pkt[IP].tos)
