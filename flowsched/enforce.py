@@ -56,7 +56,7 @@ from .plan import FlowPlan, class_table, skb_priority, validate_plan
 
 #: ``SO_MAX_PACING_RATE`` (``asm-generic/socket.h``); Python's socket module does not export it.
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
-_FIRST_EXTRA_FILTER_PREF = NUM_PRIORITIES + 1  # emu.htb's filters use prefs 1..8
+_FIRST_EXTRA_FILTER_PREF = NUM_PRIORITIES + 2  # emu.htb's filters use prefs 1 (pure ACKs) and 2..9 (DSCP)
 
 
 class EnforceError(InputError):

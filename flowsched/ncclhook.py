@@ -532,43 +532,33 @@ def collective_spans(records: np.ndarray) -> list[dict[str, object]]:
 
 
 # --------------------------------------------------------------------- HTB --
-def htb_commands(dev: str, rate_mbit: float, dscp_prio: dict[int, int] | None = None, *, floor_mbit: float = 1.0,
-                 default_prio: int = 7, disable_offloads: bool = True) -> list[list[str]]:
-    """``tc`` commands for a strict-priority HTB tree on ``dev``'s egress that serves DSCP marks.
+def htb_commands(dev: str, rate_mbit: float, dscp_prio: dict[int, int] | None = None, *, floor_fraction: float = 0.01,
+                 disable_offloads: bool = True) -> list[list[str]]:
+    """Commands (argv lists) for the strict-priority HTB tree on ``dev``'s egress that serves DSCP marks.
 
-    One leaf per distinct HTB priority (0 = served first), each with a small guaranteed ``floor_mbit`` and a
-    ceiling of the full link, so the lowest backlogged priority takes all spare bandwidth (§4.2 of the
-    research digest); u32 filters match the TOS byte (``dscp << 2``, ECN bits masked). Unmarked traffic
-    goes to a default leaf at ``default_prio``. ``dscp_prio`` defaults to CS<k> -> priority 7-k.
+    The tree is the shared one of :func:`emu.htb.htb_tree_commands` (eight leaves, HTB prio 0-7, DSCP CS<7-p>
+    -> prio p, i.e. NCCL traffic class k = CS<k> -> prio 7-k), plus u32 filters for any extra DSCP values in
+    ``dscp_prio`` (e.g. EF 46 -> prio 1) from :func:`flowsched.enforce.dscp_filter_commands`.
 
     >>> cmds = htb_commands("eth0", 100, {46: 1})
     >>> " ".join(cmds[-1])
-    'tc filter add dev eth0 parent 1: protocol ip prio 1 u32 match ip tos 0xb8 0xfc flowid 1:11'
+    'tc filter add dev eth0 parent 1: protocol ip prio 10 u32 match ip tos 0xb8 0xfc flowid 1:11'
     """
-    if rate_mbit <= 0 or floor_mbit <= 0 or floor_mbit * 9 > rate_mbit:
-        raise NcclHookError(f"need rate_mbit > 9 * floor_mbit > 0, got rate {rate_mbit}, floor {floor_mbit}")
-    mapping = dscp_prio if dscp_prio is not None else {8 * k: 7 - k for k in range(1, NUM_CLASSES)}
-    for d, p in mapping.items():
+    from emu.htb import PRIORITY_DSCP, htb_tree_commands
+
+    from .enforce import _next_filter_pref, dscp_filter_commands
+
+    for d, p in (dscp_prio or {}).items():
         _check_range("dscp", d, 0, 63)
         _check_range("htb prio", p, 0, 7)
-    _check_range("default prio", default_prio, 0, 7)
-    rate, floor = f"{rate_mbit:g}mbit", f"{floor_mbit:g}mbit"
+        if d in PRIORITY_DSCP and PRIORITY_DSCP.index(d) != p:
+            raise NcclHookError(f"DSCP {d} is the class selector of priority {PRIORITY_DSCP.index(d)}, not {p}")
+    tree = htb_tree_commands(dev, rate_mbit, floor_fraction=floor_fraction)
+    lines = tree + dscp_filter_commands(dev, dscp_prio or {}, first_pref=_next_filter_pref(tree))
     cmds: list[list[str]] = []
     if disable_offloads:  # one 64 KB TSO segment would block a slow link for milliseconds
         cmds.append(["ethtool", "-K", dev, "tso", "off", "gso", "off"])
-    cmds.append(["tc", "qdisc", "replace", "dev", dev, "root", "handle", "1:", "htb", "default", f"{20 + default_prio}"])
-    cmds.append(["tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate,
-                 "burst", "64k", "cburst", "64k"])
-    for prio in sorted(set(mapping.values()) | {default_prio}):
-        leaf = f"1:{10 + prio}" if prio != default_prio else f"1:{20 + default_prio}"
-        cmds.append(["tc", "class", "add", "dev", dev, "parent", "1:1", "classid", leaf, "htb", "rate", floor, "ceil", rate,
-                     "prio", str(prio), "quantum", "1514"])
-        cmds.append(["tc", "qdisc", "add", "dev", dev, "parent", leaf, "pfifo", "limit", "200"])
-    for i, (d, prio) in enumerate(sorted(mapping.items()), start=1):
-        leaf = f"1:{10 + prio}" if prio != default_prio else f"1:{20 + default_prio}"
-        cmds.append(["tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", str(i), "u32", "match", "ip",
-                     "tos", f"{d << 2:#04x}", "0xfc", "flowid", leaf])
-    return cmds
+    return cmds + [["tc", *line.split()] for line in lines]
 
 
 def run_commands(cmds: Iterable[Sequence[str]], *, netns: str | None = None) -> None:
