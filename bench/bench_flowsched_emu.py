@@ -50,8 +50,15 @@ def _plt():
     return plt
 
 
-def intrajob(quick: bool, repeats: int) -> None:
-    setup = IntrajobSetup(rate_mbit=80.0, iters=5 if quick else 6, rounds=1 if quick else 3, balance=0.6)
+DEFAULT_BALANCE = 0.6
+
+
+def _intrajob_name(balance: float) -> str:
+    return "flowsched_intrajob" if balance == DEFAULT_BALANCE else f"flowsched_intrajob_b{balance:g}"
+
+
+def intrajob(quick: bool, repeats: int, balance: float = DEFAULT_BALANCE) -> None:
+    setup = IntrajobSetup(rate_mbit=80.0, iters=5 if quick else 6, rounds=1 if quick else 3, balance=balance)
     reports = []
     for rep in range(repeats):
         t0 = time.monotonic()
@@ -122,7 +129,8 @@ thread and the kernel's forwarding share 2 cores with other engineers' work, so 
 Goal (>= 1.25x vs DDP and within 15% of the bound): {status};
 pooled {pooled_speed:.2f}x vs DDP and {pooled_over:.0%} over the bound (best run {best_speed:.2f}x).
 """
-    write_results("flowsched_intrajob", rows, title="Bandwidth-bound DP job in Mininet: default DDP vs Prophet vs ByteScheduler plans",
+    name = _intrajob_name(setup.balance)
+    write_results(name, rows, title="Bandwidth-bound DP job in Mininet: default DDP vs Prophet vs ByteScheduler plans",
                   notes=notes, extra={"setup": setup.__dict__, "reports": reports})
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
@@ -136,7 +144,7 @@ pooled {pooled_speed:.2f}x vs DDP and {pooled_over:.0%} over the bound (best run
     ax.set_title(f"{setup.world} hosts, {setup.rate_mbit:g} Mbit/s, {setup.gradient_bytes / 1e6:.1f} MB gradients (gloo, Mininet)", fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(RESULTS / "flowsched_intrajob.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
     plt.close(fig)
 
 
@@ -206,17 +214,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default="intrajob,contention")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--from-json", action="store_true", help="re-render flowsched_intrajob from its saved JSON (no emulation)")
+    parser.add_argument("--balance", type=float, default=DEFAULT_BALANCE, help="intra-job: target compute / communication ratio")
+    parser.add_argument("--from-json", action="store_true", help="re-render the intra-job results from their saved JSON (no emulation)")
     args = parser.parse_args()
     if args.from_json:
-        saved = json.loads((RESULTS / "flowsched_intrajob.json").read_text())
+        saved = json.loads((RESULTS / f"{_intrajob_name(args.balance)}.json").read_text())
         report_intrajob(IntrajobSetup(**saved["setup"]), saved["reports"])
         return
     if os.geteuid() != 0:
         sys.exit("bench_flowsched_emu needs root (Mininet)")
     parts = args.only.split(",")
     if "intrajob" in parts:
-        intrajob(args.quick, args.repeats or (1 if args.quick else 2))
+        intrajob(args.quick, args.repeats or (1 if args.quick else 3), args.balance)
     if "contention" in parts:
         contention(args.quick, args.repeats or (1 if args.quick else 3))
 
