@@ -386,10 +386,12 @@ class HivedScheduler:
         return list(self.chains.values()) if chain is None else [self.chains[self._tree(chain).chain]]
 
     # -- the safety walk -----------------------------------------------------------------
-    def _walk(self, *, healthy: bool) -> dict[str, dict[str, Any]]:
+    def _walk(self, *, healthy: bool, chain: str | None = None) -> dict[str, dict[str, Any]]:
         """HiveD's top-down cell-count check against every VC's unbound quota."""
         out = {}
         for name, ch in self.chains.items():
+            if chain is not None and name != chain:
+                continue
             tree = ch.tree
             nl = len(tree.levels)
             usable = [0] * nl
@@ -543,7 +545,7 @@ class HivedScheduler:
                 any_free = True
                 p = self._physical_of(v)
                 if p is None:
-                    if self._bind_choice(ch, lvl, lv, set()) is not None:
+                    if self._bind_safely(ch, v, lvl, lv, set(), keep=False):
                         return False
                 elif ch.bad[p.index] < ch.count_at(p, lv):
                     return False
@@ -567,13 +569,11 @@ class HivedScheduler:
                     key = (0, self._affinity(anchor, p), ch.bad[p.index], ch.opp[p.index])
                 if best_key is None or key < best_key:
                     best, best_key = v, key
-            if best is None and unbound is not None and self._bind_choice(ch, lvl, lv, exclude) is not None:
-                best = unbound  # binding needs a healthy physical cell with a healthy level-lv part
+            if best is None and unbound is not None and self._bind_safely(ch, unbound, lvl, lv, exclude):
+                best = unbound  # bound now: a healthy physical cell with a healthy level-lv part, safe for the other VCs
             if best is None:
                 continue
             v = best
-            if v.parent is None and v.physical is None:
-                self._bind(ch, v, self._bind_choice(ch, lvl, lv, exclude))
             del vch.free[lvl][id(v)]
             while v.level > lv:  # split down, choosing the healthiest, least-busy child
                 self._vsplit(vch, v)
@@ -643,6 +643,29 @@ class HivedScheduler:
 
     def _bind_choice(self, ch: _Chain, level: int, need: int, exclude: set[str]) -> Cell | None:
         """Buddy allocation on the binding free list: a full cell of ``level`` with a healthy level-``need`` part."""
+        return next(self._bind_candidates(ch, level, need, exclude), None)
+
+    def _bind_safely(self, ch: _Chain, v: VirtualCell, level: int, need: int, exclude: set[str], *, keep: bool = True) -> bool:
+        """Bind root ``v`` to the first candidate that keeps HiveD's safety walk feasible; False when none does.
+
+        Preferring healthy cells (and cells with fewer opportunistic jobs) over
+        the plain buddy order can split a cell another VC is owed; each choice is
+        therefore checked with the walk and undone when it breaks it. When only
+        bad hardware could serve the request without breaking another VC's
+        guarantee, nothing is bound: the request fails (HiveD's "doomed bad
+        cell" case) instead of taking another VC's cells. ``keep=False`` only tests.
+        """
+        for c in self._bind_candidates(ch, level, need, exclude):
+            self._bind(ch, v, c)
+            if not self._walk(healthy=False, chain=ch.tree.chain)[ch.tree.chain]["deficits"]:
+                if not keep:
+                    self._unbind(ch, v)
+                return True
+            self._unbind(ch, v)
+        return False
+
+    def _bind_candidates(self, ch: _Chain, level: int, need: int, exclude: set[str]):
+        """Binding choices in preference order: lowest level first (buddy), then healthy, then fewest opportunistic GPUs."""
         def ok(c: Cell) -> bool:
             return c.full and ch.bad[c.index] < ch.count_at(c, need) and c.address not in exclude and not (level == need and ch.bad[c.index])
 
@@ -659,13 +682,10 @@ class HivedScheduler:
                         cands.append(c)
                 elif self._has_bindable(ch, c, level, ok, bool(exclude)):
                     cands.append(c)
-            if not cands:
-                continue
-            c = min(cands, key=key)
-            while c.level > level:
-                c = min((k for k in c.children if self._has_bindable(ch, k, level, ok, bool(exclude))), key=key)
-            return c
-        return None
+            for c in sorted(cands, key=key):
+                while c.level > level:
+                    c = min((k for k in c.children if self._has_bindable(ch, k, level, ok, bool(exclude))), key=key)
+                yield c
 
     def _has_bindable(self, ch: _Chain, c: Cell, level: int, ok, excluding: bool) -> bool:
         if c.level == level:
