@@ -14,7 +14,8 @@ Modes
     the max over ranks (the collective's completion).
     ``ddp``: a small MLP wrapped in DistributedDataParallel (gloo, CPU) trained
     with SGD on synthetic data for ``--iters`` steps; reports step times, the
-    gradient bytes per step and the loss trajectory (it must fall).
+    gradient bytes per step and the loss trajectory (each rank's shard is a
+    fixed batch of a linear teacher, so the averaged full-batch descent lowers it).
 
 Run as ``python -m emu.torchjob allreduce --rank 0 --world 4 --master-addr 10.0.1.1 --ifname nwh0-eth0 --out r.json``.
 """
@@ -73,16 +74,16 @@ def run_ddp(args: argparse.Namespace) -> dict:
     width = args.width
     model = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 1))
     ddp = DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(1 + args.rank)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.02)
+    # Each rank's shard is one fixed batch of a linear teacher: full-batch gradient descent, so the loss falls step by step.
     w_true = torch.randn(64, 1, generator=torch.Generator().manual_seed(7))
+    xb = torch.randn(128, 64, generator=torch.Generator().manual_seed(1 + args.rank))
+    yb = xb @ w_true
     losses, times = [], []
     window_start = 0.0
     for step in range(args.warmup + args.iters):
         if step == args.warmup:
             window_start = time.monotonic()
-        xb = torch.randn(128, 64, generator=gen)
-        yb = xb @ w_true
         dist.barrier()
         t0 = time.monotonic()
         opt.zero_grad()
