@@ -8,7 +8,7 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.netweave-installed
-DEB_PACKAGES := mininet bridge-utils iperf3 iputils-ping
+DEB_PACKAGES := mininet bridge-utils iperf3 iputils-ping ethtool
 DEMO_OUT ?= netweave-demo
 
 .PHONY: demo test setup csrc sysdeps lint bench clean
