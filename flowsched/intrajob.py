@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from topology.errors import InputError
@@ -250,14 +251,18 @@ def tune_bytescheduler(
     model is cheap enough here to search the grid exhaustively. Online re-tuning
     from measured times goes through the same function with a re-fitted profile.
     """
+    return _fastest(profile, (bytescheduler_plan(profile, partition=part, credit=c * part) for part in partitions for c in credits))
+
+
+def _fastest(profile: GradientProfile, plans: Iterable[CommPlan]) -> CommPlan:
+    """The plan with the least modelled iteration time (the first one on ties)."""
     best, best_time = None, math.inf
-    for part in partitions:
-        for c in credits:
-            plan = bytescheduler_plan(profile, partition=part, credit=c * part)
-            t = simulate_iteration(profile, plan).iteration_time
-            if t < best_time - 1e-12:
-                best, best_time = plan, t
-    assert best is not None
+    for plan in plans:
+        t = simulate_iteration(profile, plan).iteration_time
+        if t < best_time - 1e-12:
+            best, best_time = plan, t
+    if best is None:
+        raise InputError("no candidate plans to choose from")
     best.params["modelled_iteration_time"] = best_time
     return best
 
@@ -331,12 +336,4 @@ def tune_prophet(profile: GradientProfile, partitions: tuple[float, ...] = tuple
     finely a block can be filled (a partition larger than the gap's budget leaves
     the link idle), so it is chosen on the model, like ByteScheduler's.
     """
-    best, best_time = None, math.inf
-    for part in partitions:
-        plan = prophet_plan(profile, partition=part)
-        t = simulate_iteration(profile, plan).iteration_time
-        if t < best_time - 1e-12:
-            best, best_time = plan, t
-    assert best is not None
-    best.params["modelled_iteration_time"] = best_time
-    return best
+    return _fastest(profile, (prophet_plan(profile, partition=part) for part in partitions))
