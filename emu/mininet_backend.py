@@ -575,6 +575,29 @@ def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_di
 # -- torch.distributed jobs -------------------------------------------------------------------------------
 
 
+def stop_processes(procs: Sequence[subprocess.Popen]) -> None:
+    """Kill and reap whichever of ``procs`` still run (only these processes, by their own handles)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def wait_for_ranks(procs: Sequence[subprocess.Popen], logs: Sequence[Path], timeout_s: float, *, what: str = "torch job") -> None:
+    """Wait for every rank of a job started in emulated hosts; raise with the log of a failed or late rank."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        raise EmulationError(f"{what} did not finish within {timeout_s:g} s; rank 0 log: {logs[0].read_text()[-1500:]}") from None
+    finally:
+        stop_processes(procs)
+    bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    if bad:
+        raise EmulationError(f"{what}: ranks failed {bad}; rank {bad[0][0]} log: {logs[bad[0][0]].read_text()[-1500:]}")
+
+
 def run_torch_job(topo: Topology, mode: str = "allreduce", *, time_scale: float, hosts: Sequence[str] | None = None, nbytes: float = 8e6,
                   iterations: int = 3, warmup: int = 1, width: int = 256, nic_mode: str = "per-leaf",
                   out_dir: str | os.PathLike[str] | None = None, calibrate_seconds: float = 1.0, calibration_tolerance: float = 0.10,
@@ -622,19 +645,9 @@ def run_torch_job(topo: Topology, mode: str = "allreduce", *, time_scale: float,
                             "--iters", str(iterations), "--warmup", str(warmup), "--timeout", str(timeout_s), "--out", str(report_path)]
                     procs.append(net.popen(h, args, stdout=logf, stderr=subprocess.STDOUT, cwd=str(Path(__file__).resolve().parent.parent)))
                     logf.close()
-                deadline = time.monotonic() + timeout_s
-                for p in procs:
-                    p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            raise EmulationError(f"torch job did not finish within {timeout_s:g} s; rank 0 log: {logs[0].read_text()[-1500:]}") from None
+                wait_for_ranks(procs, logs, timeout_s, what="torch job")
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            raise EmulationError(f"torch ranks failed {bad}; rank {bad[0][0]} log: {logs[bad[0][0]].read_text()[-1500:]}")
+            stop_processes(procs)
         report = json.loads(report_path.read_text())
         fidelity["htb_after"] = net.verify_htb(raise_on_error=False)
         fidelity["calibration_after"] = net.calibrate(seconds=calibrate_seconds, tolerance=calibration_tolerance, raise_on_error=False)

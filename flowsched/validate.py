@@ -462,8 +462,8 @@ def run_intrajob_emulation(setup: IntrajobSetup = IntrajobSetup(), *, calibrate_
     import sys
     from pathlib import Path
 
-    from emu.mininet_backend import EMULATION_NICE
-    from emu.net import CpuMonitor, EmulationError, emulated_network, plan_network
+    from emu.mininet_backend import EMULATION_NICE, stop_processes, wait_for_ranks
+    from emu.net import CpuMonitor, emulated_network, plan_network
 
     topo = setup.topology()
     plan = plan_network(topo, time_scale=1.0, prefix=prefix)
@@ -484,19 +484,9 @@ def run_intrajob_emulation(setup: IntrajobSetup = IntrajobSetup(), *, calibrate_
                         args = ["nice", "-n", str(EMULATION_NICE), sys.executable, "-m", "flowsched.torchrun_job",
                                 *setup.rank_args(rank, ifaces[0].ip, iface.dev), "--timeout", str(timeout_s), "--out", str(out)]
                         procs.append(net.popen(h, args, stdout=logf, stderr=subprocess.STDOUT, cwd=repo))
-                deadline = __import__("time").monotonic() + timeout_s
-                for p in procs:
-                    p.wait(timeout=max(1.0, deadline - __import__("time").monotonic()))
-        except subprocess.TimeoutExpired:
-            raise EmulationError(f"intra-job run did not finish within {timeout_s:g} s; rank 0 log: {logs[0].read_text()[-1500:]}") from None
+                wait_for_ranks(procs, logs, timeout_s, what="intra-job run")
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            raise EmulationError(f"torch ranks failed {bad}; rank {bad[0][0]} log: {logs[bad[0][0]].read_text()[-1500:]}")
+            stop_processes(procs)
         report = json.loads(out.read_text())
         fidelity["htb_after"] = net.verify_htb(raise_on_error=False)
         fidelity["calibration_after"] = net.calibrate(seconds=calibrate_seconds, raise_on_error=False)
