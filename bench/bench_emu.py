@@ -33,20 +33,8 @@ from emu.net import EmulatedNetwork, FidelityError, plan_network  # noqa: E402
 from emu.results import compare_results  # noqa: E402
 from emu.sim import simulate  # noqa: E402
 from emu.workload import ComputePhase, Job, P2PPhase, Transfer, Workload, example_workload  # noqa: E402
-from topology import LinkKind, NodeKind, Topology, default_cluster  # noqa: E402
-
-
-def star(n: int, gbs: float = 25.0) -> Topology:
-    """``n`` one-GPU servers with one ``gbs`` GB/s NIC each on one leaf."""
-    t = Topology(f"star{n}")
-    t.add_node("leaf", NodeKind.SWITCH, tier="leaf")
-    for i in range(n):
-        h = f"n{i}"
-        t.add_node(f"{h}/gpu0", NodeKind.GPU, host=h, index=0)
-        t.add_node(f"{h}/nic0", NodeKind.NIC, host=h, index=0, rail=0)
-        t.add_link(f"{h}/gpu0", f"{h}/nic0", LinkKind.PCIE, bw=64.0)
-        t.add_link(f"{h}/nic0", "leaf", LinkKind.NETWORK, bw=gbs)
-    return t
+from topology import Topology, default_cluster  # noqa: E402
+from topology.fabrics import star  # noqa: E402
 
 
 def two_jobs(prio_a: int, prio_b: int, compute_b: float, *, iterations: int = 3, bytes_b: float = 2.5e6) -> Workload:

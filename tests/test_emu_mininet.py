@@ -21,24 +21,13 @@ from emu.net import EmulatedNetwork, FidelityError, plan_network
 from emu.results import compare_results, format_comparison
 from emu.sim import simulate
 from emu.workload import ComputePhase, Job, P2PPhase, Transfer, Workload
-from topology import LinkKind, NodeKind, Topology
+from topology.fabrics import star
 
 pytestmark = pytest.mark.emulation
 
 K = 2000  # 25 GB/s (200 Gb/s) NICs -> 100 Mbit/s emulated links
 
 
-def star(n: int, gbs: float = 25.0) -> Topology:
-    """``n`` one-GPU servers, one ``gbs`` GB/s NIC each, on one leaf switch."""
-    t = Topology(f"star{n}")
-    t.add_node("leaf", NodeKind.SWITCH, tier="leaf")
-    for i in range(n):
-        h = f"n{i}"
-        t.add_node(f"{h}/gpu0", NodeKind.GPU, host=h, index=0)
-        t.add_node(f"{h}/nic0", NodeKind.NIC, host=h, index=0, rail=0)
-        t.add_link(f"{h}/gpu0", f"{h}/nic0", LinkKind.PCIE, bw=64.0)
-        t.add_link(f"{h}/nic0", "leaf", LinkKind.NETWORK, bw=gbs)
-    return t
 
 
 def _our_root_links(plan) -> set[str]:

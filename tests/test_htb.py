@@ -36,8 +36,9 @@ from emu.htb import (
 )
 from emu.mininet_backend import check_class_bytes
 from emu.net import WIRE_OVERHEAD, CpuMonitor, EmulationError, NetworkPlan, plan_network, route_flow, scaled_rate_mbit
-from topology import LinkKind, NodeKind, Topology, build_cluster, default_cluster
+from topology import build_cluster, default_cluster
 from topology.errors import InputError
+from topology.fabrics import star
 
 SAMPLE = (Path(__file__).parent / "data" / "tc_htb_100mbit.txt").read_text()
 SAMPLE_QDISC, SAMPLE_CLASS, SAMPLE_FILTER = SAMPLE.split("@@\n")
@@ -182,17 +183,6 @@ def test_cpu_monitor_reads_proc_stat():
 # -- network plans ----------------------------------------------------------------------------------------
 
 
-def _star(n: int, gbs: float, gpus: int = 1) -> Topology:
-    t = Topology("star")
-    t.add_node("leaf", NodeKind.SWITCH, tier="leaf")
-    for i in range(n):
-        h = f"n{i}"
-        t.add_node(f"{h}/nic0", NodeKind.NIC, host=h, index=0, rail=0)
-        t.add_link(f"{h}/nic0", "leaf", LinkKind.NETWORK, bw=gbs)
-        for k in range(gpus):
-            t.add_node(f"{h}/gpu{k}", NodeKind.GPU, host=h, index=k)
-            t.add_link(f"{h}/gpu{k}", f"{h}/nic0", LinkKind.PCIE, bw=64)
-    return t
 
 
 def test_plan_default_cluster_per_leaf_is_one_interface_per_rail():
@@ -218,9 +208,9 @@ def test_plan_aggregate_sums_nics():
 def test_rates_scale_inversely_with_time_scale():
     assert scaled_rate_mbit(50, 1000) == pytest.approx(400)
     for k in (500, 2000, 4000):
-        plan = plan_network(_star(3, 25), time_scale=k)
+        plan = plan_network(star(3, nic_bw=25), time_scale=k)
         assert plan.interfaces[0].rate_mbit * k == pytest.approx(25 * 8e3)
-    wire = dict(plan_network(_star(2, 25), time_scale=2000).htb_specs()[0:1])
+    wire = dict(plan_network(star(2, nic_bw=25), time_scale=2000).htb_specs()[0:1])
     assert next(iter(wire.values())).rate_mbit == pytest.approx(100 * WIRE_OVERHEAD)
 
 

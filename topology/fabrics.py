@@ -270,6 +270,30 @@ def fat_tree(topo: Topology, nics_by_host: Sequence[Sequence[str]], *, k: int | 
     topo.meta["fabric"] = {"kind": "fat-tree", "k": k, "link_gbps": bw * 8, "host_ports": fat_tree_ports(k), "oversubscription": 1.0}
 
 
+def star(hosts: int, *, gpus_per_host: int = 1, nic_bw: float = 25.0, pcie_bw: float = 64.0, name: str | None = None) -> Topology:
+    """``hosts`` small servers (``gpus_per_host`` GPUs behind one NIC of ``nic_bw`` GB/s) on one leaf switch.
+
+    The smallest network the emulator can run and the simulator can check in
+    closed form: every inter-host flow crosses exactly its two hosts' NIC links.
+
+    >>> t = star(3)
+    >>> len(t.gpus()), len(t.switches("leaf")), t.graph["n0/nic0"]["leaf"][0]["bw"]
+    (3, 1, 25.0)
+    """
+    if hosts < 1 or gpus_per_host < 1:
+        raise TopologyError(f"star needs hosts >= 1 and gpus_per_host >= 1, got {hosts} and {gpus_per_host}")
+    t = Topology(name or f"star{hosts}", builder={"kind": "star", "hosts": hosts, "gpus_per_host": gpus_per_host, "nic_bw": nic_bw})
+    t.add_node("leaf", NodeKind.SWITCH, tier=SwitchTier.LEAF)
+    for i in range(hosts):
+        h = f"n{i}"
+        t.add_node(f"{h}/nic0", NodeKind.NIC, host=h, index=0, rail=0)
+        t.add_link(f"{h}/nic0", "leaf", LinkKind.NETWORK, nic_bw)
+        for k in range(gpus_per_host):
+            t.add_node(f"{h}/gpu{k}", NodeKind.GPU, host=h, index=k)
+            t.add_link(f"{h}/gpu{k}", f"{h}/nic0", LinkKind.PCIE, pcie_bw)
+    return t
+
+
 FabricBuilder = Callable[..., None]
 
 FABRIC_BUILDERS: dict[str, FabricBuilder] = {
