@@ -10,6 +10,13 @@ for none) and a traffic class ``prio[f]`` (0 is served first).
 - ``sharing="weighted"``: one weighted max-min allocation over all flows (the
   caller puts the class weights into ``w``).
 
+Optional per-entry coefficients ``coef[f, l] > 0``: flow ``f`` loads link
+``l`` at ``coef[f, l]`` times its rate (``sum_f coef[f, l]·rate[f] <= c[l]``).
+The rate is then a flow's *progress* in units of its own choosing, e.g. the
+fraction of its isolated speed for a job whose communication phase loads each
+link by a different amount (:mod:`emu.fluid`). Without coefficients every
+entry counts once, the classic case the packet-level simulator uses.
+
 Progressive filling (Bertsekas & Gallager, *Data Networks*, 6.5.2): raise the
 normalised level ``t`` of every unfrozen flow (rate ``w[f]·t``) until a link
 saturates or a flow reaches its cap; freeze the flows crossing saturated links
@@ -28,6 +35,13 @@ bottleneck levels, usually a handful.
 [0.5, 0.5, 2.5]
 >>> maxmin_rates_reference([[0], [0, 1], [1]], [1.0, 3.0])
 [0.5, 0.5, 2.5]
+
+With coefficients (job 0 loads link 0 with 10 units per unit of progress,
+job 1 with 10 on link 0 and 1 on link 1, job 2 with 4 on link 1) and every
+progress capped at 1:
+
+>>> maxmin_rates(indptr, links, np.array([10.0, 4.0]), coef=np.array([10.0, 10.0, 1.0, 4.0]), cap=np.ones(3)).tolist()
+[0.5, 0.5, 0.875]
 """
 
 from __future__ import annotations
@@ -49,15 +63,17 @@ def maxmin_rates(
     prio: np.ndarray | None = None,
     alive: np.ndarray | None = None,
     sharing: str = "strict",
+    coef: np.ndarray | None = None,
 ) -> np.ndarray:
     """Rates of the flows whose links are ``links[indptr[f]:indptr[f+1]]`` (CSR), in capacity units.
 
     ``alive`` (default all) masks the flows that take part; the others get 0.
-    A flow with no link gets its cap (``inf`` when uncapped).
+    A flow with no link gets its cap (``inf`` when uncapped). ``coef`` (aligned
+    with ``links``, default all 1) is the load of each entry per unit of rate.
     """
     n_flows = len(indptr) - 1
     entry_flow = np.repeat(np.arange(n_flows), np.diff(indptr))
-    return maxmin_rates_coo(entry_flow, links, n_flows, capacity, weight=weight, cap=cap, prio=prio, alive=alive, sharing=sharing)
+    return maxmin_rates_coo(entry_flow, links, n_flows, capacity, weight=weight, cap=cap, prio=prio, alive=alive, sharing=sharing, coef=coef)
 
 
 def maxmin_rates_coo(
@@ -71,11 +87,18 @@ def maxmin_rates_coo(
     prio: np.ndarray | None = None,
     alive: np.ndarray | None = None,
     sharing: str = "strict",
+    coef: np.ndarray | None = None,
 ) -> np.ndarray:
     """:func:`maxmin_rates` with the incidence as (flow, link) pairs (COO), the form the simulator keeps.
 
+    ``coef`` (one per entry, ``>= 0``; default all 1): flow ``entry_flow[i]``
+    loads link ``entry_link[i]`` at ``coef[i]`` times its rate. Entries with a
+    zero coefficient are ignored (the flow does not use that link).
+
     >>> maxmin_rates_coo(np.array([0, 1, 1, 2]), np.array([0, 0, 1, 1]), 3, np.array([1.0, 3.0])).tolist()
     [0.5, 0.5, 2.5]
+    >>> maxmin_rates_coo(np.array([0, 1]), np.array([0, 0]), 2, np.array([6.0]), coef=np.array([1.0, 2.0])).tolist()
+    [2.0, 2.0]
     """
     capacity = np.asarray(capacity, dtype=float)
     weight = np.ones(n_flows) if weight is None else np.asarray(weight, dtype=float)
@@ -83,29 +106,42 @@ def maxmin_rates_coo(
     alive = np.ones(n_flows, dtype=bool) if alive is None else np.asarray(alive, dtype=bool)
     entry_flow = np.asarray(entry_flow, dtype=np.intp)
     entry_link = np.asarray(entry_link, dtype=np.intp)
+    if coef is not None:
+        coef = np.asarray(coef, dtype=float)
+        if coef.shape != entry_flow.shape:
+            raise ValueError(f"coef must have one value per entry ({entry_flow.shape}), got {coef.shape}")
+        if not (coef >= 0).all() or not np.isfinite(coef).all():
+            raise ValueError("coef must be finite and >= 0")
+        used = coef > 0
+        if not used.all():
+            entry_flow, entry_link, coef = entry_flow[used], entry_link[used], coef[used]
     rate = np.zeros(n_flows)
     residual = capacity.astype(float, copy=True)
     if sharing == "weighted" or prio is None:
-        _fill(entry_flow, entry_link, alive.copy(), weight, cap, residual, capacity, rate)
+        _fill(entry_flow, entry_link, alive.copy(), weight, cap, residual, capacity, rate, coef)
     elif sharing == "strict":
         prio = np.asarray(prio)
         classes = np.unique(prio[alive])
         if len(classes) == 1:
-            _fill(entry_flow, entry_link, alive.copy(), weight, cap, residual, capacity, rate)
+            _fill(entry_flow, entry_link, alive.copy(), weight, cap, residual, capacity, rate, coef)
         else:
             for c in classes:
-                _fill(entry_flow, entry_link, alive & (prio == c), weight, cap, residual, capacity, rate)
+                _fill(entry_flow, entry_link, alive & (prio == c), weight, cap, residual, capacity, rate, coef)
     else:
         raise ValueError(f"sharing must be 'strict' or 'weighted', got {sharing!r}")
     return rate
 
 
 def _fill(entry_flow: np.ndarray, entry_link: np.ndarray, active: np.ndarray, weight: np.ndarray, cap: np.ndarray,
-          residual: np.ndarray, capacity: np.ndarray, rate: np.ndarray) -> None:
-    """Progressive filling of the ``active`` flows on ``residual`` capacity (both updated in place)."""
+          residual: np.ndarray, capacity: np.ndarray, rate: np.ndarray, coef: np.ndarray | None = None) -> None:
+    """Progressive filling of the ``active`` flows on ``residual`` capacity (both updated in place).
+
+    ``coef`` (per entry, all > 0) scales each entry's load; ``None`` is the unit case, kept on its own code path.
+    """
     n_links = len(residual)
     keep = active[entry_flow]
     ef, el = entry_flow[keep], entry_link[keep]
+    ec = None if coef is None else coef[keep]
     # flows without any link are limited by their cap alone
     has_link = np.zeros(len(active), dtype=bool)
     has_link[ef] = True
@@ -120,8 +156,10 @@ def _fill(entry_flow: np.ndarray, entry_link: np.ndarray, active: np.ndarray, we
         active &= ~blocked
         keep = active[ef]
         ef, el = ef[keep], el[keep]
+        if ec is not None:
+            ec = ec[keep]
     while ef.size:
-        wsum = np.bincount(el, weights=weight[ef], minlength=n_links)
+        wsum = np.bincount(el, weights=weight[ef] if ec is None else weight[ef] * ec, minlength=n_links)
         used = wsum > 0
         level = float(np.min(residual[used] / wsum[used]))
         idx = np.flatnonzero(active)
@@ -139,6 +177,8 @@ def _fill(entry_flow: np.ndarray, entry_link: np.ndarray, active: np.ndarray, we
         active &= ~frozen
         keep = active[ef]
         ef, el = ef[keep], el[keep]
+        if ec is not None:
+            ec = ec[keep]
 
 
 def maxmin_rates_reference(
@@ -149,13 +189,20 @@ def maxmin_rates_reference(
     cap: Sequence[float] | None = None,
     prio: Sequence[int] | None = None,
     sharing: str = "strict",
+    coef: Sequence[Sequence[float]] | None = None,
 ) -> list[float]:
     """The same allocation computed with plain Python loops, one flow and one link at a time.
 
     It is the baseline of the benchmark and the oracle of the tests; it shares
-    no code with :func:`maxmin_rates`.
+    no code with :func:`maxmin_rates`. ``coef[f][i]`` is the load flow ``f``
+    puts on link ``paths[f][i]`` per unit of rate (default 1).
     """
     n = len(paths)
+    if coef is not None:  # drop zero-coefficient entries: such a flow does not use that link
+        paths = [[link for link, k in zip(p, c, strict=True) if k > 0] for p, c in zip(paths, coef, strict=True)]
+        coef = [[k for k in c if k > 0] for c in coef]
+    else:
+        coef = [[1.0] * len(p) for p in paths]
     weight = list(weight) if weight is not None else [1.0] * n
     cap = list(cap) if cap is not None else [float("inf")] * n
     prio = list(prio) if prio is not None else [0] * n
@@ -173,8 +220,8 @@ def maxmin_rates_reference(
         while active:
             load: dict[int, float] = {}
             for f in active:
-                for link in paths[f]:
-                    load[link] = load.get(link, 0.0) + weight[f]
+                for link, k in zip(paths[f], coef[f], strict=True):
+                    load[link] = load.get(link, 0.0) + weight[f] * k
             step = min(residual[link] / w for link, w in load.items())
             for f in active:
                 step = min(step, (cap[f] - rate[f]) / weight[f])
@@ -194,7 +241,8 @@ def maxmin_rates_reference(
 
 
 def check_maxmin(paths: Sequence[Sequence[int]], capacity: Sequence[float], rate: Sequence[float], *, weight: Sequence[float] | None = None,
-                 cap: Sequence[float] | None = None, prio: Sequence[int] | None = None, sharing: str = "strict", tol: float = 1e-6) -> list[str]:
+                 cap: Sequence[float] | None = None, prio: Sequence[int] | None = None, sharing: str = "strict", tol: float = 1e-6,
+                 coef: Sequence[Sequence[float]] | None = None) -> list[str]:
     """The violations of the max-min fairness conditions by ``rate`` (empty when it is max-min fair).
 
     Feasibility: no link over capacity, no flow over its cap. Bottleneck
@@ -204,17 +252,23 @@ def check_maxmin(paths: Sequence[Sequence[int]], capacity: Sequence[float], rate
     sharing), and, under strict priority, no flow of a lower class gets any of
     that link. An allocation with these properties is the max-min fair one:
     no flow could go faster without slowing a flow whose normalised rate is
-    smaller or equal.
+    smaller or equal. With ``coef`` a link's load is ``sum coef[f][i]·rate[f]``
+    (the bottleneck property is unchanged: the coefficients are positive).
     """
     n = len(paths)
+    if coef is not None:
+        paths = [[link for link, k in zip(p, c, strict=True) if k > 0] for p, c in zip(paths, coef, strict=True)]
+        coef = [[k for k in c if k > 0] for c in coef]
+    else:
+        coef = [[1.0] * len(p) for p in paths]
     weight = list(weight) if weight is not None else [1.0] * n
     cap = list(cap) if cap is not None else [float("inf")] * n
     prio = list(prio) if prio is not None else [0] * n
     load = [0.0] * len(capacity)
     users: dict[int, list[int]] = {}
     for f, path in enumerate(paths):
-        for link in path:
-            load[link] += rate[f]
+        for link, k in zip(path, coef[f], strict=True):
+            load[link] += rate[f] * k
             users.setdefault(link, []).append(f)
     problems = []
     for link, c in enumerate(capacity):

@@ -1,0 +1,244 @@
+"""emu.fluid (job-level periodic fluid simulation) and the coefficient option of emu.sim_maxmin."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from emu.fluid import (
+    PeriodicFluidModel,
+    PeriodicJob,
+    binding_components,
+    iteration_times,
+    simulate_periodic,
+    simulate_periodic_reference,
+)
+from emu.sim_maxmin import check_maxmin, maxmin_rates, maxmin_rates_coo, maxmin_rates_reference
+
+# -- the solver with coefficients ------------------------------------------------------------------------------
+
+
+@st.composite
+def coef_instances(draw):
+    n_links = draw(st.integers(1, 5))
+    n_flows = draw(st.integers(1, 7))
+    capacity = draw(st.lists(st.integers(1, 20).map(float), min_size=n_links, max_size=n_links))
+    paths = [sorted(draw(st.sets(st.integers(0, n_links - 1), min_size=1, max_size=n_links))) for _ in range(n_flows)]
+    coef = [[draw(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0, 7.0])) for _ in p] for p in paths]
+    weight = draw(st.lists(st.sampled_from([1.0, 2.0]), min_size=n_flows, max_size=n_flows))
+    cap = draw(st.lists(st.one_of(st.just(math.inf), st.sampled_from([0.5, 1.0, 3.0])), min_size=n_flows, max_size=n_flows))
+    prio = draw(st.lists(st.integers(0, 1), min_size=n_flows, max_size=n_flows))
+    sharing = draw(st.sampled_from(["strict", "weighted"]))
+    return paths, coef, capacity, weight, cap, prio, sharing
+
+
+@settings(max_examples=150, deadline=None)
+@given(coef_instances())
+def test_coefficient_solver_matches_reference_and_is_maxmin_fair(inst):
+    paths, coef, capacity, weight, cap, prio, sharing = inst
+    indptr = np.cumsum([0] + [len(p) for p in paths])
+    links = np.asarray([link for p in paths for link in p], dtype=np.intp)
+    flat = np.asarray([k for c in coef for k in c])
+    fast = maxmin_rates(indptr, links, np.asarray(capacity), weight=np.asarray(weight), cap=np.asarray(cap), prio=np.asarray(prio),
+                        sharing=sharing, coef=flat)
+    ref = maxmin_rates_reference(paths, capacity, weight=weight, cap=cap, prio=prio, sharing=sharing, coef=coef)
+    assert fast.tolist() == pytest.approx(ref, rel=1e-9, abs=1e-9)
+    assert check_maxmin(paths, capacity, fast.tolist(), weight=weight, cap=cap, prio=prio, sharing=sharing, coef=coef) == []
+
+
+@settings(max_examples=60, deadline=None)
+@given(coef_instances())
+def test_unit_coefficients_are_the_classic_solver_bit_for_bit(inst):
+    paths, _, capacity, weight, cap, prio, sharing = inst
+    ef = np.repeat(np.arange(len(paths)), [len(p) for p in paths])
+    el = np.asarray([link for p in paths for link in p], dtype=np.intp)
+    kw = {"weight": np.asarray(weight), "cap": np.asarray(cap), "prio": np.asarray(prio), "sharing": sharing}
+    plain = maxmin_rates_coo(ef, el, len(paths), np.asarray(capacity), **kw)
+    unit = maxmin_rates_coo(ef, el, len(paths), np.asarray(capacity), coef=np.ones(len(ef)), **kw)
+    assert np.array_equal(plain, unit)
+
+
+def test_coefficient_closed_form_and_checker():
+    # one link of 12: flow 0 loads it 1x, flow 1 3x; equal rates r with r + 3r = 12
+    assert maxmin_rates_coo(np.array([0, 1]), np.array([0, 0]), 2, np.array([12.0]), coef=np.array([1.0, 3.0])).tolist() == [3.0, 3.0]
+    assert check_maxmin([[0], [0]], [12.0], [3.0, 3.0], coef=[[1.0], [3.0]]) == []
+    assert check_maxmin([[0], [0]], [12.0], [6.0, 2.0], coef=[[1.0], [3.0]])  # flow 1 below flow 0 on its bottleneck
+    with pytest.raises(ValueError):
+        maxmin_rates_coo(np.array([0]), np.array([0]), 1, np.array([1.0]), coef=np.array([-1.0]))
+
+
+# -- the periodic fluid simulation: closed forms -------------------------------------------------------------
+
+
+def _job(name, compute, comm, demand, phase=0.0):
+    return PeriodicJob(name, compute, comm, demand, phase)
+
+
+@pytest.mark.parametrize("n", [2, 3, 5])
+def test_identical_jobs_in_phase_share_the_link(n):
+    jobs = [_job(f"j{i}", 0.08, 0.02, {"l": 10.0}) for i in range(n)]
+    # all communicate together at 1/n of the link: comm takes n x as long, and they stay in phase
+    assert iteration_times(jobs, {"l": 10.0}) == pytest.approx({f"j{i}": 0.08 + n * 0.02 for i in range(n)})
+
+
+def test_interleaved_jobs_see_no_slowdown_and_partial_overlap_is_closed_form():
+    a = _job("a", 0.05, 0.05, {"l": 10.0})
+    assert iteration_times([a, _job("b", 0.05, 0.05, {"l": 10.0}, 0.05)], {"l": 10.0}) == pytest.approx({"a": 0.1, "b": 0.1})
+    # a shift s < comm: the steady state is compute + comm + (comm - s) when both move in lockstep; check with the reference
+    b = _job("b", 0.05, 0.05, {"l": 10.0}, 0.02)
+    fast = simulate_periodic([a, b], {"l": 10.0}, iterations=12)
+    ref = simulate_periodic_reference([a, b], {"l": 10.0}, iterations=12)
+    for i in range(2):
+        assert fast.ends[i] == pytest.approx(ref.ends[i], rel=1e-9)
+
+
+def test_links_that_cannot_saturate_do_not_slow_anyone():
+    # demands sum to the capacity: the link never limits progress
+    jobs = [_job("a", 0.03, 0.07, {"l": 4.0}), _job("b", 0.01, 0.05, {"l": 6.0})]
+    assert iteration_times(jobs, {"l": 10.0}) == pytest.approx({"a": 0.1, "b": 0.06})
+    assert binding_components(jobs, {"l": 10.0}) == [[0], [1]]
+
+
+def test_a_link_slower_than_the_demand_stretches_communication():
+    # alone on a link of 5 GB/s with a demand of 10: progress 0.5, comm twice as long
+    assert iteration_times([_job("a", 0.1, 0.2, {"l": 10.0})], {"l": 5.0}) == pytest.approx({"a": 0.5})
+
+
+def test_progress_shares_with_coefficients():
+    # a (demand 10 on l) and b (demand 10 on l, 1 on m) and c (4 on m): a and b get 1/2, c alone on m with 4 - 0.5... fits
+    jobs = [_job("a", 0.0, 0.1, {"l": 10.0}), _job("b", 0.0, 0.1, {"l": 10.0, "m": 1.0}), _job("c", 0.0, 0.1, {"m": 4.0})]
+    out = iteration_times(jobs, {"l": 10.0, "m": 4.0})
+    assert out["a"] == pytest.approx(0.2) and out["b"] == pytest.approx(0.2)
+    # c progresses at 0.875 while b communicates (4 - 0.5 = 3.5 of 4), then at 1: strictly between 0.1 and 0.1/0.875
+    assert 0.1 < out["c"] < 0.1 / 0.875 + 1e-9
+
+
+def test_compute_only_jobs_and_validation():
+    assert iteration_times([_job("a", 0.2, 0.0, {"l": 10.0})], {"l": 1.0}) == pytest.approx({"a": 0.2})
+    with pytest.raises(ValueError):
+        iteration_times([_job("a", 0.1, 0.1, {"l": 1.0})], {})
+    with pytest.raises(ValueError):
+        iteration_times([_job("a", 0.1, 0.1, {"l": 1.0}), _job("a", 0.1, 0.1, {})], {"l": 1.0})
+    with pytest.raises(ValueError):
+        iteration_times([_job("a", 0.1, 0.1, {"l": 1.0})], {"l": 1.0}, iterations=0)
+
+
+# -- the fast simulation against the dense reference ---------------------------------------------------------
+
+
+@st.composite
+def fluid_instances(draw):
+    n_links = draw(st.integers(1, 4))
+    n_jobs = draw(st.integers(1, 6))
+    capacity = {f"l{k}": float(draw(st.integers(2, 20))) for k in range(n_links)}
+    jobs = []
+    for i in range(n_jobs):
+        period = draw(st.sampled_from([0.05, 0.1, 0.15, 0.2, 0.3]))
+        share = draw(st.sampled_from([0.0, 0.2, 0.5, 0.8, 1.0]))
+        links = draw(st.sets(st.sampled_from(sorted(capacity)), min_size=0, max_size=n_links))
+        demand = {link: float(draw(st.integers(1, 20))) for link in sorted(links)}
+        phase = draw(st.floats(0, 0.5, allow_nan=False))
+        jobs.append(_job(f"j{i}", period * (1 - share), period * share, demand, phase))
+    return jobs, capacity
+
+
+@settings(max_examples=120, deadline=None)
+@given(fluid_instances(), st.integers(1, 6))
+def test_fast_simulation_equals_the_dense_reference(inst, iterations):
+    jobs, capacity = inst
+    fast = simulate_periodic(jobs, capacity, iterations=iterations)
+    ref = simulate_periodic_reference(jobs, capacity, iterations=iterations)
+    for i, j in enumerate(jobs):
+        k = min(len(fast.ends[i]), len(ref.ends[i]))
+        assert k >= iterations
+        assert fast.ends[i][:k] == pytest.approx(ref.ends[i][:k], rel=1e-7, abs=1e-9), j.name
+        # the two may stop one iteration apart for a job whose iteration ends within rounding of the last job's end
+        assert abs(len(fast.ends[i]) - len(ref.ends[i])) <= 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(fluid_instances())
+def test_no_job_beats_its_isolated_period_and_the_model_splits_exactly(inst):
+    jobs, capacity = inst
+    model = PeriodicFluidModel(capacity)
+    out = model(jobs)
+    for j in jobs:
+        solo = iteration_times([j], capacity)[j.name]
+        assert out[j.name] >= solo * (1 - 1e-9)
+    # independent components: the model's answer is each component simulated alone
+    for comp in binding_components(jobs, capacity):
+        part = iteration_times([jobs[i] for i in comp], capacity)
+        assert {jobs[i].name: out[jobs[i].name] for i in comp} == pytest.approx(part, rel=1e-9)
+    # asking again (same objects; renamed copies) hits the caches and answers the same
+    assert model(jobs) == out
+    renamed = [PeriodicJob("x" + j.name, j.compute_s, j.comm_s, j.demand, j.phase_s) for j in jobs]
+    assert model(renamed) == pytest.approx({"x" + k: v for k, v in out.items()}, rel=1e-9)
+
+
+def test_large_random_component_fast_equals_reference():
+    rng = random.Random(7)
+    links = [f"l{k}" for k in range(30)]
+    capacity = dict.fromkeys(links, 50.0)
+    jobs = []
+    for i in range(25):
+        period = rng.choice([0.1, 0.2, 0.35])
+        comm = period * rng.uniform(0.2, 0.6)
+        jobs.append(_job(f"j{i}", period - comm, comm, {link: rng.uniform(20, 50) for link in rng.sample(links, 4)}, rng.uniform(0, 1)))
+    fast = simulate_periodic(jobs, capacity, iterations=4)
+    ref = simulate_periodic_reference(jobs, capacity, iterations=4)
+    assert fast.mean_iteration_s() == pytest.approx(ref.mean_iteration_s(), rel=1e-7)
+    assert fast.events == ref.events
+
+
+# -- against the flow-level simulator -----------------------------------------------------------------------------
+
+
+def test_single_flow_jobs_agree_with_emu_sim():
+    """Jobs of one point-to-point flow each, equal NICs: per-job progress fairness is emu's per-flow fairness."""
+    from emu.sim import simulate
+    from emu.workload import ComputePhase, Job, P2PPhase, Transfer, Workload
+    from topology.fabrics import star
+
+    topo = star(4, gpus_per_host=2, nic_bw=10.0)
+    g = topo.graph
+    specs = {"a": ("n0/gpu0", "n1/gpu0", 0.020, 0.25e9, 0.0), "b": ("n0/gpu1", "n2/gpu0", 0.035, 0.4e9, 0.013),
+             "c": ("n3/gpu0", "n1/gpu1", 0.010, 0.15e9, 0.004)}
+    iters = 8
+    wl = Workload("fluid-check", [Job(n, (s, d), (ComputePhase("c", comp), P2PPhase("x", (Transfer(s, d, nbytes),), after=("c",))),
+                                      iterations=iters, start_offset=off) for n, (s, d, comp, nbytes, off) in specs.items()])
+    res = simulate(topo, wl, routing="shortest", latency=False, record_flows=False, track_links="none")
+    path = {"a": ["n0/gpu0", "n0/nic0", "leaf", "n1/nic0", "n1/gpu0"], "b": ["n0/gpu1", "n0/nic0", "leaf", "n2/nic0", "n2/gpu0"],
+            "c": ["n3/gpu0", "n3/nic0", "leaf", "n1/nic0", "n1/gpu1"]}
+    capacity, jobs = {}, []
+    for n, (_, _, comp, nbytes, off) in specs.items():
+        hops = [(u, v, 0) for u, v in zip(path[n], path[n][1:], strict=False)]
+        for e in hops:
+            capacity[e] = float(g.edges[e]["bw"])
+        rate = min(capacity[e] for e in hops)  # GB/s alone: the NIC
+        jobs.append(_job(n, comp, nbytes / 1e9 / rate, dict.fromkeys(hops, rate), off))
+    fluid = simulate_periodic(jobs, capacity, iterations=iters)
+    # compare while every emu job still runs (after one stops, emu has less contention than the fluid model)
+    stop = min(r.iteration_ends[-1] for r in res.jobs.values())
+    compared = 0
+    for i, j in enumerate(jobs):
+        emu_ends = [t for t in res.jobs[j.name].iteration_ends if t <= stop]
+        assert fluid.ends[i][: len(emu_ends)] == pytest.approx(emu_ends, rel=1e-9, abs=1e-12)
+        compared += len(emu_ends)
+    assert compared >= 12
+    assert len(binding_components(jobs, capacity)) == 1  # all three really interact
+
+
+@settings(max_examples=40, deadline=None)
+@given(fluid_instances(), st.lists(st.sets(st.integers(0, 5)), min_size=1, max_size=6))
+def test_incremental_model_answers_like_a_fresh_one(inst, subsets):
+    """Jobs come and go (same objects while they stay): the incremental answers equal a fresh model's."""
+    jobs, capacity = inst
+    model = PeriodicFluidModel(capacity)
+    for subset in subsets:
+        now = [jobs[i] for i in sorted(subset) if i < len(jobs)]
+        assert model(now) == pytest.approx(PeriodicFluidModel(capacity)(now), rel=1e-12)
