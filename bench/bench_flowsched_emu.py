@@ -57,8 +57,8 @@ def _intrajob_name(balance: float) -> str:
     return "flowsched_intrajob" if balance == DEFAULT_BALANCE else f"flowsched_intrajob_b{balance:g}"
 
 
-def intrajob(quick: bool, repeats: int, balance: float = DEFAULT_BALANCE) -> None:
-    setup = IntrajobSetup(rate_mbit=80.0, iters=5 if quick else 6, rounds=1 if quick else 3, balance=balance)
+def intrajob(quick: bool, repeats: int, balance: float = DEFAULT_BALANCE, **setup_options: float) -> None:
+    setup = IntrajobSetup(iters=5 if quick else 6, rounds=1 if quick else 3, balance=balance, **setup_options)
     reports = []
     for rep in range(repeats):
         t0 = time.monotonic()
@@ -215,6 +215,10 @@ def main() -> None:
     parser.add_argument("--only", default="intrajob,contention")
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--balance", type=float, default=DEFAULT_BALANCE, help="intra-job: target compute / communication ratio")
+    parser.add_argument("--layers", type=int, default=IntrajobSetup.layers, help="intra-job: MLP depth (512 x 512 layers)")
+    parser.add_argument("--rate-mbit", type=float, default=IntrajobSetup.rate_mbit, help="intra-job: emulated link rate")
+    parser.add_argument("--compute-nice", type=int, default=IntrajobSetup.compute_nice,
+                        help="intra-job: training threads this many nice levels below communication (0: equal)")
     parser.add_argument("--from-json", action="store_true", help="re-render the intra-job results from their saved JSON (no emulation)")
     args = parser.parse_args()
     if args.from_json:
@@ -225,7 +229,8 @@ def main() -> None:
         sys.exit("bench_flowsched_emu needs root (Mininet)")
     parts = args.only.split(",")
     if "intrajob" in parts:
-        intrajob(args.quick, args.repeats or (1 if args.quick else 3), args.balance)
+        intrajob(args.quick, args.repeats or (1 if args.quick else 3), args.balance,
+                 layers=args.layers, rate_mbit=args.rate_mbit, compute_nice=args.compute_nice)
     if "contention" in parts:
         contention(args.quick, args.repeats or (1 if args.quick else 3))
 

@@ -384,23 +384,27 @@ class IntrajobSetup:
     emulated seconds are the job's seconds. ``balance`` > 0 lets the ranks scale
     the batch (starting from ``batch``) until compute ~= ``balance`` x
     communication: on a shared machine compute time follows the load, and the
-    regime (how bandwidth-bound the job is) should not.
+    regime (how bandwidth-bound the job is) should not. ``compute_nice`` runs
+    the ranks' training threads that many nice levels below their
+    communication threads, standing in for GPU compute, which does not take
+    the CPU from the network stack (see :mod:`flowsched.torchrun_job`).
 
     >>> s = IntrajobSetup()
     >>> round(s.gradient_bytes / 1e6, 2), s.rank_args(0, "10.0.1.1", "fvh0-eth0")[:4]
-    (5.25, ['--rank', '0', '--world', '2'])
+    (10.51, ['--rank', '0', '--world', '2'])
     """
 
     world: int = 2
-    rate_mbit: float = 80.0
-    layers: int = 5
+    rate_mbit: float = 120.0
+    layers: int = 10
     width: int = 512
     batch: int = 1024
     iters: int = 6
     warmup: int = 2
     rounds: int = 3
     threads: int = 1
-    balance: float = 0.65
+    balance: float = 0.6
+    compute_nice: int = 10
     master_port: int = 29611
 
     def __post_init__(self) -> None:
@@ -422,7 +426,7 @@ class IntrajobSetup:
         return ["--rank", str(rank), "--world", str(self.world), "--master-addr", master_addr, "--master-port", str(self.master_port),
                 "--ifname", ifname, "--layers", str(self.layers), "--width", str(self.width), "--batch", str(self.batch),
                 "--iters", str(self.iters), "--warmup", str(self.warmup), "--rounds", str(self.rounds), "--threads", str(self.threads),
-                "--balance", str(self.balance)]
+                "--balance", str(self.balance), "--compute-nice", str(self.compute_nice)]
 
 
 def summarize_intrajob(report: dict[str, Any]) -> dict[str, Any]:
