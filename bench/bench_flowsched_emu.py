@@ -108,6 +108,9 @@ Setup: {setup.world} emulated hosts on one switch, {setup.rate_mbit:g} Mbit/s li
 (GLOO_SOCKET_IFNAME = the host's interface, 1 torch thread), MLP of {setup.layers} x ({setup.width} x {setup.width}) linear layers
 ({setup.gradient_bytes / 1e6:.2f} MB of gradients); batch scaled by the ranks until compute ~= {setup.balance:g} x communication
 (compute time follows the shared machine's load; batch per run: {', '.join(str(r['batch']) for r in reports)});
+training threads {setup.compute_nice} nice levels below the communication threads (gloo's workers, the scheduler's thread),
+for every method and for the compute-only rounds alike: on a GPU machine compute does not take the cores that drive
+the network, here it would (flowsched.torchrun_job);
 {setup.rounds} round(s) x {setup.iters} timed iterations per method,
 methods interleaved; iteration time = period between iteration starts, max over ranks; {repeats} run(s).
 All-reduce goodput measured on the link: {probe['goodput_bytes_per_s'] / 1e6:.2f} MB/s ({probe['bytes'] / 1e6:g} MB all-reduces),
@@ -123,9 +126,13 @@ communication path itself runs at the measured goodput. `modelled_s` (flowsched.
 measured in the job) puts ByteScheduler at {mod_bs:.3f} s, {mod_over:.0%} over the bound, because the first gradient is ready
 only part-way into backward and the next forward's first layer needs the last-ready gradient (max(compute, comm) ignores
 that dependency), and puts default DDP at {mod_ddp:.3f} s, i.e. a modelled speed-up of {mod_speed:.2f}x{reach}.
+The model's distance to the bound shrinks with depth (the first gradient is ready after one layer's backward, the last
+forward waits for one layer's all-reduce), which is why this benchmark uses {setup.layers} layers: with 5 layers the same
+model gives ByteScheduler 12% over the bound and 1.25x over DDP at compute = 0.6 x comm.
 The measured iterations exceed the model by a further
 {excess:.3f} s (ByteScheduler): overlapped, the two ranks' compute threads, gloo's threads, the scheduler's communication
-thread and the kernel's forwarding share 2 cores with other engineers' work, so communication runs slower than alone.
+thread and the kernel's forwarding share 2 cores (with whatever else runs on the machine; see cpu_busy), so some
+iterations' collectives run slower than alone (`comm_log` in the JSON has every iteration's issue and completion times).
 Goal (>= 1.25x vs DDP and within 15% of the bound): {status};
 pooled {pooled_speed:.2f}x vs DDP and {pooled_over:.0%} over the bound (best run {best_speed:.2f}x).
 """

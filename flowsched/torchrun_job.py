@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runs = (COMPUTE_ONLY, *METHODS)
     times: dict[str, list[float]] = {m: [] for m in runs}
     comm: dict[str, list[float]] = {m: [] for m in runs}
-    comm_log: dict[str, dict[str, Any]] = {}
+    comm_log: dict[str, list[dict[str, Any]]] = {}
     losses: dict[str, list[float]] = {m: [] for m in runs}
     for _ in range(args.rounds):
         for method in runs:
@@ -213,11 +213,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         losses[method].append(float(loss.detach()))
                     sched.synchronize(step=True)
                 comm[method] += [log.done[-1] for log in sched.logs[args.warmup:] if log.done]
-                # one steady-state iteration's collectives (issue / completion, seconds since backward start): where the time goes
-                if len(sched.logs) > args.warmup:
-                    sample = sched.logs[args.warmup]
-                    comm_log[method] = {"issue": sample.issue, "done": sample.done, "order": sample.order,
-                                        "backward_s": starts_bwd[args.warmup] - starts[args.warmup] if starts_bwd else None}
+                # every steady-state iteration's collectives (issue / completion, seconds since backward start) and the time
+                # from iteration start to backward start (forward, including its waits for reduced gradients): where the time goes
+                comm_log.setdefault(method, []).extend(
+                    {"issue": log.issue, "done": log.done, "forward_s": b - a}
+                    for log, a, b in list(zip(sched.logs, starts, starts_bwd, strict=False))[args.warmup:])
                 sched.close()
             periods = [b - a for a, b in zip(starts, starts[1:], strict=False)][args.warmup:]
             t = torch.tensor(periods, dtype=torch.float64)
