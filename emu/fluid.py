@@ -36,6 +36,7 @@ dense :func:`simulate_periodic_reference` up to rounding):
 - a link whose users' demands sum to at most its capacity can never saturate
   (``x <= 1``) and is dropped; a link with one user becomes a cap on that
   user's progress (as does any link whose capacity is below one user's demand);
+  of several links with the same users, demands and capacity one is kept;
 - the max-min allocation decomposes over the connected components of the
   communicating jobs linked by the remaining (*binding*) links, so an event
   re-solves only the component of the job that started or stopped
@@ -149,6 +150,51 @@ def _users(jobs: Sequence[PeriodicJob]) -> dict[Link, list[tuple[int, float]]]:
     return users
 
 
+_SMALL = 12  # below this many communicating jobs, plain-Python filling beats numpy's per-call overhead
+
+
+def _fill_progress(links: list[list[tuple[int, float]]], capacity: Sequence[float], own: list[float]) -> list[float]:
+    """Max-min progress of a few jobs: ``links[p]`` = (link, demand) pairs of job ``p``, progress capped at ``own[p]``.
+
+    Progressive filling with coefficients in plain Python (all weights 1, so
+    every unfrozen job sits at the same level); the same allocation as
+    :func:`emu.sim_maxmin.maxmin_rates_coo` with ``coef`` and ``cap=own``,
+    with its tolerances.
+    """
+    m = len(links)
+    x = [0.0] * m
+    residual = {k: capacity[k] for ls in links for k, _ in ls}
+    active = [p for p in range(m) if links[p]]
+    for p in range(m):
+        if not links[p]:
+            x[p] = own[p]
+    level = 0.0
+    while active:
+        load: dict[int, float] = {}
+        for p in active:
+            for k, d in links[p]:
+                load[k] = load.get(k, 0.0) + d
+        step = min(own[p] - level for p in active)
+        for k, w in load.items():
+            step = min(step, residual[k] / w)
+        step = max(step, 0.0)
+        level += step
+        saturated = set()
+        for k, w in load.items():
+            residual[k] -= step * w
+            if residual[k] <= 1e-9 * capacity[k]:
+                residual[k] = 0.0
+                saturated.add(k)
+        still = []
+        for p in active:
+            if own[p] - level <= 1e-9 * abs(own[p]) or any(k in saturated for k, _ in links[p]):
+                x[p] = level
+            else:
+                still.append(p)
+        active = still
+    return x
+
+
 def _own_caps(n: int, users: Mapping[Link, list[tuple[int, float]]], capacity: Mapping[Link, float]) -> list[float]:
     """Each job's progress limit alone on its links: ``min(1, capacity / demand)`` over them."""
     own = [1.0] * n
@@ -198,11 +244,16 @@ def binding_components(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, floa
     return list(groups.values())
 
 
-def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float], *, iterations: int = 4) -> PeriodicRun:
+def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float], *, iterations: int = 4,
+                      rate_memo: dict[tuple, list[float]] | None = None, job_keys: Sequence[Hashable] | None = None) -> PeriodicRun:
     """Event-driven simulation of the fluid model (see the module docstring) until every job has done ``iterations``.
 
     Jobs without communication (``comm_s == 0``) are not simulated: their
-    iterations are their compute time.
+    iterations are their compute time. ``rate_memo`` (with ``job_keys``, one
+    sortable key per job that names its demands for good): the progress rates
+    of sets of communicating jobs, shared between runs; the max-min rates of
+    a set depend only on its jobs' demands and the capacities, so a later run
+    over some of the same jobs reuses them.
     """
     _validate(jobs, capacity, iterations)
     n = len(jobs)
@@ -220,8 +271,15 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
     users = _users(jobs)
     binding = {link: us for link, us in users.items() if len(us) > 1 and sum(d for _, d in us) > capacity[link]}
     own_cap = _own_caps(len(jobs), users, capacity)
+    # links that carry the same jobs at the same demands and have the same capacity constrain alike: keep one of each
+    # (a ring over eight rails loads eight such links)
+    distinct: dict[tuple, Link] = {}
+    for link, us in binding.items():
+        distinct.setdefault((tuple(sorted(us)), capacity[link]), link)
+    binding = {link: binding[link] for link in distinct.values()}
     link_ids = {link: k for k, link in enumerate(binding)}
-    cap_arr = np.array([float(capacity[link]) for link in binding])
+    cap_list = [float(capacity[link]) for link in binding]
+    cap_arr = np.array(cap_list)
     job_links: list[list[tuple[int, float]]] = [[] for _ in range(n)]
     nbrs: list[set[int]] = [set() for _ in range(n)]
     for link, us in binding.items():
@@ -240,7 +298,8 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
     ver = [0] * n
     state = [0] * n  # 0 before the first start, 1 computing, 2 communicating
     iter_start = list(starts)
-    memo: dict[tuple[int, ...], list[float]] = {}
+    memo: dict[tuple, list[float]] = {} if rate_memo is None else rate_memo
+    keys: Sequence[Hashable] = range(n) if job_keys is None else job_keys
     heap: list[tuple[float, int, int, int]] = []
     seq = 0
     for i in sim:
@@ -260,26 +319,37 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
         return sorted(comp)
 
     def rates(comp: list[int]) -> list[float]:
+        """Max-min progress rates of the communicating component ``comp`` (sorted indices), aligned with it."""
         if len(comp) == 1:
             return [own_cap[comp[0]]]
-        key = tuple(comp)
+        if job_keys is None:
+            ordered, key = comp, tuple(comp)
+        else:  # in key order: the same set of jobs may carry other indices in another run
+            ordered = sorted(comp, key=keys.__getitem__)
+            key = tuple(keys[i] for i in ordered)
         hit = memo.get(key)
-        if hit is not None:
+        if hit is None:
+            run.solves += 1
+            ef, el, co = [], [], []
+            if len(ordered) > _SMALL:
+                for pos, i in enumerate(ordered):
+                    for k, d in job_links[i]:
+                        ef.append(pos)
+                        el.append(k)
+                        co.append(d)
+            if len(ordered) <= _SMALL:
+                hit = _fill_progress([job_links[i] for i in ordered], cap_list, [own_cap[i] for i in ordered])
+            else:
+                uniq, local = np.unique(np.asarray(el, dtype=np.intp), return_inverse=True)
+                hit = maxmin_rates_coo(np.asarray(ef, dtype=np.intp), local, len(ordered), cap_arr[uniq],
+                                       cap=np.array([own_cap[i] for i in ordered]), coef=np.asarray(co)).tolist()
+            memo[key] = hit
+        else:
             run.memo_hits += 1
+        if ordered is comp:
             return hit
-        run.solves += 1
-        ef, el, co = [], [], []
-        for pos, i in enumerate(comp):
-            for k, d in job_links[i]:
-                ef.append(pos)
-                el.append(k)
-                co.append(d)
-        el_arr = np.asarray(el, dtype=np.intp)
-        uniq, local = np.unique(el_arr, return_inverse=True)
-        out = maxmin_rates_coo(np.asarray(ef, dtype=np.intp), local, len(comp), cap_arr[uniq], cap=np.array([own_cap[i] for i in comp]),
-                               coef=np.asarray(co)).tolist()
-        memo[key] = out
-        return out
+        by = dict(zip(ordered, hit, strict=True))
+        return [by[i] for i in comp]
 
     def resolve(seeds: Sequence[int], t: float, new: int = -1) -> None:
         """Re-solve the components of ``seeds`` among the communicating jobs; reschedule the jobs whose rate changed."""
@@ -427,11 +497,25 @@ class PeriodicFluidModel:
       on names or link identities; values enter it rounded to 9 significant
       digits (relative change of the inputs <= 1e-9).
 
-    Both are exact. ``phase_quantum`` (fraction of a period, default 0: off)
-    coarsens the starts in the signature so that groups that differ only by
-    small phase offsets share one simulation: an approximation (the answer is
-    the one of the first group simulated in that bin) whose error callers
-    should measure.
+    and the progress rates of every set of communicating jobs met so far
+    (``rate_memo``), shared by all simulations: a group re-simulated after a
+    change re-solves only the sets that involve the new or changed jobs.
+
+    All of this is exact. Two options trade exactness for speed; both are off
+    by default, and callers should measure their error:
+
+    - ``phase_quantum`` (fraction of a period) coarsens the starts in the
+      signature so that groups that differ only by small phase offsets share
+      one simulation (the answer is the one of the first group simulated in
+      that bin);
+    - ``radius`` (binding-link hops): when a changed group reaches further
+      than ``radius`` hops from the changed jobs, only that ball is simulated
+      and only the answers of the jobs strictly inside it (fewer than
+      ``radius`` hops away) are refreshed; the others keep their previous
+      answers. Two errors: the jobs on the ball's edge lose their outer
+      partners (they contend less than they would), and a change's effect on
+      farther jobs (which decays with distance) is ignored until a change
+      near them.
 
     >>> m = PeriodicFluidModel({"l": 10.0})
     >>> a, b = PeriodicJob("a", 0.05, 0.05, {"l": 10.0}), PeriodicJob("b", 0.05, 0.05, {"l": 10.0})
@@ -441,9 +525,13 @@ class PeriodicFluidModel:
     ({'a': 0.1}, 1)
     """
 
-    def __init__(self, capacity: Mapping[Link, float], *, iterations: int = 4, phase_quantum: float = 0.0, cache_limit: int = 200_000):
+    def __init__(self, capacity: Mapping[Link, float], *, iterations: int = 4, phase_quantum: float = 0.0, radius: int | None = None,
+                 cache_limit: int = 200_000):
         if iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {iterations}")
+        if radius is not None and radius < 1:
+            raise ValueError(f"radius must be >= 1 or None, got {radius}")
+        self.radius = radius
         self.capacity = capacity
         self.iterations = iterations
         self.phase_quantum = phase_quantum
@@ -457,6 +545,9 @@ class PeriodicFluidModel:
         self._users: dict[Link, dict[int, float]] = {}
         self._own: dict[int, float] = {}
         self._times: dict[int, float] = {}
+        self._serial: dict[int, int] = {}  # a number per job object, never reused: names its demands in the rate memo
+        self._next_serial = 0
+        self.rate_memo: dict[tuple, list[float]] = {}
 
     def __call__(self, jobs: Sequence[PeriodicJob]) -> dict[str, float]:
         current = {id(j): j for j in jobs}
@@ -473,12 +564,14 @@ class PeriodicFluidModel:
                 del us[i]
                 if not us:
                     del self._users[link]
-            for store in (self._jobs, self._links, self._own, self._times):
+            for store in (self._jobs, self._links, self._own, self._times, self._serial):
                 del store[i]
         for i in added:
             j = current[i]
             links = [(link, float(d)) for link, d in j.demand.items() if d > 0] if j.comm_s > 0 else []
             self._jobs[i], self._links[i] = j, links
+            self._serial[i] = self._next_serial
+            self._next_serial += 1
             own = 1.0
             for link, d in links:
                 self._users.setdefault(link, {})[i] = d
@@ -486,13 +579,39 @@ class PeriodicFluidModel:
             self._own[i] = own
         binding: dict[Link, bool] = {}
         done: set[int] = set()
-        for s in seeds:
-            if s in done or s not in self._jobs:
+        live = [s for s in dict.fromkeys(seeds) if s in self._jobs]
+        for s in live:
+            if s in done:
                 continue
             comp = self._group(s, binding)
             done.update(comp)
+            if self.radius is not None and len(comp) > 1:
+                inside = set(comp)
+                dist = self._distances([k for k in live if k in inside], binding, self.radius)
+                if len(dist) < len(comp):  # the group reaches beyond the ball: simulate the ball, refresh its interior
+                    ball = sorted(dist)
+                    for k, a in zip(ball, self._answer(ball, binding), strict=True):
+                        if dist[k] < self.radius or k not in self._times:
+                            self._times[k] = a
+                    continue
             self._times.update(zip(comp, self._answer(comp, binding), strict=True))
         return {j.name: self._times[i] for i, j in current.items()}
+
+    def _distances(self, seeds: Sequence[int], binding: dict[Link, bool], radius: int) -> dict[int, int]:
+        """Binding-link hops from the nearest seed, for the jobs at most ``radius`` hops away."""
+        dist = dict.fromkeys(seeds, 0)
+        frontier = list(seeds)
+        for d in range(1, radius + 1):
+            nxt = []
+            for i in frontier:
+                for link, _ in self._links[i]:
+                    if binding.get(link):
+                        for k in self._users[link]:
+                            if k not in dist:
+                                dist[k] = d
+                                nxt.append(k)
+            frontier = nxt
+        return dist
 
     def _binding(self, link: Link, users: Mapping[int, float]) -> bool:
         return len(users) > 1 and sum(users.values()) > self.capacity[link]
@@ -532,7 +651,10 @@ class PeriodicFluidModel:
             for r, p in enumerate(order):
                 answer[p] = cached[r]
         else:
-            run = simulate_periodic(members, self.capacity, iterations=self.iterations)
+            if len(self.rate_memo) >= 5 * self.cache_limit:
+                self.rate_memo.clear()
+            run = simulate_periodic(members, self.capacity, iterations=self.iterations, rate_memo=self.rate_memo,
+                                    job_keys=[self._serial[i] for i in comp])
             self.simulations += 1
             self.events += run.events
             means = run.mean_iteration_s()
@@ -559,9 +681,12 @@ class PeriodicFluidModel:
         rows.sort()
         order = [r[4] for r in rows]
         rank = {comp[p]: r for r, p in enumerate(order)}
-        links = {link for i in comp for link, _ in self._links[i] if binding.get(link)}
-        columns = sorted((tuple(sorted((rank[k], _r9(d)) for k, d in self._users[link].items())), _r9(self.capacity[link])) for link in links)
-        return (tuple(r[:4] for r in rows), tuple(columns)), order
+        columns = []
+        for link in {link for i in comp for link, _ in self._links[i] if binding.get(link)}:
+            users = [(rank[k], d) for k, d in self._users[link].items() if k in rank]  # a ball may hold only some of them
+            if len(users) > 1 and sum(d for _, d in users) > self.capacity[link]:
+                columns.append((tuple(sorted((r, _r9(d)) for r, d in users)), _r9(self.capacity[link])))
+        return (tuple(r[:4] for r in rows), tuple(sorted(columns))), order
 
 
 def _r9(v: float) -> float:

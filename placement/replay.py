@@ -48,11 +48,11 @@ import numpy as np
 from topology.errors import InputError
 from topology.model import SwitchTier, Topology
 
-from .cassini import DEFAULT_BUCKETS, _rows, link_classes, rank_candidates, shared_links, unified_perimeter
-from .contention import FluidSlowdown, PlacedJob, link_components
+from .cassini import DEFAULT_BUCKETS, _rows, rank_candidates, unified_perimeter
+from .contention import FluidSlowdown, PlacedJob
 from .hived import HivedScheduler
 from .planner import rank_order
-from .profiles import CommProfile, JobSpec, comm_profile
+from .profiles import CommProfile, Edge, JobSpec, comm_profile
 from .traces import TraceJob
 
 POLICIES = ("fifo", "las", "hived", "hived+cassini")
@@ -208,6 +208,9 @@ class Replay:
                       "frag_wait_integral": 0.0, "wait_time": 0.0}
         self._overload_rate = 0.0
         self._overload_cache: dict[tuple, float] = {}
+        self._ov_jobs: dict[str, tuple[CommProfile, float]] = {}
+        self._ov_users: dict[Edge, dict[str, tuple[CommProfile, float]]] = {}
+        self._ov_link: dict[Edge, float] = {}
 
     # -- GPU bookkeeping ------------------------------------------------------------------------
     def _take(self, gpus: Sequence[str]) -> None:
@@ -360,31 +363,58 @@ class Replay:
         times = self.slowdown(placed)
         for name, r in self.running.items():
             r.iter_time = max(times.get(name, r.profile.period_s), 1e-12)
-        self._overload_rate = self._overload(placed)
+        self._overload_rate = self._overload()
 
-    def _overload(self, placed: Sequence[PlacedJob]) -> float:
-        """Overloaded links right now, weighted by the share of the time each is overloaded."""
-        total = 0.0
-        for comp in link_components(placed):
-            if len(comp) < 2:
+    def _overload(self) -> float:
+        """Overloaded links right now, each weighted by the share of its users' unified circle during which it is overloaded.
+
+        Incremental: only the links of jobs that started or stopped since the
+        last call are re-evaluated. A link whose users' demands sum to at most
+        its capacity is never overloaded and costs nothing.
+        """
+        current = {n: (r.profile, r.ready) for n, r in self.running.items() if r.profile is not None and r.profile.comm_s > 0}
+        touched: set[Edge] = set()
+        for name, (prof, ready) in list(self._ov_jobs.items()):
+            now = current.get(name)
+            if now is not None and now[0] is prof and now[1] == ready:
                 continue
-            key = tuple(sorted((j.profile.gpus, round(j.profile.period_s, 9), round(j.phase_s % j.profile.period_s, 4)) for j in comp))
-            hit = self._overload_cache.get(key)
-            if hit is None:
-                profs = {j.name: j.profile for j in comp}
-                phases = {j.name: j.phase_s for j in comp}
-                links = shared_links(profs)
-                per = unified_perimeter([p.period_s for p in profs.values()])
-                hit = 0.0
-                for e, members in link_classes(profs, links, self.capacity).items():
-                    js = links[e]
-                    load = sum(profs[j].link_rates[e] * _rows(profs[j], per, DEFAULT_BUCKETS, np.array([phases[j]]))[0] for j in js)
-                    hit += float((load > self.capacity[e] * (1 + 1e-9)).mean()) * len(members)
-                if len(self._overload_cache) > 100_000:
-                    self._overload_cache.clear()
-                self._overload_cache[key] = hit
-            total += hit
-        return total
+            del self._ov_jobs[name]
+            for e in prof.link_rates:
+                del self._ov_users[e][name]
+                touched.add(e)
+        for name, (prof, ready) in current.items():
+            if name in self._ov_jobs:
+                continue
+            self._ov_jobs[name] = (prof, ready)
+            for e in prof.link_rates:
+                self._ov_users.setdefault(e, {})[name] = (prof, ready)
+                touched.add(e)
+        for e in touched:
+            users = self._ov_users.get(e)
+            share = self._link_overload(e, users) if users else 0.0
+            if not users:
+                self._ov_users.pop(e, None)
+            if share > 0:
+                self._ov_link[e] = share
+            else:
+                self._ov_link.pop(e, None)
+        return sum(self._ov_link.values())
+
+    def _link_overload(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]]) -> float:
+        cap = self.capacity[e]
+        if len(users) < 2 or sum(p.link_rates[e] for p, _ in users.values()) <= cap * (1 + 1e-9):
+            return 0.0
+        key = (tuple(sorted((round(p.compute_s, 9), round(p.comm_s, 9), round(ready % p.period_s, 4), round(p.link_rates[e], 6))
+                            for p, ready in users.values())), round(cap, 6))
+        hit = self._overload_cache.get(key)
+        if hit is None:
+            per = unified_perimeter([p.period_s for p, _ in users.values()])
+            load = sum(p.link_rates[e] * _rows(p, per, DEFAULT_BUCKETS, np.array([ready]))[0] for p, ready in users.values())
+            hit = float((load > cap * (1 + 1e-9)).mean())
+            if len(self._overload_cache) > 100_000:
+                self._overload_cache.clear()
+            self._overload_cache[key] = hit
+        return hit
 
     # -- the event loop -------------------------------------------------------------------------------
     def _advance(self, t: float) -> None:
@@ -458,7 +488,7 @@ class Replay:
             "profile_cache": {"hits": self.profiles.hits, "misses": self.profiles.misses},
         }
         if isinstance(self.slowdown, FluidSlowdown):
-            metrics["slowdown_cache"] = {"calls": self.slowdown.calls, "hits": self.slowdown.hits}
+            metrics["slowdown_cache"] = {"calls": self.slowdown.calls, "hits": self.slowdown.hits, "simulations": self.slowdown.simulations}
         return ReplayResult(self.policy, rows, metrics)
 
 

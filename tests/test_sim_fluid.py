@@ -242,3 +242,17 @@ def test_incremental_model_answers_like_a_fresh_one(inst, subsets):
     for subset in subsets:
         now = [jobs[i] for i in sorted(subset) if i < len(jobs)]
         assert model(now) == pytest.approx(PeriodicFluidModel(capacity)(now), rel=1e-12)
+
+
+@settings(max_examples=100, deadline=None)
+@given(coef_instances())
+def test_small_plain_python_filling_equals_the_numpy_solver(inst):
+    from emu.fluid import _fill_progress
+
+    paths, coef, capacity, _, cap, _, _ = inst
+    own = [min(c, 1.0) for c in cap]
+    links = [[(k, d) for k, d in zip(p, c, strict=True) if d > 0] for p, c in zip(paths, coef, strict=True)]
+    ef = np.repeat(np.arange(len(paths)), [len(p) for p in paths])
+    el = np.asarray([k for p in paths for k in p], dtype=np.intp)
+    fast = maxmin_rates_coo(ef, el, len(paths), np.asarray(capacity), cap=np.asarray(own), coef=np.asarray([d for c in coef for d in c]))
+    assert _fill_progress(links, capacity, own) == pytest.approx(fast.tolist(), rel=1e-9, abs=1e-12)
