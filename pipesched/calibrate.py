@@ -1,80 +1,395 @@
 """Predicted versus measured: profile a real model on this machine, plan it, run it with gloo, compare.
 
-:func:`cpu_validation` is the validation protocol of the design notes on a CPU: (1) measure the per-layer
-profile on this machine (same thread count as the run), (2) plan, (3) run the plan with real processes,
-(4) feed the simulator the transport measured in the run (ping-pong latency and bandwidth) and the number
-of CPU cores the ranks share, and (5) report iteration time, per-action duration and per-rank activation
-memory errors. It also runs the usual default, a uniform split with torch's ``Schedule1F1B``, so that the
-plan's measured gain is known.
+:func:`cpu_validation` is the validation protocol on a CPU, and every input of the prediction is measured
+before the run it predicts, by separate micro-measurements:
+
+1. the per-layer profile (:func:`profile_mlp`): one process, the run's thread count, CPU time of the
+   measuring thread (``clock="cpu"``: what a rank must compute, independent of who else runs), medians, the
+   fused backward accumulating into ``.grad`` as a pipelined step does;
+2. the shared CPU (:func:`calibrate_cpu`), with as many processes as the run has ranks: how much compute
+   throughput the ranks get together (``cores``: aggregate rate of ``ranks`` single-threaded matmul loops
+   relative to one), the one-way time of a gloo message of the run's activation size between two processes
+   while the other ``ranks - 2`` compute, and the CPU time such a message costs each of its two ranks;
+3. the plan and its prediction (simulator with processor sharing over ``cores`` and the per-message CPU cost,
+   :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less that CPU work);
+4. the run (torch's ``_PipelineScheduleRuntime`` in gloo processes), compared on iteration time, per-action
+   durations and CPU times, per-rank CPU time and activation memory.
+
+It also runs the usual default, a uniform split with torch's ``Schedule1F1B``, so that the plan's measured
+gain is known.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
+import socket
 import statistics
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .devices import Device, LinkModel
 from .export import schedule_csv, spans_for_schedule
 from .models import mlp_chain
-from .plan import Plan, plan, plan_partition, uniform_plan
+from .plan import Plan, plan, uniform_plan
 from .profile import ModelProfile, measure_profile
-from .runner import RunResult, run_pipeline
+from .runner import RunResult, foreign_cores, machine_busy_s, run_pipeline
+from .simulate import SharedCpu
 
 EXPORTABLE = ("1f1b", "zbh1", "gpipe", "interleaved")
 
 
-def profile_mlp(widths: list[int], dim: int, microbatch: int, threads: int = 1, repeats: int = 5, statistic: str = "median") -> ModelProfile:
-    """Measured profile of :func:`pipesched.models.mlp_chain` with the MSE loss on the last layer."""
+def profile_mlp(widths: list[int], dim: int, microbatch: int, threads: int = 1, repeats: int = 5, statistic: str = "median",
+                clock: str = "wall", warmup: int = 1, co_runners: int = 0) -> ModelProfile:
+    """Measured profile of :func:`pipesched.models.mlp_chain` with the MSE loss on the last layer.
+
+    ``co_runners`` other processes train the same model (forward + backward of the whole chain, same
+    micro-batch, same threads) while the layers are profiled, so that the profile is taken under the run's
+    concurrency: with ``ranks`` processes on a few cores, a rank's layers share the caches and memory bandwidth
+    with the others and lose their cache contents at every time slice. With ``clock="cpu"`` the profile then
+    holds the CPU time a layer costs in those conditions; the time-slicing itself is left to the simulator.
+    """
     import torch
 
     layers = mlp_chain(widths, dim)
     target = torch.randn(microbatch, dim)
-    return measure_profile(layers, torch.randn(microbatch, dim), loss_fn=lambda out: torch.nn.functional.mse_loss(out, target),
-                           repeats=repeats, threads=threads, name=f"mlp{len(widths)}x{dim}", statistic=statistic)
+    with _co_running(co_runners, {"widths": list(widths), "dim": dim, "microbatch": microbatch, "threads": threads}):
+        prof = measure_profile(layers, torch.randn(microbatch, dim), loss_fn=lambda out: torch.nn.functional.mse_loss(out, target),
+                               repeats=repeats, warmup=warmup, threads=threads, name=f"mlp{len(widths)}x{dim}", statistic=statistic,
+                               clock=clock)
+    if co_runners:
+        prof = replace(prof, reference={**prof.reference, "co_runners": co_runners})
+    return prof
+
+
+def _co_runner(job: dict[str, Any], ready, stop) -> None:
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    model = torch.nn.Sequential(*mlp_chain(job["widths"], job["dim"]))
+    x = torch.randn(job["microbatch"], job["dim"])
+    for _ in range(2):
+        model(x).square().mean().backward()
+    ready.set()
+    while not stop.is_set():
+        model(x).square().mean().backward()
+
+
+@contextlib.contextmanager
+def _co_running(count: int, job: dict[str, Any]):
+    """``count`` processes training the model in a loop for the duration of the block (none for 0)."""
+    if count <= 0:
+        yield
+        return
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    readies = [ctx.Event() for _ in range(count)]
+    procs = [ctx.Process(target=_co_runner, args=(job, ready, stop), daemon=True) for ready in readies]
+    for p in procs:
+        p.start()
+    try:
+        for ready, p in zip(readies, procs, strict=True):
+            while not ready.wait(timeout=1.0):
+                if p.exitcode is not None:
+                    raise RuntimeError(f"co-runner process exited with code {p.exitcode}")
+        yield
+    finally:
+        stop.set()
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The shared CPU: compute throughput of several processes, and the cost of a gloo message among them
+# --------------------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CpuCalibration:
+    """What :func:`calibrate_cpu` measured (seconds, bytes); ``shared_cpu()`` and ``link()`` feed the simulator."""
+
+    ranks: int
+    cores: float                  # compute the ranks get together, in single-process units: cpu_share / slowdown
+    message_bytes: int
+    one_way_s: float              # mean one-way time of a message (ping-pong / 2) while ranks - 2 others compute
+    message_cpu_s: float          # CPU time (all threads of the process) one message costs each of its two ranks
+    solo_rate: float              # matmul loop iterations per second, one process alone
+    all_rate: float               # the same summed over `ranks` processes running together
+    foreign_cores: float = 0.0    # cores other processes kept busy meanwhile (machine busy - ours), for the record
+    cpu_share: float = 0.0        # CPU seconds our processes got per second while all computed
+    slowdown: float = 1.0         # CPU time per loop iteration with all computing / alone
+
+    @property
+    def latency_s(self) -> float:
+        """The wait part of a message: one-way time less the CPU work at both ends (that work is simulated as compute)."""
+        return max(0.0, self.one_way_s - 2 * self.message_cpu_s)
+
+    def shared_cpu(self) -> SharedCpu:
+        return SharedCpu(self.cores, self.message_cpu_s)
+
+    def link(self) -> LinkModel:
+        """Every rank pair: latency = :attr:`latency_s` at the calibrated size (bandwidth term folded in: all cuts carry it)."""
+        return LinkModel.uniform(self.ranks, math.inf, self.latency_s)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ranks": self.ranks, "cores": self.cores, "message_bytes": self.message_bytes, "one_way_s": self.one_way_s,
+                "message_cpu_s": self.message_cpu_s, "latency_s": self.latency_s, "solo_rate": self.solo_rate, "all_rate": self.all_rate,
+                "foreign_cores": self.foreign_cores, "cpu_share": self.cpu_share, "slowdown": self.slowdown}
+
+
+def _spin(torch, seconds: float) -> int:
+    """Single-threaded matmul loop of the validation model's shape (a wide block's first linear); iterations done."""
+    a, b = torch.randn(48, 384), torch.randn(384, 3072)
+    n, end = 0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ b
+        n += 1
+    return n
+
+
+def _calibration_worker(rank: int, world: int, port: int, job: dict[str, Any], queue, stop) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(job["threads"])
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        window = job["window_s"]
+        _spin(torch, 0.2)                                 # warm the caches and the allocator
+        solo = together = 0
+        solo_cpu = cpu = busy = wall = 0.0
+        for _ in range(job["alternations"]):
+            dist.barrier()
+            c0 = time.process_time()
+            solo += _spin(torch, window) if rank == 0 else 0   # phase 1: one process alone
+            solo_cpu += time.process_time() - c0
+            if rank != 0:
+                time.sleep(window)
+            dist.barrier()
+            c0, b0, t0 = time.process_time(), machine_busy_s(), time.perf_counter()
+            together += _spin(torch, window)                   # phase 2: all of them at once
+            cpu, busy, wall = cpu + time.process_time() - c0, busy + machine_busy_s() - b0, wall + time.perf_counter() - t0
+        dist.barrier()
+        result: dict[str, Any] = {"rank": rank, "solo": solo, "solo_cpu": solo_cpu, "together": together, "cpu": cpu, "busy": busy,
+                                  "wall": wall}
+        # Phase 3: ranks 0 and 1 ping-pong messages of the run's size while the others compute.
+        if rank <= 1 and world >= 2:
+            buf = torch.zeros(max(1, job["message_bytes"] // 4))
+            peer = 1 - rank
+            for _ in range(5):
+                if rank == 0:
+                    dist.send(buf, peer)
+                    dist.recv(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+                    dist.send(buf, peer)
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(job["rounds"]):
+                if rank == 0:
+                    dist.send(buf, peer)
+                    dist.recv(buf, peer)
+                else:
+                    dist.recv(buf, peer)
+                    dist.send(buf, peer)
+            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+            result |= {"one_way": wall / (2 * job["rounds"]), "cpu_per_message": cpu / (2 * job["rounds"])}
+            if rank == 0:
+                stop.set()
+        else:
+            while not stop.is_set():
+                _spin(torch, 0.05)
+        queue.put(result)
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as exc:   # report, do not hang the parent
+        queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def calibrate_cpu(ranks: int, message_bytes: int, *, threads: int = 1, window_s: float = 1.0, alternations: int = 2, rounds: int = 300,
+                  timeout_s: float = 120) -> CpuCalibration:
+    """Measure, with ``ranks`` processes, the compute throughput they share and the cost of a gloo message.
+
+    Phase 1 and 2 (alternated ``alternations`` times, ``window_s`` each): a single-threaded matmul loop run by
+    one process, then by all ``ranks`` at once. ``cores`` = the CPU seconds per second our processes got while
+    all ran (``cpu_share``: at most the machine's cores, less what other processes took; on this machine other
+    users' ``nice`` jobs sit in other autogroups and still take up to a core) divided by ``slowdown``, the CPU
+    time per loop iteration with all running relative to alone (time-slicing's cost in caches and switches).
+    That is the compute rate the ranks share in the simulator's processor sharing, in units of the profile
+    (also CPU time). Phase 3: ranks 0 and 1
+    exchange ``message_bytes`` tensors with blocking gloo send/recv, ``rounds`` round trips, while the other
+    ``ranks - 2`` processes keep computing (the run's condition: a pipeline neighbour pair talks while the
+    others work); the mean one-way time (means, not medians: a critical path adds them up) and the CPU time
+    of both processes per message (process CPU time, so gloo's own threads are included). For ``ranks = 1``
+    no message is measured.
+    """
+    import torch.multiprocessing as mp
+
+    world = max(ranks, 2) if ranks > 1 else 1
+    ctx = mp.get_context("spawn")
+    queue, stop = ctx.Queue(), ctx.Event()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    job = {"threads": threads, "window_s": window_s, "message_bytes": int(message_bytes), "rounds": rounds, "alternations": alternations}
+    procs = [ctx.Process(target=_calibration_worker, args=(r, world, port, job, queue, stop), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"CPU calibration did not finish in {timeout_s:.0f} s")
+            try:
+                msg = queue.get(timeout=5.0)
+            except Exception:
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("a calibration process died") from None
+                continue
+            if "error" in msg:
+                raise RuntimeError(f"calibration rank {msg['rank']} failed: {msg['error']}")
+            results[msg["rank"]] = msg
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    solo = results[0]["solo"] / (window_s * alternations)
+    together = sum(results[r]["together"] for r in range(world)) / (window_s * alternations)
+    own_cpu = sum(results[r]["cpu"] for r in range(world))
+    foreign = foreign_cores(results[0]["busy"], own_cpu, results[0]["wall"])
+    share = own_cpu / results[0]["wall"] if results[0]["wall"] > 0 else float(world)
+    # CPU time per loop iteration together / alone: what time-slicing costs beyond the share (caches, switches)
+    slowdown = (own_cpu / together / (window_s * alternations)) / (results[0]["solo_cpu"] / results[0]["solo"]) if solo and together else 1.0
+    one_way = statistics.mean(results[r]["one_way"] for r in (0, 1)) if world >= 2 else 0.0
+    cpu = statistics.mean(results[r]["cpu_per_message"] for r in (0, 1)) if world >= 2 else 0.0
+    return CpuCalibration(ranks, share / slowdown, int(message_bytes), one_way, cpu, solo, together, foreign, share, slowdown)
+
+
+@dataclass(frozen=True)
+class RuntimeCalibration:
+    """Fixed CPU costs of torch's pipeline runtime over gloo, from :func:`calibrate_runtime` (seconds)."""
+
+    action_cpu_s: float        # per compute action: CPU time of the action's thread beyond the layers' own work
+    message_cpu_s: float       # per cross-rank message and rank: the rank's CPU time outside its actions, per message
+    tiny_iteration_s: float    # iteration time of the near-empty pipeline (for the record)
+
+    def to_dict(self) -> dict[str, float]:
+        return {"action_cpu_s": self.action_cpu_s, "message_cpu_s": self.message_cpu_s, "tiny_iteration_s": self.tiny_iteration_s}
+
+
+def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, threads: int = 1, iterations: int = 5) -> RuntimeCalibration:
+    """The runtime's own CPU cost per action and per message, measured on a pipeline with almost no compute.
+
+    A chain of ``stages`` blocks of hidden width 8 (same ``dim``, so the same activation bytes cross the same
+    boundaries as in the real run) is run by torch's ``Schedule1F1B`` in ``stages`` gloo processes. Its layers
+    are profiled the same way as the real model (CPU time, medians). Per action: measured thread CPU time less
+    the layers' profiled work -> median over actions = ``action_cpu_s``. Per rank: CPU time of all threads
+    during a step less the CPU time of its actions = the cost of its messages (posting, copying, waiting) and
+    of the schedule loop; summed over ranks and divided by the messages they handle = ``message_cpu_s``.
+    """
+    mb = batch // microbatches
+    widths = [8] * stages
+    prof = profile_mlp(widths, dim, mb, threads=threads, repeats=15, statistic="median", clock="cpu", warmup=2)
+    run = run_pipeline([(s, s + 1) for s in range(stages)], list(range(stages)), microbatches=microbatches, batch=batch, dim=dim,
+                       model_kwargs={"widths": widths, "dim": dim}, builtin="1F1B", iterations=iterations, warmup=1, threads=threads)
+    extra = []
+    for key, cpu in run.action_cpu_medians.items():
+        stage, kind = key.split()
+        lay = prof.layers[int(stage)]
+        extra.append(cpu - (lay.fwd_s if kind == "F" else lay.bwd_s))
+    outside = messages = 0.0
+    for r in range(stages):
+        inside = microbatches * (run.action_cpu_medians.get(f"{r} F", 0.0) + run.action_cpu_medians.get(f"{r} B", 0.0))
+        outside += max(0.0, run.rank_cpu_s[r] - inside)
+        messages += 2 * microbatches * ((r > 0) + (r < stages - 1))
+    return RuntimeCalibration(max(0.0, statistics.median(extra)) if extra else 0.0, outside / messages if messages else 0.0,
+                              run.median_s)
 
 
 def compare(p: Plan, run: RunResult) -> dict[str, Any]:
-    """Errors of a plan's prediction against a measured run."""
+    """Errors of a plan's prediction against a measured run.
+
+    Per action ("stage kind"): the simulated duration (median over micro-batches; it includes processor
+    sharing and the per-message CPU work) against the measured wall median, and the action's CPU work in the
+    model (profile + the runtime's per-action cost) against the CPU time its thread measured. Per rank: the
+    modelled work (those plus the message CPU) against the CPU time of all the rank's threads during a step.
+    """
     predicted = p.sim.makespan
     measured = run.median_s
     per_action = []
     sim_by_key: dict[str, list[float]] = {}
     for s in p.sim.timeline:
         sim_by_key.setdefault(f"{s.action.stage} {s.action.kind}", []).append(s.end - s.start)
+    message_cpu = p.shared_cpu.message_cpu_s if p.shared_cpu is not None else 0.0
+    action_cpu = p.shared_cpu.action_cpu_s if p.shared_cpu is not None else 0.0
+    work_by_key = {}     # the action's CPU work in the model inside the timed call: profile + the runtime's per-action cost
+    for acts in p.schedule.actions.values():
+        for a in acts:
+            work_by_key[f"{a.stage} {a.kind}"] = p.costs[a.stage].duration(a.kind) + action_cpu
     for key, value in sorted(run.action_medians.items()):
         if key in sim_by_key:
             pred = statistics.median(sim_by_key[key])
-            per_action.append({"action": key, "predicted_s": pred, "measured_s": value, "error": pred / value - 1 if value else 0.0})
+            row = {"action": key, "predicted_s": pred, "measured_s": value, "error": pred / value - 1 if value else 0.0}
+            cpu = run.action_cpu_medians.get(key)
+            if cpu:
+                row |= {"work_predicted_s": work_by_key[key], "cpu_measured_s": cpu, "work_error": work_by_key[key] / cpu - 1}
+            per_action.append(row)
     act_pred = [peak - sum(p.costs[s].state_bytes for s in range(p.schedule.num_stages) if p.schedule.stage_rank[s] == r)
                 for r, peak in enumerate(p.sim.peak_memory)]
+    rank_work = [sum(work_by_key[f"{a.stage} {a.kind}"] + message_cpu * _messages(p, r, a) for a in p.schedule.actions[r])
+                 for r in range(p.schedule.ranks)]
     return {
         "schedule": p.family, "predicted_s": predicted, "measured_s": measured, "measured_iterations_s": run.iteration_s,
         "error": predicted / measured - 1.0, "error_vs_fastest": predicted / min(run.iteration_s) - 1.0,
         "bubble_predicted": p.sim.bubble_fraction, "lower_bound_s": p.bound["bound_s"],
         "per_action": per_action,
         "per_action_mape": statistics.mean(abs(a["error"]) for a in per_action) if per_action else None,
+        "work_mape": statistics.mean(abs(a["work_error"]) for a in per_action if "work_error" in a) if per_action else None,
+        "rank_work_predicted_s": rank_work, "rank_cpu_measured_s": run.rank_cpu_s, "foreign_cores": run.foreign_cores,
         "activation_peak_predicted_bytes": act_pred, "activation_peak_measured_bytes": run.peak_saved_bytes,
         "rss_growth_bytes": run.peak_rss_growth_bytes,
     }
 
 
+def _messages(p: Plan, rank: int, a) -> int:
+    if a.kind not in ("F", "B", "I"):
+        return 0
+    return sum(1 for s in p.schedule.neighbours(a.stage) if s is not None and p.schedule.stage_rank[s] != rank)
+
+
 def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, threads: int = 1,
                    iterations: int = 3, warmup: int = 1, schedule: str = "auto", baseline: bool = True,
-                   cores: float | None = None) -> dict[str, Any]:
-    """Profile, plan, run and compare (see the module docstring); returns a JSON-able report."""
-    cores = cores or os.cpu_count() or 1
+                   cores: float | None = None, repeats: int = 15) -> dict[str, Any]:
+    """Calibrate, profile, plan, predict, run and compare (see the module docstring); returns a JSON-able report.
+
+    ``cores`` overrides the measured compute share (default: :func:`calibrate_cpu`'s). The prediction is made
+    before the run and is not adjusted afterwards.
+    """
     mb = batch // microbatches
-    # Minima over 9 repeats: the undisturbed per-layer cost (this machine is shared); compared below with both the
-    # median and the fastest measured iteration.
-    prof = profile_mlp(widths, dim, mb, threads=threads, repeats=9, statistic="min")
+    cal = calibrate_cpu(stages, mb * dim * 4, threads=threads)
+    rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=microbatches, threads=threads)
+    # The profile is taken with ranks - 1 co-runners (it carries the slowdown of sharing), so the ranks share
+    # cal.cpu_share of the machine in the simulator, not cal.cores (which divides by the slowdown of a matmul loop).
+    shared = SharedCpu(cores or cal.cpu_share, rt.message_cpu_s, rt.action_cpu_s)
+    prof = profile_mlp(widths, dim, mb, threads=threads, repeats=repeats, statistic="median", clock="cpu", warmup=2,
+                       co_runners=stages - 1)
     devices = [Device(f"cpu-rank{r}") for r in range(stages)]
-    guess = LinkModel.uniform(stages, 1e9, 50e-6)      # planning guess; the run measures the real transport
+    link = cal.link()
     families = [f for f in EXPORTABLE if schedule in ("auto", f)]
     best = None
     for fam in families:
         try:
-            cand = plan(prof, devices, guess, microbatches=microbatches, schedule=fam, cores=cores)
+            cand = plan(prof, devices, link, microbatches=microbatches, schedule=fam, cores=shared)
         except Exception:   # a family that does not apply to this shape (e.g. interleaving with too few layers)
             continue
         if best is None or cand.sim.makespan < best.sim.makespan:
@@ -84,25 +399,23 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     ours = run_pipeline(spans_for_schedule(best.schedule, best.partition), list(best.schedule.stage_rank), microbatches=microbatches,
                         batch=batch, dim=dim, model_kwargs=kwargs, csv_text=schedule_csv(best.schedule), iterations=iterations,
                         warmup=warmup, threads=threads)
-    measured_link = LinkModel.uniform(stages, ours.link_bandwidth_bps, ours.link_latency_s)
-    ours_pred = plan_partition(prof, best.partition, devices, measured_link, family=best.family, microbatches=microbatches,
-                               chunks=best.chunks, cores=cores)
     report: dict[str, Any] = {
-        "model": {"widths": list(widths), "dim": dim, "batch": batch, "microbatches": microbatches, "stages": stages, "threads": threads,
-                  "cores": cores},
-        "link": {"latency_s": ours.link_latency_s, "bandwidth_bytes_per_s": ours.link_bandwidth_bps},
+        "model": {"widths": list(widths), "dim": dim, "batch": batch, "microbatches": microbatches, "stages": stages, "threads": threads},
+        "calibration": cal.to_dict(), "runtime_calibration": rt.to_dict(), "shared_cpu": shared.to_dict(),
+        "link_in_run": {"latency_s": ours.link_latency_s, "bandwidth_bytes_per_s": ours.link_bandwidth_bps},
         "plan": {"schedule": best.family, "spans": [list(s.layers) for s in best.partition.stages],
                  "recompute": [s.recompute for s in best.partition.stages]},
-        "ours": compare(ours_pred, ours), "profile": prof.to_dict(),
+        "ours": compare(best, ours), "profile": prof.to_dict(),
     }
     if baseline:
-        uni = uniform_plan(prof, devices, measured_link, microbatches=microbatches, family="1f1b", cores=cores)
+        uni = uniform_plan(prof, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
         base = run_pipeline([s.layers for s in uni.partition.stages], list(range(stages)), microbatches=microbatches, batch=batch, dim=dim,
                             model_kwargs=kwargs, builtin="1F1B", iterations=iterations, warmup=warmup, threads=threads)
         report["uniform_torch_1f1b"] = compare(uni, base)
         report["uniform_torch_1f1b"]["spans"] = [list(s.layers) for s in uni.partition.stages]
         report["speedup_measured"] = base.median_s / ours.median_s
-        report["speedup_predicted"] = uni.sim.makespan / ours_pred.sim.makespan
-    report["_plan"] = ours_pred
+        report["speedup_predicted"] = uni.sim.makespan / best.sim.makespan
+        report["_uniform_plan"] = uni
+    report["_plan"] = best
     report["_run"] = ours
     return report

@@ -258,6 +258,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     rep = cpu_validation(widths, dim=args.dim, batch=args.batch, microbatches=args.microbatches, stages=args.stages, threads=args.threads,
                          iterations=args.iterations, schedule=args.schedule, baseline=not args.no_baseline)
     plan_obj, run = rep.pop("_plan"), rep.pop("_run")
+    rep.pop("_uniform_plan", None)
     if args.trace:
         write_chrome_trace(args.trace, ("predicted", plan_obj.sim), ("measured", measured_timeline(run, args.stages)))
     if args.out:

@@ -20,7 +20,7 @@ from .devices import Device, LinkModel, devices_from_topology
 from .partition import Partition, PlanError, evaluate_partition, partition
 from .profile import RECOMPUTE_OPTIONS, ModelProfile
 from .schedules import Schedule, ScheduleError, make_schedule, validate
-from .simulate import SimResult, StageCost, lower_bound, simulate
+from .simulate import SharedCpu, SimResult, StageCost, lower_bound, simulate
 
 __all__ = ["Plan", "check_plan", "devices_from_topology", "plan", "plan_partition", "stage_costs", "uniform_plan"]
 
@@ -46,6 +46,7 @@ class Plan:
     problems: list[str] = field(default_factory=list)
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     links: LinkModel | None = None
+    shared_cpu: SharedCpu | None = None     # the CPU model the simulation used (CPU runs), if any
 
     @property
     def gap(self) -> float:
@@ -131,7 +132,7 @@ def _schedule_for(family: str, ranks: int, microbatches: int, chunks: int) -> Sc
 
 
 def plan_partition(profile: ModelProfile, part: Partition, devices: Sequence[Device], links: LinkModel | None, *, family: str,
-                   microbatches: int, chunks: int = 1, cores: float | None = None) -> Plan:
+                   microbatches: int, chunks: int = 1, cores: float | SharedCpu | None = None) -> Plan:
     """Schedule, simulate and bound a given partition (e.g. a uniform split, for comparison)."""
     ranks = len(devices) if family in ("interleaved", "chimera") else len(part.stages)
     if family == "chimera" and len(part.stages) != ranks:
@@ -146,11 +147,11 @@ def plan_partition(profile: ModelProfile, part: Partition, devices: Sequence[Dev
     problems = [f"rank {r} ({devices[r].name}): peak {peak / 2**30:.2f} GiB over {limits[r] / 2**30:.2f} GiB"
                 for r, peak in enumerate(sim.peak_memory) if peak > limits[r] * (1 + 1e-9)]
     return Plan(family, part, sched, costs, sim, bound, list(devices), profile.name, chunks=chunks if family == "interleaved" else 1,
-                memory_ok=not problems, problems=problems, links=links)
+                memory_ok=not problems, problems=problems, links=links, shared_cpu=cores if isinstance(cores, SharedCpu) else None)
 
 
 def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | None, *, microbatches: int, schedule: str = "auto",
-         chunks: int = 2, recompute: Sequence[str] = RECOMPUTE_OPTIONS, max_replicas: int = 1, cores: float | None = None,
+         chunks: int = 2, recompute: Sequence[str] = RECOMPUTE_OPTIONS, max_replicas: int = 1, cores: float | SharedCpu | None = None,
          refine_budget: int = 40) -> Plan:
     """The best plan over the requested schedule family (or all of them with ``schedule="auto"``).
 
@@ -207,7 +208,7 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
 
 
 def refine(profile: ModelProfile, start: Plan, devices: Sequence[Device], links: LinkModel, *, budget: int = 60,
-           cores: float | None = None, recompute: Sequence[str] = RECOMPUTE_OPTIONS) -> Plan:
+           cores: float | SharedCpu | None = None, recompute: Sequence[str] = RECOMPUTE_OPTIONS) -> Plan:
     """Hill-climb the stage boundaries on the simulated iteration time, one layer at a time.
 
     The DP is exact for its objective (the bottleneck stage, then the sum of stage times), but with unequal
@@ -266,7 +267,7 @@ def _group_links(links: LinkModel, part: Partition) -> LinkModel:
 
 
 def uniform_plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | None, *, microbatches: int,
-                 family: str = "1f1b", cores: float | None = None) -> Plan:
+                 family: str = "1f1b", cores: float | SharedCpu | None = None) -> Plan:
     """Equal layer counts per stage with ``family``'s schedule: the usual hand-made default, as a baseline."""
     from .partition import uniform_partition
 

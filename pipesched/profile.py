@@ -387,19 +387,26 @@ def _tensor_bytes(t) -> int:
 
 def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Callable[[Any], Any] | None = None,
                     repeats: int = 5, warmup: int = 1, threads: int | None = None, name: str = "measured",
-                    state_factor: float = 4.0, statistic: str = "median") -> ModelProfile:
+                    state_factor: float = 4.0, statistic: str = "median", clock: str = "wall") -> ModelProfile:
     """Run a chain of ``torch.nn.Module`` layers on CPU and time and size every layer for one micro-batch.
 
     For each layer (fed the previous layer's real output): the forward time; the input-gradient time
     (``torch.autograd.grad(out, inputs)`` with the graph retained) and then the weight-gradient time
     (``torch.autograd.grad(out, params)``) on the same graph; and one fused backward over inputs and weights.
-    Times are medians over ``repeats`` (``statistic="min"``: minima, the usual estimate of the undisturbed
-    cost on a machine shared with other jobs). Saved activations are counted with ``torch.autograd.graph.
-    saved_tensors_hooks`` (each saved tensor once, parameters excluded) and attributed to the layer's direct
-    child module that was running. "selective" recomputation drops what parameter-free children (activations,
-    norms without weights, softmax, dropout) saved and pays their forward time again; "full" keeps only the
-    layer input and pays the whole forward. ``weight_grad_bytes`` is what children with parameters saved (their
-    inputs, needed by W). The last layer is followed by ``loss_fn`` (if given), whose cost is charged to it.
+    Times are medians over ``repeats`` (``statistic="min"``: minima). ``clock="wall"`` times with
+    ``time.perf_counter``; ``clock="cpu"`` with ``time.thread_time``, the CPU time of the measuring thread, which
+    does not count the time the thread waits for a core (another process runs) and so gives the work a rank
+    must get done whatever the sharing; the simulator's processor sharing then turns work into wall time.
+    The fused backward runs as in training: ``torch.autograd.backward`` accumulating into the parameters'
+    ``.grad`` that earlier repeats filled (a micro-batch's backward adds into existing gradients; a fresh
+    ``autograd.grad`` would instead allocate new gradient buffers each time, whose page faults cost the CPU
+    ~1 ms per 10 MB here and are absent from a pipelined step). The layer's own ``.grad`` are restored on return.
+    Saved activations are counted with ``torch.autograd.graph.saved_tensors_hooks`` (each saved tensor once,
+    parameters excluded) and attributed to the layer's direct child module that was running. "selective"
+    recomputation drops what parameter-free children (activations, norms without weights, softmax, dropout) saved
+    and pays their forward time again; "full" keeps only the layer input and pays the whole forward.
+    ``weight_grad_bytes`` is what children with parameters saved (their inputs, needed by W). The last layer is
+    followed by ``loss_fn`` (if given), whose cost is charged to it.
     ``state_factor`` 4 is FP32 weights + grads + Adam's two moments.
 
     >>> import torch
@@ -418,19 +425,24 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
         x = example_input
         for index, layer in enumerate(layers):
             is_last = index == len(layers) - 1
-            results.append(_measure_layer(torch, layer, x, loss_fn if is_last else None, repeats, warmup, f"layer{index}", statistic))
+            results.append(_measure_layer(torch, layer, x, loss_fn if is_last else None, repeats, warmup, f"layer{index}", statistic, clock))
             with torch.no_grad():
                 x = layer(x)
     finally:
         torch.set_num_threads(old_threads)
     batch = example_input.shape[0] if hasattr(example_input, "shape") and example_input.dim() else 1
     return ModelProfile(name=name, layers=tuple(results), source="measured", microbatch_size=int(batch), state_factor=state_factor,
-                        reference={"name": "cpu", "threads": threads or old_threads})
+                        reference={"name": "cpu", "threads": threads or old_threads, "statistic": statistic, "clock": clock})
 
 
-def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: str, statistic: str = "median") -> LayerProfile:
+def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: str, statistic: str = "median",
+                   clock: str = "wall") -> LayerProfile:
     stat = {"median": statistics.median, "min": min}[statistic]
+    now = {"wall": time.perf_counter, "cpu": time.thread_time}[clock]
     params = [p for p in layer.parameters() if p.requires_grad]
+    old_grads = [p.grad for p in params]      # restored on return; the fused backward accumulates into fresh ones
+    for p in params:
+        p.grad = None
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     needs_input_grad = torch.is_tensor(x) and x.is_floating_point()
     children = list(layer.named_children())
@@ -442,12 +454,12 @@ def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: st
     def pre(cname):
         def hook(_mod, _inp):
             current[0] = cname
-            starts[cname] = time.perf_counter()
+            starts[cname] = now()
         return hook
 
     def post(cname):
         def hook(_mod, _inp, _out):
-            child_time[cname] = child_time.get(cname, 0.0) + time.perf_counter() - starts[cname]
+            child_time[cname] = child_time.get(cname, 0.0) + now() - starts[cname]
             current[0] = None
         return hook
 
@@ -468,23 +480,23 @@ def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: st
     try:
         for rep in range(warmup + repeats):
             child_time.clear()
-            t0 = time.perf_counter()
+            t0 = now()
             inp, out = run_forward()
-            t1 = time.perf_counter()
+            t1 = now()
             grad_out = torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out)
             inputs = [inp] if needs_input_grad else []
-            t2 = time.perf_counter()
+            t2 = now()
             if inputs:
                 torch.autograd.grad(out, inputs, grad_out, retain_graph=True, allow_unused=True)
-            t3 = time.perf_counter()
+            t3 = now()
             if params:
                 torch.autograd.grad(out, params, grad_out, allow_unused=True)
-            t4 = time.perf_counter()
+            t4 = now()
             inp, out = run_forward()
-            t5 = time.perf_counter()
+            t5 = now()
             if inputs or params:
-                torch.autograd.grad(out, inputs + params, grad_out, allow_unused=True)
-            t6 = time.perf_counter()
+                torch.autograd.backward(out, grad_out, inputs=inputs + params)
+            t6 = now()
             if rep >= warmup:
                 f_times.append(t1 - t0)
                 i_times.append(t3 - t2)
@@ -506,6 +518,8 @@ def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: st
     finally:
         for h in handles:
             h.remove()
+        for prm, old in zip(params, old_grads, strict=True):
+            prm.grad = old
 
     total = sum(nbytes for nbytes, _ in saved.values())
     cheap = sum(nbytes for nbytes, owner in saved.values() if owner is not None and not child_has_params[owner])

@@ -37,12 +37,15 @@ from .schedules import Action
 class RunResult:
     iteration_s: list[float]
     actions: list[dict[str, Any]]            # last timed iteration: rank, stage, kind, mb, start, end (s from the step's start)
-    action_medians: dict[str, float]         # "stage kind" -> median duration over timed iterations
+    action_medians: dict[str, float]         # "stage kind" -> median wall duration over all timed iterations
     peak_saved_bytes: list[float]            # per rank
     peak_rss_growth_bytes: list[float]       # per rank
     link_latency_s: float
     link_bandwidth_bps: float
     losses: list[float] = field(default_factory=list)
+    action_cpu_medians: dict[str, float] = field(default_factory=dict)   # "stage kind" -> median CPU time of the action's thread
+    rank_cpu_s: list[float] = field(default_factory=list)                # per rank: median CPU time of all its threads per step
+    foreign_cores: float = 0.0    # cores other processes used during the timed iterations (machine busy - our ranks' CPU)
 
     @property
     def median_s(self) -> float:
@@ -51,7 +54,22 @@ class RunResult:
     def to_dict(self) -> dict[str, Any]:
         return {"iteration_s": self.iteration_s, "median_s": self.median_s, "action_medians": self.action_medians,
                 "peak_saved_bytes": self.peak_saved_bytes, "peak_rss_growth_bytes": self.peak_rss_growth_bytes,
-                "link_latency_s": self.link_latency_s, "link_bandwidth_bps": self.link_bandwidth_bps, "losses": self.losses}
+                "link_latency_s": self.link_latency_s, "link_bandwidth_bps": self.link_bandwidth_bps, "losses": self.losses,
+                "action_cpu_medians": self.action_cpu_medians, "rank_cpu_s": self.rank_cpu_s, "foreign_cores": self.foreign_cores}
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all cores of this machine have spent busy since boot (``/proc/stat``; 0.0 where unavailable)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def foreign_cores(busy_s: float, own_cpu_s: float, wall_s: float) -> float:
+    """Cores that other processes kept busy during a window: machine busy time less our own CPU time, per second."""
+    return max(0.0, busy_s - own_cpu_s) / wall_s if wall_s > 0 else 0.0
 
 
 def _free_port() -> int:
@@ -127,10 +145,10 @@ def _ping_pong(torch, dist, rank: int, world: int) -> tuple[float, float]:
     if rank > 1:
         return 0.0, 0.0
     times = {}
-    for nbytes in (4, 4 << 20):
+    for nbytes, rounds in ((4, 30), (4 << 20, 10)):
         buf = torch.zeros(max(1, nbytes // 4))
         samples = []
-        for _ in range(6):
+        for _ in range(rounds):
             t0 = time.perf_counter()
             if rank == 0:
                 dist.send(buf, 1)
@@ -155,12 +173,11 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
     torch.set_num_threads(job["threads"])
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        latency, bandwidth = _ping_pong(torch, dist, rank, world)
         layers = _factory(job["model"])(**job["model_kwargs"])
         spans = job["spans"]
         stage_rank = job["stage_rank"]
         num_stages = len(spans)
-        records: list[tuple[int, str, int, float, float]] = []
+        records: list[tuple[int, str, int, float, float, float]] = []
         stages = []
         for sid in range(num_stages):
             if stage_rank[sid] != rank:
@@ -177,31 +194,44 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         else:
             sched = ts._PipelineScheduleRuntime(stages, n_microbatches=m, loss_fn=loss_fn)
             sched._load_csv(job["csv"], format="compute_only")
+        # After every rank has built its model, so that the ping-pong does not compete with model construction.
+        dist.barrier()
+        latency, bandwidth = _ping_pong(torch, dist, rank, world)
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(job["batch"], job["dim"], generator=gen)
         y = torch.randn(job["batch"], job["dim"], generator=gen)
         first = any(s.is_first for s in stages)
         last = any(s.is_last for s in stages)
         opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
-        durations, losses = [], []
-        last_records: list[tuple[int, str, int, float, float]] = []
+        durations, cpu_s, losses = [], [], []
+        last_records: list[tuple[int, str, int, float, float, float]] = []
+        per_action: dict[str, list[float]] = {}
+        per_action_cpu: dict[str, list[float]] = {}
+        window: dict[str, float] = {}
         for it in range(job["warmup"] + job["iterations"]):
             dist.barrier()
+            if it == job["warmup"]:
+                window = {"cpu0": time.process_time(), "busy0": machine_busy_s(), "t0": time.perf_counter()}
             records.clear()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             step_losses: list = []
             sched.step(x if first else None, target=y if last else None, losses=step_losses if last else None)
-            t1 = time.perf_counter()
+            t1, c1 = time.perf_counter(), time.process_time()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if it >= job["warmup"]:
                 durations.append(t1 - t0)
-                last_records = [(s, k, mb, a - t0, b - t0) for s, k, mb, a, b in records]
+                cpu_s.append(c1 - c0)       # all of the rank's threads (gloo's included) during the step
+                last_records = [(s, k, mb, a - t0, b - t0, c) for s, k, mb, a, b, c in records]
+                for s, k, _, a, b, c in records:
+                    per_action.setdefault(f"{s} {k}", []).append(b - a)
+                    per_action_cpu.setdefault(f"{s} {k}", []).append(c)
                 if step_losses:
                     losses.append(float(sum(float(v.detach()) for v in step_losses) / len(step_losses)))
-        per_action: dict[str, list[float]] = {}
-        for s, k, _, a, b in last_records:
-            per_action.setdefault(f"{s} {k}", []).append(b - a)
+        dist.barrier()
+        if window:
+            window |= {"cpu": time.process_time() - window["cpu0"], "busy": machine_busy_s() - window["busy0"],
+                       "wall": time.perf_counter() - window["t0"]}
         # Memory: one more step with saved-tensor accounting and a reset RSS high-water mark.
         counter = _SavedCounter({p.untyped_storage().data_ptr() for s in stages for p in s.submod.parameters()})
         dist.barrier()
@@ -212,7 +242,8 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             sched.step(x if first else None, target=y if last else None, losses=[] if last else None)
         rss_growth = max(0, _rss("VmHWM") - rss0)
         opt.zero_grad(set_to_none=True)
-        queue.put({"rank": rank, "durations": durations, "actions": last_records, "per_action": per_action, "peak_saved": counter.peak,
+        queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "actions": last_records, "per_action": per_action,
+                   "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
                    "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses})
         dist.barrier()
         dist.destroy_process_group()
@@ -225,22 +256,24 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
 def _instrument(stage, sid: int, records: list) -> None:
     forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
+    clock, cpu = time.perf_counter, time.thread_time
+
     def fwd(chunk_id, *args, **kwargs):
-        t = time.perf_counter()
+        t, c = clock(), cpu()
         out = forward(chunk_id, *args, **kwargs)
-        records.append((sid, "F", chunk_id, t, time.perf_counter()))
+        records.append((sid, "F", chunk_id, t, clock(), cpu() - c))
         return out
 
     def bwd(chunk_id, loss=None, full_backward=True, last_backward=False):
-        t = time.perf_counter()
+        t, c = clock(), cpu()
         out = backward(chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        records.append((sid, "B" if full_backward else "I", chunk_id, t, time.perf_counter()))
+        records.append((sid, "B" if full_backward else "I", chunk_id, t, clock(), cpu() - c))
         return out
 
     def wgt(chunk_id, last_backward=False):
-        t = time.perf_counter()
+        t, c = clock(), cpu()
         out = weight(chunk_id, last_backward=last_backward)
-        records.append((sid, "W", chunk_id, t, time.perf_counter()))
+        records.append((sid, "W", chunk_id, t, clock(), cpu() - c))
         return out
 
     stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk = fwd, bwd, wgt
@@ -298,13 +331,17 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
                     p.terminate()
                     p.join(timeout=5)
     iters = [max(results[r]["durations"][k] for r in range(world)) for k in range(iterations)]
-    actions = [{"rank": r, "stage": s, "kind": k, "mb": mb, "start": a, "end": b}
-               for r in range(world) for s, k, mb, a, b in results[r]["actions"]]
+    actions = [{"rank": r, "stage": s, "kind": k, "mb": mb, "start": a, "end": b, "cpu": c}
+               for r in range(world) for s, k, mb, a, b, c in results[r]["actions"]]
     medians = {key: statistics.median(v) for r in range(world) for key, v in results[r]["per_action"].items()}
+    cpu_medians = {key: statistics.median(v) for r in range(world) for key, v in results[r]["per_action_cpu"].items()}
     last_rank = stage_rank[-1]
+    w0 = results[0]["window"]
+    foreign = foreign_cores(w0["busy"], sum(results[r]["window"]["cpu"] for r in range(world)), w0["wall"]) if w0 else 0.0
     return RunResult(iters, actions, medians, [results[r]["peak_saved"] for r in range(world)],
                      [results[r]["rss_growth"] for r in range(world)], results[0]["latency"], results[0]["bandwidth"],
-                     losses=results[last_rank]["losses"])
+                     losses=results[last_rank]["losses"], action_cpu_medians=cpu_medians,
+                     rank_cpu_s=[statistics.median(results[r]["cpu_s"]) for r in range(world)], foreign_cores=foreign)
 
 
 def measured_timeline(run: RunResult, ranks: int):

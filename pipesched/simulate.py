@@ -7,7 +7,8 @@ backward. Activations and gradients travel over the link between the two ranks (
 bytes / bandwidth), one message at a time per direction, overlapped with compute as torch's runtime does
 with asynchronous sends. With ``cores=c`` the ranks share ``c`` processors (processor sharing: with more
 than ``c`` ranks computing, each runs at ``c / active`` speed), which is how a CPU run with more processes
-than cores behaves.
+than cores behaves. ``cores`` may also be a :class:`SharedCpu`, which adds the CPU cost of every
+point-to-point message on both of its ranks (see there).
 
 Memory per rank: model states of its stages, plus per micro-batch the saved activations from F until the
 backward frees them (all at B; at I except what W still needs, the rest at W), plus, during a backward,
@@ -55,6 +56,30 @@ class StageCost:
 
     def duration(self, kind: str) -> float:
         return {"F": self.f, "B": self.b, "I": self.i_s, "W": self.w_s, "REDUCE_GRAD": self.reduce_s}[kind]
+
+
+@dataclass(frozen=True)
+class SharedCpu:
+    """Ranks that are processes sharing ``cores`` CPU cores, with a CPU cost per point-to-point message.
+
+    ``message_cpu_s`` is the CPU time one message costs each of its two ranks (gloo over TCP: the copy, the
+    socket calls and the wake-ups of the communication threads), measured by
+    :func:`pipesched.calibrate.calibrate_cpu` as process CPU time per message in a ping-pong. The simulator
+    adds it to the work of the action that sends (after F, the activation; after B/I, the gradient) and of
+    the action that consumes a received tensor, once per message that crosses ranks: torch's runtime posts the
+    sends right after the producing action and waits for the receive right before the consuming one, on the
+    same thread. That work runs under processor sharing like the compute, so on an oversubscribed CPU a
+    message also slows the other ranks. The link's latency stays the wait for the message (the one-way
+    time of the ping-pong less this CPU work). ``action_cpu_s`` is the runtime's fixed CPU work per compute
+    action (its Python bookkeeping around the layer calls), added to every F, B, I and W.
+    """
+
+    cores: float
+    message_cpu_s: float = 0.0
+    action_cpu_s: float = 0.0     # the runtime's own CPU work per compute action (F, B, I, W), on top of the profile
+
+    def to_dict(self) -> dict[str, float]:
+        return {"cores": self.cores, "message_cpu_s": self.message_cpu_s, "action_cpu_s": self.action_cpu_s}
 
 
 @dataclass(frozen=True)
@@ -106,8 +131,11 @@ def _partner_stages(schedule: Schedule) -> dict[int, list[int]]:
     return {sid: [o for o in groups[schedule.stage_layers[sid]] if o != sid] for sid in range(schedule.num_stages)}
 
 
-def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = None, *, cores: float | None = None) -> SimResult:
+def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = None, *, cores: float | SharedCpu | None = None) -> SimResult:
     """Run ``schedule`` with per-stage ``costs`` over ``links`` (a ``LinkModel``; None = free transfers)."""
+    message_cpu = action_cpu = 0.0
+    if isinstance(cores, SharedCpu):
+        message_cpu, action_cpu, cores = cores.message_cpu_s, cores.action_cpu_s, cores.cores
     R = schedule.ranks
     acts = schedule.actions
     neighbours = {s: schedule.neighbours(s) for s in range(schedule.num_stages)}
@@ -169,9 +197,19 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
             return max(times)
         raise ScheduleError(f"cannot simulate action {a}")
 
+    def messages(a: Action) -> int:
+        """Cross-rank messages the action sends or consumes (each costs ``message_cpu`` on its rank)."""
+        prev, nxt = neighbours[a.stage]
+        r = schedule.stage_rank[a.stage]
+        if a.kind not in ("F", "B", "I"):     # F: receives from prev, sends to next; B/I the other way; W none
+            return 0
+        return sum(1 for s in (prev, nxt) if s is not None and schedule.stage_rank[s] != r)
+
     def start(r: int, a: Action) -> None:
         c = cost(a.stage)
-        dur = c.duration(a.kind)
+        dur = c.duration(a.kind) + (message_cpu * messages(a) if message_cpu and links is not None else 0.0)
+        if action_cpu and a.kind in ("F", "B", "I", "W"):
+            dur += action_cpu
         running[r] = [a, dur, now, dur]
         if a.kind == "F":
             mem_events[r].append((now, c.saved_bytes))
