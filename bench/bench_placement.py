@@ -8,8 +8,10 @@ Sections
    first-fit scan of the GPU list in the same process (target: < 1 ms).
 2. CASSINI time shifts for 50 concurrent jobs sharing links (target: < 1 s), against the same algorithm with
    one affinity-graph node per link (no link classes).
-3. Replay of 10,000 synthetic jobs on 1024 GPUs (target: < 120 s) under HiveD and HiveD + CASSINI; FIFO
-   first-fit on a tenth of the trace for its wall time (its scattered placements create many contention sets).
+3. Replay of 10,000 synthetic jobs on 1024 GPUs (target: < 120 s) under every policy (FIFO first-fit, LAS, HiveD,
+   HiveD + CASSINI), with emu.fluid limited to REPLAY_RADIUS binding-link hops around each change; replay_error:
+   the error of that limit against the exact model on the first 1,000 jobs of the same trace.
+   Fluid: emu.fluid's event-driven simulation against its dense reference on one large group of jobs.
 4. Accuracy of the fluid contention model against emu's flow-level simulator on small job sets.
 5. Figures: a network-bound job mix (HiveD + CASSINI vs contention-blind FIFO first-fit: average and p99 JCT
    ratios), and a Philly-like mix (fragmentation and queueing, HiveD buddy vs first-fit; LAS for reference).
@@ -26,8 +28,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np  # noqa: E402
+
 import topology  # noqa: E402
 from bench._common import RESULTS, write_results  # noqa: E402
+from emu.fluid import PeriodicJob, binding_links, simulate_periodic, simulate_periodic_reference  # noqa: E402
 from placement.cassini import time_shifts  # noqa: E402
 from placement.cli import plot_jct  # noqa: E402
 from placement.contention import EmuSlowdown, FluidSlowdown, PlacedJob  # noqa: E402
@@ -35,7 +40,7 @@ from placement.hived import HivedScheduler  # noqa: E402
 from placement.planner import rank_order  # noqa: E402
 from placement.profiles import JobSpec, comm_profile  # noqa: E402
 from placement.replay import replay  # noqa: E402
-from placement.traces import TraceJob, synthetic_trace  # noqa: E402
+from placement.traces import MODEL_MIX, TraceJob, synthetic_trace  # noqa: E402
 
 
 def bench_alloc() -> None:
@@ -104,24 +109,118 @@ def bench_shifts() -> None:
                   notes="Jobs of 4-28 GPUs placed by HiveD so that they straddle hosts and share NICs/uplinks; 360 arcs per circle.")
 
 
+REPLAY_RADIUS = 1  # binding-link hops re-simulated around a change in the 10,000-job replays (emu.fluid's radius option)
+
+
+def _replay_trace(n: int) -> list[TraceJob]:
+    return synthetic_trace(n, seed=3, arrival_rate=1 / 8, mean_duration_s=1200, network_heavy=0.2)
+
+
+def _replay_row(policy: str, jobs: list, r, wall: float, sd: FluidSlowdown, model: str) -> dict:
+    m = r.metrics
+    return {"policy": policy, "jobs": len(jobs), "model": model, "wall_s": wall, "under_120s": wall < 120 if len(jobs) == 10_000 else "",
+            "avg_jct_s": m["avg_jct_s"], "p99_jct_s": m["p99_jct_s"], "avg_queue_s": m["avg_queue_s"], "utilisation": m["gpu_utilisation"],
+            "events": m["events"], "groups_simulated": sd.simulations, "fluid_events": sd.model.events, "group_cache_hits": sd.hits}
+
+
 def bench_replay(quick: bool) -> None:
+    """Every policy on the full trace with the radius-limited fluid model."""
     topo = topology.build_cluster(128)
     n = 2000 if quick else 10_000
-    trace = synthetic_trace(n, seed=3, arrival_rate=1 / 8, mean_duration_s=1200, network_heavy=0.2)
+    trace = _replay_trace(n)
     rows = []
-    for policy, jobs in (("hived", trace), ("hived+cassini", trace), ("fifo", trace[: n // 10])):
+    for policy in ("fifo", "las", "hived", "hived+cassini"):
+        sd = FluidSlowdown(topo, radius=REPLAY_RADIUS)
         t0 = time.perf_counter()
-        r = replay(topo, jobs, policy)
-        wall = time.perf_counter() - t0
-        m = r.metrics
-        rows.append({"policy": policy, "jobs": len(jobs), "wall_s": wall, "under_120s": wall < 120 if len(jobs) == 10_000 else "",
-                     "avg_jct_s": m["avg_jct_s"], "p99_jct_s": m["p99_jct_s"], "avg_queue_s": m["avg_queue_s"],
-                     "utilisation": m["gpu_utilisation"], "events": m["events"],
-                     "contention_sets": m.get("slowdown_cache", {}).get("calls", 0),
-                     "contention_cache_hits": m.get("slowdown_cache", {}).get("hits", 0)})
-    write_results("placement_replay", rows, title=f"Trace replay on 1024 GPUs ({n} synthetic Philly-like jobs)",
-                  notes="FIFO first-fit replays a tenth of the trace: its scattered placements create many distinct contention sets, "
-                        "each a fluid simulation.")
+        r = replay(topo, trace, policy, slowdown=sd)
+        rows.append(_replay_row(policy, trace, r, time.perf_counter() - t0, sd, f"fluid, radius {REPLAY_RADIUS}"))
+        print(rows[-1], flush=True)
+    write_results("placement_replay", rows, title=f"Trace replay on 1024 GPUs ({n} synthetic Philly-like jobs), every policy",
+                  notes="Slowdowns from emu.fluid (job-level fluid max-min model on emu's solver, per-link demands as coefficients), "
+                        f"re-simulating only the jobs within {REPLAY_RADIUS} binding-link hop(s) of each change "
+                        f"(emu.fluid.PeriodicFluidModel radius={REPLAY_RADIUS}); placement_replay_error.md measures the error of that "
+                        "limit against the exact model. groups_simulated: fluid simulations run; fluid_events: their events in all.")
+
+
+class _Shadow:
+    """Drives a replay with the radius-limited model and asks the exact model the same questions, to compare answers."""
+
+    def __init__(self, topo: topology.Topology, radius: int) -> None:
+        self.approx, self.exact = FluidSlowdown(topo, radius=radius), FluidSlowdown(topo)
+        self.errors: list[float] = []
+        self.t_approx = self.t_exact = 0.0
+
+    def __call__(self, jobs):
+        t0 = time.perf_counter()
+        a = self.approx(jobs)
+        t1 = time.perf_counter()
+        e = self.exact(jobs)
+        self.t_approx, self.t_exact = self.t_approx + t1 - t0, self.t_exact + time.perf_counter() - t1
+        for j in jobs:  # jobs slowed by contention in either model
+            solo = j.profile.period_s
+            if max(a[j.name], e[j.name]) > solo * (1 + 1e-9):
+                self.errors.append(a[j.name] / e[j.name] - 1)
+        return a
+
+
+def bench_replay_error(quick: bool) -> None:
+    """The radius approximation against the exact model: the same questions (shadow) and whole replays (JCTs)."""
+    topo = topology.build_cluster(128)
+    m = 300 if quick else 1000
+    trace = _replay_trace(m)
+    rows = []
+    for policy in ("fifo", "las", "hived", "hived+cassini"):
+        shadow = _Shadow(topo, REPLAY_RADIUS)
+        replay(topo, trace, policy, slowdown=shadow)
+        err = np.abs(np.array(shadow.errors)) if shadow.errors else np.zeros(1)
+        runs = {}
+        for label, kw in (("exact", {}), ("radius", {"radius": REPLAY_RADIUS})):
+            t0 = time.perf_counter()
+            runs[label] = (replay(topo, trace, policy, slowdown=FluidSlowdown(topo, **kw)), time.perf_counter() - t0)
+        (ex, t_ex), (ap, t_ap) = runs["exact"], runs["radius"]
+        rows.append({"policy": policy, "jobs": m, "contended_answers": len(shadow.errors),
+                     "iter_time_err_median": float(np.median(err)), "iter_time_err_p99": float(np.percentile(err, 99)),
+                     "iter_time_err_max": float(err.max()), "iter_time_err_mean_signed": float(np.mean(shadow.errors)) if shadow.errors else 0.0,
+                     "avg_jct_exact_s": ex.metrics["avg_jct_s"], "avg_jct_err": ap.metrics["avg_jct_s"] / ex.metrics["avg_jct_s"] - 1,
+                     "p99_jct_err": ap.metrics["p99_jct_s"] / ex.metrics["p99_jct_s"] - 1,
+                     "replay_exact_s": t_ex, "replay_radius_s": t_ap, "speedup": t_ex / t_ap})
+        print(rows[-1], flush=True)
+    write_results("placement_replay_error", rows, title=f"Radius-{REPLAY_RADIUS} fluid model vs the exact model (first {m} jobs of the replay trace)",
+                  notes="iter_time_err_*: the radius-limited model drives the replay and the exact model answers the same calls "
+                        "(same running jobs, same phases); relative error of the mean iteration time of every job slowed by contention, "
+                        "over all calls (|a/e - 1|; mean_signed keeps the sign: < 0 means the radius model is optimistic). "
+                        "avg/p99_jct_err: two separate replays, exact vs radius (schedule differences cascade, so these mix model error "
+                        "and its consequences). Wall times of the two replays in the same process.")
+
+
+def bench_fluid(quick: bool) -> None:
+    """emu.fluid on one large group: the event-driven simulation with local re-solves vs the dense reference."""
+    rng = random.Random(11)
+    links = [f"l{k}" for k in range(120)]
+    capacity = dict.fromkeys(links, 50.0)
+    rows = []
+    for n_jobs in ((20, 40) if quick else (20, 40, 80)):
+        jobs = []
+        for i in range(n_jobs):
+            _, compute_ms, _ = rng.choice(MODEL_MIX)
+            comm = compute_ms / 1e3 * rng.uniform(0.1, 1.5)
+            # a chain of jobs sharing NIC-like links with their neighbours, as first-fit placements make them
+            own = links[(3 * i) % len(links): (3 * i) % len(links) + 4]
+            jobs.append(PeriodicJob(f"j{i}", compute_ms / 1e3, comm, {e: rng.uniform(25, 50) for e in own}, rng.uniform(0, 1)))
+        t0 = time.perf_counter()
+        fast = simulate_periodic(jobs, capacity)
+        tf = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        ref = simulate_periodic_reference(jobs, capacity)
+        tr = time.perf_counter() - t0
+        a, b = fast.mean_iteration_s(), ref.mean_iteration_s()
+        rows.append({"jobs": n_jobs, "binding_links": len(binding_links(jobs, capacity)), "events": fast.events, "solves": fast.solves,
+                     "memo_hits": fast.memo_hits, "fast_s": tf, "reference_s": tr, "speedup": tr / tf,
+                     "max_rel_diff": max(abs(a[k] / b[k] - 1) for k in a)})
+    write_results("placement_fluid", rows, title="emu.fluid: event-driven simulation with local re-solves vs the dense reference",
+                  notes="One group of jobs chained by shared links (4 links each, 2 shared with each neighbour; demands 25-50 of 50 GB/s; "
+                        "compute from the trace model mix). Reference: every event re-solves all communicating jobs on all links "
+                        "(the placement planner's former job-level simulation, on emu's solver). Both run until every job has done 4 iterations.")
 
 
 def bench_accuracy() -> None:
@@ -211,10 +310,11 @@ def bench_figures(quick: bool) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller replays (2,000 jobs instead of 10,000)")
-    ap.add_argument("--only", default=None, help="comma-separated sections: alloc, shifts, replay, accuracy, figures")
+    ap.add_argument("--only", default=None, help="comma-separated sections: alloc, shifts, replay, replay_error, fluid, accuracy, figures")
     args = ap.parse_args()
-    sections = {"alloc": bench_alloc, "shifts": bench_shifts, "replay": lambda: bench_replay(args.quick), "accuracy": bench_accuracy,
-                "figures": lambda: bench_figures(args.quick)}
+    sections = {"alloc": bench_alloc, "shifts": bench_shifts, "replay": lambda: bench_replay(args.quick),
+                "replay_error": lambda: bench_replay_error(args.quick), "fluid": lambda: bench_fluid(args.quick),
+                "accuracy": bench_accuracy, "figures": lambda: bench_figures(args.quick)}
     chosen = args.only.split(",") if args.only else list(sections)
     for name in chosen:
         t0 = time.perf_counter()

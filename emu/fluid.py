@@ -245,7 +245,8 @@ def binding_components(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, floa
 
 
 def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float], *, iterations: int = 4,
-                      rate_memo: dict[tuple, list[float]] | None = None, job_keys: Sequence[Hashable] | None = None) -> PeriodicRun:
+                      rate_memo: dict[tuple, list[float]] | None = None, job_keys: Sequence[Hashable] | None = None,
+                      watch: Sequence[int] | None = None) -> PeriodicRun:
     """Event-driven simulation of the fluid model (see the module docstring) until every job has done ``iterations``.
 
     Jobs without communication (``comm_s == 0``) are not simulated: their
@@ -253,7 +254,9 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
     sortable key per job that names its demands for good): the progress rates
     of sets of communicating jobs, shared between runs; the max-min rates of
     a set depend only on its jobs' demands and the capacities, so a later run
-    over some of the same jobs reuses them.
+    over some of the same jobs reuses them. ``watch`` (indices; default all
+    jobs): the run ends once these jobs have done ``iterations`` (the others'
+    answers then average fewer iterations).
     """
     _validate(jobs, capacity, iterations)
     n = len(jobs)
@@ -306,7 +309,10 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
         heap.append((starts[i], seq, i, 0))
         seq += 1
     heapq.heapify(heap)
-    remaining_jobs = len(sim)
+    watched = [False] * n
+    for i in (sim if watch is None else watch):
+        watched[i] = jobs[i].comm_s > 0
+    remaining_jobs = sum(watched)
     counts = [0] * n
 
     def component(seed: int) -> list[int]:
@@ -384,7 +390,7 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
             x[i] = 0.0
             run.ends[i].append(t)
             counts[i] += 1
-            if counts[i] == iterations:
+            if counts[i] == iterations and watched[i]:
                 remaining_jobs -= 1
                 if not remaining_jobs:
                     stop = t + 1e-12
@@ -512,7 +518,8 @@ class PeriodicFluidModel:
       than ``radius`` hops from the changed jobs, only that ball is simulated
       and only the answers of the jobs strictly inside it (fewer than
       ``radius`` hops away) are refreshed; the others keep their previous
-      answers. Two errors: the jobs on the ball's edge lose their outer
+      answers. The ball's simulation ends once its interior jobs have done
+      ``iterations``. Two errors: the jobs on the ball's edge lose their outer
       partners (they contend less than they would), and a change's effect on
       farther jobs (which decays with distance) is ignored until a change
       near them.
@@ -537,7 +544,7 @@ class PeriodicFluidModel:
         self.phase_quantum = phase_quantum
         self.cache_limit = cache_limit
         self.by_signature: dict[tuple, list[float]] = {}
-        self.by_identity: dict[tuple[int, ...], tuple[tuple[PeriodicJob, ...], list[float]]] = {}
+        self.by_identity: dict[tuple, tuple[tuple[PeriodicJob, ...], list[float]]] = {}
         self.calls = self.hits = self.simulations = self.events = 0
         # the job set of the previous call, by id (the dicts hold the objects, so ids stay unique)
         self._jobs: dict[int, PeriodicJob] = {}
@@ -590,7 +597,8 @@ class PeriodicFluidModel:
                 dist = self._distances([k for k in live if k in inside], binding, self.radius)
                 if len(dist) < len(comp):  # the group reaches beyond the ball: simulate the ball, refresh its interior
                     ball = sorted(dist)
-                    for k, a in zip(ball, self._answer(ball, binding), strict=True):
+                    interior = [p for p, k in enumerate(ball) if dist[k] < self.radius]
+                    for k, a in zip(ball, self._answer(ball, binding, watch=interior), strict=True):
                         if dist[k] < self.radius or k not in self._times:
                             self._times[k] = a
                     continue
@@ -632,18 +640,20 @@ class PeriodicFluidModel:
                             stack.append(k)
         return sorted(comp)
 
-    def _answer(self, comp: list[int], binding: dict[Link, bool]) -> list[float]:
+    def _answer(self, comp: list[int], binding: dict[Link, bool], watch: list[int] | None = None) -> list[float]:
         if len(comp) == 1:
             j = self._jobs[comp[0]]
             return [j.compute_s + j.comm_s / self._own[comp[0]]]
         self.calls += 1
         members = tuple(self._jobs[i] for i in comp)
-        ident = tuple(comp)
+        ident = (tuple(comp), None if watch is None else tuple(watch))
         hit = self.by_identity.get(ident)
         if hit is not None and all(a is b for a, b in zip(hit[0], members, strict=True)):
             self.hits += 1
             return hit[1]
         key, order = self._signature(comp, binding)
+        if watch is not None:
+            key = (key, tuple(sorted(order.index(p) for p in watch)))
         cached = self.by_signature.get(key)
         if cached is not None:
             self.hits += 1
@@ -654,7 +664,7 @@ class PeriodicFluidModel:
             if len(self.rate_memo) >= 5 * self.cache_limit:
                 self.rate_memo.clear()
             run = simulate_periodic(members, self.capacity, iterations=self.iterations, rate_memo=self.rate_memo,
-                                    job_keys=[self._serial[i] for i in comp])
+                                    job_keys=[self._serial[i] for i in comp], watch=watch)
             self.simulations += 1
             self.events += run.events
             means = run.mean_iteration_s()

@@ -7,7 +7,7 @@ Actions::
     netweave place cells --topology T                                      HiveD cell levels derived from T
     netweave place check --topology T --jobs J                             VC quota safety check and guarantees
     netweave place trace --synthetic N --seed S --out trace.csv            (or --philly FILE / --pai FILE)
-    netweave place replay --topology T --trace trace.csv --policy P[,P...] --out result.json [--plot jct.png]
+    netweave place replay --topology T --trace trace.csv --policy P[,P...] --out result.json [--plot jct.png] [--fluid-radius R]
 
 ``--topology`` takes a topology file or ``default`` (4 DGX H100, rail-optimised).
 """
@@ -86,6 +86,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"])
     p.add_argument("--out", default=None, help="write per-policy metrics and per-job times (JSON)")
     p.add_argument("--plot", default=None, help="write a JCT distribution plot (PNG)")
+    p.add_argument("--fluid-radius", type=int, default=None, metavar="R",
+                   help="re-simulate only jobs within R shared-link hops of each change (faster, approximate; default: exact)")
     add_json_flag(p)
     p.set_defaults(func=cmd_replay)
 
@@ -164,6 +166,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from .contention import FluidSlowdown
     from .replay import POLICIES, replay
     from .traces import read_trace
 
@@ -173,10 +176,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for p in policies:
         if p not in POLICIES:
             raise InputError(f"unknown policy {p!r}; expected one of {', '.join(POLICIES)}", where="--policy")
+    if args.fluid_radius is not None and args.fluid_radius < 1:
+        raise InputError(f"expected a radius >= 1, got {args.fluid_radius}", where="--fluid-radius")
     results: dict[str, Any] = {}
     for p in policies:
         progress(f"replaying {len(trace)} jobs under {p} ...")
-        results[p] = replay(topo, trace, p, routing=args.routing)
+        results[p] = replay(topo, trace, p, routing=args.routing, slowdown=FluidSlowdown(topo, radius=args.fluid_radius))
     data = {"topology": topo.name, "jobs": len(trace), "metrics": {p: r.metrics for p, r in results.items()}}
     if args.out:
         atomic_write_text(args.out, json.dumps({**data, "per_job": {p: r.jobs for p, r in results.items()}}, indent=1, default=str) + "\n")

@@ -98,7 +98,7 @@ def test_replay_is_deterministic_and_cli_runs(tmp_path, capsys):
     path = tmp_path / "t.csv"
     path.write_text(dumps_trace(trace))
     out = tmp_path / "r.json"
-    assert main(["place", "replay", "--topology", "default", "--trace", str(path), "--policy", "fifo,hived", "--out", str(out),
+    assert main(["place", "replay", "--topology", "default", "--trace", str(path), "--policy", "fifo,hived", "--out", str(out), "--fluid-radius", "1",
                  "--plot", str(tmp_path / "jct.png"), "--json"]) == 0
     data = json.loads(out.read_text())
     assert set(data["metrics"]) == {"fifo", "hived"} and (tmp_path / "jct.png").stat().st_size > 1000

@@ -256,3 +256,21 @@ def test_small_plain_python_filling_equals_the_numpy_solver(inst):
     el = np.asarray([k for p in paths for k in p], dtype=np.intp)
     fast = maxmin_rates_coo(ef, el, len(paths), np.asarray(capacity), cap=np.asarray(own), coef=np.asarray([d for c in coef for d in c]))
     assert _fill_progress(links, capacity, own) == pytest.approx(fast.tolist(), rel=1e-9, abs=1e-12)
+
+
+def test_radius_model_is_exact_when_the_ball_holds_the_group_and_local_otherwise():
+    # a chain j0 - j1 - ... - j5: link k is shared by j_k and j_k+1 and binding (8 + 8 > 10)
+    capacity = {f"l{k}": 10.0 for k in range(6)}
+    jobs = [_job(f"j{i}", 0.03 + 0.01 * i, 0.02, {**({f"l{i - 1}": 8.0} if i else {}), f"l{i}": 8.0}, 0.003 * i) for i in range(6)]
+    assert len(binding_components(jobs, capacity)) == 1
+    exact = PeriodicFluidModel(capacity)(jobs)
+    assert PeriodicFluidModel(capacity, radius=10)(jobs) == pytest.approx(exact, rel=1e-12)
+    local = PeriodicFluidModel(capacity, radius=1)
+    before = local(jobs[:5])
+    after = local(jobs)  # j5 arrives next to j4: only j5 is refreshed (j4 is on the ball's edge)
+    assert {k: after[k] for k in before} == before
+    # j5's answer is that of the ball {j4, j5} simulated until j5 has done its iterations
+    ball = simulate_periodic([jobs[4], jobs[5]], capacity, iterations=4, watch=[1]).mean_iteration_s()
+    assert after["j5"] == pytest.approx(ball["j5"], rel=1e-9) and after["j5"] > jobs[5].period_s
+    with pytest.raises(ValueError):
+        PeriodicFluidModel(capacity, radius=0)
