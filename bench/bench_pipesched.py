@@ -8,12 +8,14 @@
 3. Our plan versus the uniform split + 1F1B on a GPT-3 2.7B-class model on the default cluster (simulated).
 
 Run: ``.venv/bin/python bench/bench_pipesched.py [--quick] [--cpu-only] [--max-foreign C] [--quiet-timeout S]`` (``--help``).
-The CPU validation is a timing measurement: run it under the shared lock, e.g.
-``flock /tmp/netweave-measure.lock .venv/bin/python bench/bench_pipesched.py --cpu-only``.
+The CPU validation is a timing measurement: run it under the shared lock, either per case
+(``--cpu-only --lock /tmp/netweave-measure.lock``: each case waits for a quiet machine, then takes the lock for
+about a minute) or as a whole (``flock /tmp/netweave-measure.lock .venv/bin/python bench/bench_pipesched.py --cpu-only``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -117,20 +119,39 @@ def posthoc_prediction(plan, report: dict, foreign: float) -> float:
     return simulate(plan.schedule, plan.costs, plan.links, cores=SharedCpu(cores, sh["message_cpu_s"], sh["action_cpu_s"])).makespan
 
 
-def bench_cpu_validation(quick: bool, max_foreign: float = 0.15, quiet_timeout_s: float = 90.0) -> tuple[list, dict]:
+@contextlib.contextmanager
+def measurement_lock(path: str | None):
+    """Hold the shared measurement lock (``flock`` on ``path``) for the block; no-op for None."""
+    if not path:
+        yield
+        return
+    import fcntl
+
+    with open(path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def bench_cpu_validation(quick: bool, max_foreign: float = 0.15, quiet_timeout_s: float = 90.0, lock: str | None = None) -> tuple[list, dict]:
     from pipesched.calibrate import cpu_validation
     from pipesched.models import tail_heavy_widths
 
     widths = tail_heavy_widths(12, 384, 3072)
-    base_cfg = {"dim": 384, "batch": 384, "microbatches": 8, "iterations": 3 if quick else 5}
+    base_cfg = {"dim": 384, "batch": 384, "microbatches": 8, "iterations": 3 if quick else 10}
     rows, reports = [], {}
     # 4 ranks on this machine's cores (the required setting), and as many ranks as cores (where balance can show).
     for stages, schedule in ((4, "1f1b"), (4, "auto"), (2, "auto")):
         cfg = {**base_cfg, "stages": stages}
+        # Wait for a quiet machine outside the lock (other engineers' measurements are not held up), then measure
+        # the case (calibrations, profile, both runs: about a minute) holding it.
         foreign_before, waited = wait_for_quiet(max_foreign, quiet_timeout_s)
-        load0 = os.getloadavg()[0]
-        rep = cpu_validation(widths, schedule=schedule, threads=1, baseline=True, **cfg)
-        load1 = os.getloadavg()[0]
+        with measurement_lock(lock):
+            load0 = os.getloadavg()[0]
+            rep = cpu_validation(widths, schedule=schedule, threads=1, baseline=True, **cfg)
+            load1 = os.getloadavg()[0]
         ours_plan, uni_plan = rep.pop("_plan"), rep.pop("_uniform_plan")
         rep.pop("_run")
         o, u = rep["ours"], rep["uniform_torch_1f1b"]
@@ -185,9 +206,11 @@ def main() -> None:
     ap.add_argument("--max-foreign", type=float, default=0.15,
                     help="before each CPU case wait until other processes use fewer cores than this (default 0.15)")
     ap.add_argument("--quiet-timeout", type=float, default=90.0, help="give up waiting for a quiet machine after this many seconds")
+    ap.add_argument("--lock", metavar="PATH", help="take this flock (e.g. /tmp/netweave-measure.lock) around each CPU case only, "
+                                                     "after the quiet wait; without it, run the script under flock yourself")
     args = ap.parse_args()
     if args.cpu_only:
-        cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout)
+        cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock)
         write_cpu_results(cpu_rows, extra)
         return
     speed_rows: list = []
@@ -198,17 +221,26 @@ def main() -> None:
     gpt_rows = bench_gpt_cluster()
     write_results("pipesched_gpt_cluster", gpt_rows, title="Pipeline planner: planned vs uniform split + 1F1B (simulated, default cluster)",
                   notes="Analytic GPT-3 2.7B-class profile (H100 roofline at 50% FLOP/s, 80% HBM); links from topology.paths.gpu_path.")
-    cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout)
+    cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock)
     write_cpu_results(cpu_rows, extra)
 
 
 def write_cpu_results(cpu_rows: list, extra: dict) -> None:
     write_results("pipesched_cpu_validation", cpu_rows, title="Pipeline planner: predicted vs measured (gloo processes, this CPU)",
-                  notes=f"{os.cpu_count()} CPUs shared with other jobs (load average in the table). The simulator shares the cores among "
-                        "ranks (processor sharing) and uses the link measured by ping-pong in the same processes; the profile is measured "
-                        "in one process just before the run. 'error' = predicted / measured median - 1; 'error_vs_min' against the "
-                        "fastest iteration (the profile uses per-layer minima). speedups: uniform + torch Schedule1F1B time / our "
-                        "plan's time, both measured back to back.",
+                  notes=f"""
+{os.cpu_count()} CPUs shared with other engineers' jobs. Every input of 'predicted_ms' is measured before the run, by separate
+micro-measurements (pipesched.calibrate): the per-layer profile in CPU time (medians of 15, backward accumulating into .grad,
+the other core busy with the same model), the runtime's CPU cost per action and per gloo message (a pipeline of near-empty
+blocks with the same activation size), the CPU share the ranks get together and the one-way message time (ping-pong while the
+other ranks compute). The simulator shares that CPU among the computing ranks (processor sharing) and adds the message and
+action CPU work to the actions. 'error' = predicted / measured median - 1; 'error_vs_min' against the fastest iteration.
+'cpu_work_error': the model's CPU work summed over ranks (profile + runtime + messages) against the CPU time the ranks' threads
+used in a step. 'foreign_cores_run': cores other users' processes kept busy during the timed iterations (/proc/stat less our
+ranks' CPU time); 'nice' does not hold them back here, because the kernel groups each login session's processes (autogroup)
+and shares the CPU between groups first. 'posthoc_ms' re-simulates the same plan with the CPU share the ranks really had
+(calibrated share + other users' load at calibration - their load during the run): NOT a prediction, it separates the
+model's error from the load other users added after the calibration. speedups: uniform + torch Schedule1F1B / our plan,
+measured back to back.""",
                   extra=extra)
 
 

@@ -3,16 +3,21 @@
 :func:`cpu_validation` is the validation protocol on a CPU, and every input of the prediction is measured
 before the run it predicts, by separate micro-measurements:
 
-1. the per-layer profile (:func:`profile_mlp`): one process, the run's thread count, CPU time of the
-   measuring thread (``clock="cpu"``: what a rank must compute, independent of who else runs), medians, the
-   fused backward accumulating into ``.grad`` as a pipelined step does;
-2. the shared CPU (:func:`calibrate_cpu`), with as many processes as the run has ranks: how much compute
-   throughput the ranks get together (``cores``: aggregate rate of ``ranks`` single-threaded matmul loops
-   relative to one), the one-way time of a gloo message of the run's activation size between two processes
-   while the other ``ranks - 2`` compute, and the CPU time such a message costs each of its two ranks;
-3. the plan and its prediction (simulator with processor sharing over ``cores`` and the per-message CPU cost,
-   :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less that CPU work);
-4. the run (torch's ``_PipelineScheduleRuntime`` in gloo processes), compared on iteration time, per-action
+1. the per-layer profile (:func:`profile_mlp`): the run's thread count, CPU time of the measuring thread
+   (``clock="cpu"``: what a rank must compute, independent of who else runs), medians of 15, the fused
+   backward accumulating into ``.grad`` as a pipelined step does, and the machine's other cores kept busy by
+   processes training the same model (``min(ranks, cores) - 1`` co-runners: during the run they are busy with
+   the other ranks, which costs a rank shared cache and memory bandwidth);
+2. the runtime's own costs (:func:`calibrate_runtime`): a pipeline of near-empty blocks with the same
+   activation size run by torch's runtime in ``ranks`` processes gives the CPU time per compute action beyond
+   the layers and the CPU time per point-to-point message (posting, copying, waking gloo's threads);
+3. the shared CPU (:func:`calibrate_cpu`), with as many processes as the run has ranks: the CPU share they
+   get together while all compute (``cpu_share``: less than the cores when other users' processes run), and
+   the one-way time of a gloo message of the run's activation size between two processes while the other
+   ``ranks - 2`` compute (its wait part is the link latency);
+4. the plan and its prediction (simulator with processor sharing over ``cpu_share``, the per-action and per-message CPU costs,
+   :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less its CPU work);
+5. the run (torch's ``_PipelineScheduleRuntime`` in gloo processes), compared on iteration time, per-action
    durations and CPU times, per-rank CPU time and activation memory.
 
 It also runs the usual default, a uniform split with torch's ``Schedule1F1B``, so that the plan's measured
@@ -378,11 +383,13 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     mb = batch // microbatches
     cal = calibrate_cpu(stages, mb * dim * 4, threads=threads)
     rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=microbatches, threads=threads)
-    # The profile is taken with ranks - 1 co-runners (it carries the slowdown of sharing), so the ranks share
-    # cal.cpu_share of the machine in the simulator, not cal.cores (which divides by the slowdown of a matmul loop).
+    # The profile is taken while the other cores are busy with the same model (min(ranks, cores) - 1 co-runners: in
+    # the run the other cores are mostly busy with other ranks), in CPU time; the time-slicing among more ranks than
+    # cores is the simulator's processor sharing over cal.cpu_share, the CPU our processes got when all ran.
+    machine_cores = os.cpu_count() or 1
     shared = SharedCpu(cores or cal.cpu_share, rt.message_cpu_s, rt.action_cpu_s)
     prof = profile_mlp(widths, dim, mb, threads=threads, repeats=repeats, statistic="median", clock="cpu", warmup=2,
-                       co_runners=stages - 1)
+                       co_runners=min(stages, machine_cores) - 1)
     devices = [Device(f"cpu-rank{r}") for r in range(stages)]
     link = cal.link()
     families = [f for f in EXPORTABLE if schedule in ("auto", f)]
