@@ -20,6 +20,7 @@ Sections
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import statistics
 import sys
@@ -123,18 +124,24 @@ def _replay_row(policy: str, jobs: list, r, wall: float, sd: FluidSlowdown, mode
             "events": m["events"], "groups_simulated": sd.simulations, "fluid_events": sd.model.events, "group_cache_hits": sd.hits}
 
 
-def bench_replay(quick: bool) -> None:
-    """Every policy on the full trace with the radius-limited fluid model."""
+def bench_replay(quick: bool, policies: list[str]) -> None:
+    """Every policy on the full trace with the radius-limited fluid model (rows of policies not run now are kept from the last run)."""
     topo = topology.build_cluster(128)
     n = 2000 if quick else 10_000
     trace = _replay_trace(n)
+    order = ["fifo", "las", "hived", "hived+cassini"]
+    old = RESULTS / "placement_replay.json"
+    kept = {}
+    if old.exists():
+        kept = {r["policy"]: r for r in json.loads(old.read_text()).get("rows", []) if r.get("jobs") == n and r["policy"] not in policies}
     rows = []
-    for policy in ("fifo", "las", "hived", "hived+cassini"):
+    for policy in policies:
         sd = FluidSlowdown(topo, radius=REPLAY_RADIUS)
         t0 = time.perf_counter()
         r = replay(topo, trace, policy, slowdown=sd)
         rows.append(_replay_row(policy, trace, r, time.perf_counter() - t0, sd, f"fluid, radius {REPLAY_RADIUS}"))
         print(rows[-1], flush=True)
+    rows = sorted([*rows, *kept.values()], key=lambda r: order.index(r["policy"]))
     write_results("placement_replay", rows, title=f"Trace replay on 1024 GPUs ({n} synthetic Philly-like jobs), every policy",
                   notes="Slowdowns from emu.fluid (job-level fluid max-min model on emu's solver, per-link demands as coefficients), "
                         f"re-simulating only the jobs within {REPLAY_RADIUS} binding-link hop(s) of each change "
@@ -303,7 +310,7 @@ def bench_figures(quick: bool) -> None:
                   notes="Ratios are FIFO first-fit (contention-blind) over the policy: > 1 means the policy is faster. "
                         "Network-bound mix: 150 data-parallel jobs of 4-28 GPUs (30 ms compute, 3 GB gradients per iteration), "
                         "Poisson arrivals every 60 s on 16 DGX H100 (rail routing, PXN): jobs that straddle hosts share NICs. "
-                        "Slowdowns from the fluid contention model (section 4 compares it with emu). "
+                        "Slowdowns from emu.fluid, exact (section 4 compares it with emu.sim). "
                         "Plots: placement_jct_network.png, placement_jct_philly.png.")
 
 
@@ -311,8 +318,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="smaller replays (2,000 jobs instead of 10,000)")
     ap.add_argument("--only", default=None, help="comma-separated sections: alloc, shifts, replay, replay_error, fluid, accuracy, figures")
+    ap.add_argument("--policies", default="fifo,las,hived,hived+cassini", help="policies of the replay section")
     args = ap.parse_args()
-    sections = {"alloc": bench_alloc, "shifts": bench_shifts, "replay": lambda: bench_replay(args.quick),
+    sections = {"alloc": bench_alloc, "shifts": bench_shifts, "replay": lambda: bench_replay(args.quick, args.policies.split(",")),
                 "replay_error": lambda: bench_replay_error(args.quick), "fluid": lambda: bench_fluid(args.quick),
                 "accuracy": bench_accuracy, "figures": lambda: bench_figures(args.quick)}
     chosen = args.only.split(",") if args.only else list(sections)

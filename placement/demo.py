@@ -3,7 +3,7 @@
 Places four data-parallel jobs (two of them in virtual clusters) with HiveD's
 buddy allocator, lets CASSINI rank the candidates and time-shift the jobs that
 share links, prints placements, shifts and torchrun lines, and checks with the
-fluid contention model what the shifts buy. Then fails one GPU to show how a
+fluid model of emu (emu.fluid) what the shifts buy. Then fails one GPU to show how a
 VC's guarantee degrades visibly.
 """
 
@@ -48,7 +48,7 @@ def demo(topo: Topology, out: pathlib.Path) -> tuple[dict[str, Any], str]:
               "failure_check": {"failed": failed, "ok": failure["ok"], "chains": failure["chains"]},
               "files": sorted(str(p.relative_to(out)) for p in out.glob("*") if p.is_file())}
     lines = [plan_text(plan), "", "with the buddy allocator's first choice only, jobs share links and CASSINI time-shifts them:",
-             plan_text(forced), "  iteration time per job (fluid contention model): solo / all started together / with the shifts"]
+             plan_text(forced), "  iteration time per job (emu.fluid job-level model): solo / all started together / with the shifts"]
     for n, e in effect.items():
         lines.append(f"    {n:<8} {e['solo_ms']:7.1f} ms / {e['unshifted_ms']:7.1f} ms / {e['shifted_ms']:7.1f} ms")
     deficits = [d for c in failure["chains"].values() for d in c["deficits"]]

@@ -3,9 +3,11 @@
 Event-driven: events are arrivals and completions. At each event the policy
 places (and, for LAS, preempts) jobs; then the iteration time of every running
 job is recomputed by a *slowdown model* (:mod:`placement.contention`, default
-:class:`~placement.contention.FluidSlowdown`) from the jobs' communication
-profiles and phases, and jobs progress at ``1 / iteration time`` iterations per
-second until the next event.
+:class:`~placement.contention.FluidSlowdown`, emu's job-level fluid model
+:mod:`emu.fluid`) from the jobs' communication profiles and phases, and jobs
+progress at ``1 / iteration time`` iterations per second until the next event.
+The model is incremental: it re-simulates only the groups of jobs (linked by
+links that can saturate) that the event changed.
 
 Policies (:data:`POLICIES`):
 
