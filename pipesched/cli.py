@@ -268,7 +268,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     o = rep["ours"]
     lines = [f"plan: {o['schedule']}, spans {rep['plan']['spans']}",
              f"ours: predicted {o['predicted_s'] * 1e3:.4g} ms, measured {o['measured_s'] * 1e3:.4g} ms (error {o['error']:+.1%}), "
-             f"per-action error {o['per_action_mape']:.1%} mean abs"]
+             f"per-action error {o['per_action_mape']:.1%} mean abs",
+             f"CPU work: modelled {sum(o['rank_work_predicted_s']) * 1e3:.4g} ms, measured {sum(o['rank_cpu_measured_s']) * 1e3:.4g} ms "
+             f"(all ranks); CPU share calibrated {rep['shared_cpu']['cores']:.2f} cores, other users took {o['foreign_cores']:.2f} during the run"]
     if "uniform_torch_1f1b" in rep:
         u = rep["uniform_torch_1f1b"]
         lines.append(f"uniform + torch Schedule1F1B: predicted {u['predicted_s'] * 1e3:.4g} ms, measured {u['measured_s'] * 1e3:.4g} ms")
