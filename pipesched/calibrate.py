@@ -40,7 +40,7 @@ from .export import schedule_csv, spans_for_schedule
 from .models import mlp_chain
 from .plan import Plan, plan, uniform_plan
 from .profile import ModelProfile, measure_profile
-from .runner import RunResult, foreign_cores, machine_busy_s, run_pipeline
+from .runner import RunResult, foreign_cores, gather_results, machine_busy_s, run_pipeline
 from .simulate import SharedCpu
 
 EXPORTABLE = ("1f1b", "zbh1", "gpipe", "interleaved")
@@ -188,21 +188,19 @@ def _calibration_worker(rank: int, world: int, port: int, job: dict[str, Any], q
         if rank <= 1 and world >= 2:
             buf = torch.zeros(max(1, job["message_bytes"] // 4))
             peer = 1 - rank
-            for _ in range(5):
-                if rank == 0:
-                    dist.send(buf, peer)
-                    dist.recv(buf, peer)
-                else:
-                    dist.recv(buf, peer)
-                    dist.send(buf, peer)
+
+            def ping_pong(rounds: int) -> None:
+                for _ in range(rounds):
+                    if rank == 0:
+                        dist.send(buf, peer)
+                        dist.recv(buf, peer)
+                    else:
+                        dist.recv(buf, peer)
+                        dist.send(buf, peer)
+
+            ping_pong(5)  # connection set-up and warm caches
             c0, t0 = time.process_time(), time.perf_counter()
-            for _ in range(job["rounds"]):
-                if rank == 0:
-                    dist.send(buf, peer)
-                    dist.recv(buf, peer)
-                else:
-                    dist.recv(buf, peer)
-                    dist.send(buf, peer)
+            ping_pong(job["rounds"])
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             result |= {"one_way": wall / (2 * job["rounds"]), "cpu_per_message": cpu / (2 * job["rounds"])}
             if rank == 0:
@@ -246,28 +244,7 @@ def calibrate_cpu(ranks: int, message_bytes: int, *, threads: int = 1, window_s:
     procs = [ctx.Process(target=_calibration_worker, args=(r, world, port, job, queue, stop), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
-    results: dict[int, dict[str, Any]] = {}
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) < world:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"CPU calibration did not finish in {timeout_s:.0f} s")
-            try:
-                msg = queue.get(timeout=5.0)
-            except Exception:
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError("a calibration process died") from None
-                continue
-            if "error" in msg:
-                raise RuntimeError(f"calibration rank {msg['rank']} failed: {msg['error']}")
-            results[msg["rank"]] = msg
-        for p in procs:
-            p.join(timeout=30)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.terminate()
-                p.join(timeout=5)
+    results = gather_results(procs, queue, world, timeout_s, what="CPU calibration")
     solo = results[0]["solo"] / (window_s * alternations)
     together = sum(results[r]["together"] for r in range(world)) / (window_s * alternations)
     own_cpu = sum(results[r]["cpu"] for r in range(world))

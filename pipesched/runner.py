@@ -279,6 +279,36 @@ def _instrument(stage, sid: int, records: list) -> None:
     stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk = fwd, bwd, wgt
 
 
+def gather_results(procs: list, queue: Any, world: int, timeout_s: float, *, what: str) -> dict[int, dict[str, Any]]:
+    """Collect one message per rank from worker processes (``{"rank": r, ...}`` or ``{"rank": r, "error": ...}``),
+    failing fast when a process dies or reports an error; joins the processes and terminates stragglers."""
+    results: dict[int, dict[str, Any]] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) < world:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"{what} did not finish in {timeout_s:.0f} s")
+            try:
+                msg = queue.get(timeout=min(remaining, 5.0))
+            except Exception:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"{what}: a rank process exited with code {dead[0].exitcode}") from None
+                continue
+            if "error" in msg:
+                raise RuntimeError(f"{what}: rank {msg['rank']} failed: {msg['error']}")
+            results[msg["rank"]] = msg
+        for p in procs:
+            p.join(timeout=30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    return results
+
+
 def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microbatches: int, batch: int, dim: int,
                  model: str = "pipesched.models:mlp_chain", model_kwargs: dict[str, Any] | None = None, csv_text: str | None = None,
                  builtin: str | None = None, iterations: int = 3, warmup: int = 1, threads: int = 1, timeout_s: float = 300) -> RunResult:
@@ -306,30 +336,7 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
         procs = [ctx.Process(target=_worker, args=(r, world, port, job, queue), daemon=True) for r in range(world)]
         for p in procs:
             p.start()
-        results: dict[int, dict[str, Any]] = {}
-        deadline = time.monotonic() + timeout_s
-        try:
-            while len(results) < world:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise TimeoutError(f"pipeline run did not finish in {timeout_s:.0f} s")
-                try:
-                    msg = queue.get(timeout=min(remaining, 5.0))
-                except Exception:
-                    dead = [p for p in procs if p.exitcode not in (None, 0)]
-                    if dead:
-                        raise RuntimeError(f"rank process exited with code {dead[0].exitcode}") from None
-                    continue
-                if "error" in msg:
-                    raise RuntimeError(f"rank {msg['rank']} failed: {msg['error']}")
-                results[msg["rank"]] = msg
-            for p in procs:
-                p.join(timeout=30)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.terminate()
-                    p.join(timeout=5)
+        results = gather_results(procs, queue, world, timeout_s, what="pipeline run")
     iters = [max(results[r]["durations"][k] for r in range(world)) for k in range(iterations)]
     actions = [{"rank": r, "stage": s, "kind": k, "mb": mb, "start": a, "end": b, "cpu": c}
                for r in range(world) for s, k, mb, a, b, c in results[r]["actions"]]
