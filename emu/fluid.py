@@ -63,7 +63,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -224,7 +224,17 @@ def binding_components(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, floa
     >>> binding_components([a, b, c], {"l": 10.0, "m": 10.0})   # m can never saturate
     [[0, 1], [2]]
     """
-    parent = list(range(len(jobs)))
+    return connected_groups(len(jobs), ([i for i, _ in us] for us in binding_links(jobs, capacity).values()))
+
+
+def connected_groups(n: int, shared: Iterable[Sequence[int]]) -> list[list[int]]:
+    """Indices ``0..n-1`` grouped so that the members of every set in ``shared`` end up together (union-find),
+    each group in increasing order, groups in order of their smallest member.
+
+    >>> connected_groups(5, [[0, 3], [3, 4]])
+    [[0, 3, 4], [1], [2]]
+    """
+    parent = list(range(n))
 
     def find(i: int) -> int:
         while parent[i] != i:
@@ -232,14 +242,17 @@ def binding_components(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, floa
             i = parent[i]
         return i
 
-    for us in binding_links(jobs, capacity).values():
-        root = find(us[0][0])
-        for i, _ in us[1:]:
+    for members in shared:
+        members = list(members)
+        if not members:
+            continue
+        root = find(members[0])
+        for i in members[1:]:
             r = find(i)
             if r != root:
                 parent[r] = root
     groups: dict[int, list[int]] = {}
-    for i in range(len(jobs)):
+    for i in range(n):
         groups.setdefault(find(i), []).append(i)
     return list(groups.values())
 

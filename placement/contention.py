@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from emu.fluid import PeriodicFluidModel, PeriodicJob
+from emu.fluid import PeriodicFluidModel, PeriodicJob, connected_groups
 from topology.model import Topology
 
 from .profiles import CommProfile, Edge
@@ -60,29 +60,12 @@ class PlacedJob:
 
 def link_components(jobs: Sequence[PlacedJob]) -> list[list[PlacedJob]]:
     """Group jobs that share a network link, directly or through other jobs (union-find)."""
-    parent = list(range(len(jobs)))
-
-    def find(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
-
-    owner: dict[Edge, int] = {}
+    users: dict[Edge, list[int]] = {}
     for i, j in enumerate(jobs):
-        if j.profile.comm_s <= 0:
-            continue
-        for e in j.profile.link_rates:
-            if e in owner:
-                a, b = find(i), find(owner[e])
-                if a != b:
-                    parent[a] = b
-            else:
-                owner[e] = i
-    groups: dict[int, list[PlacedJob]] = {}
-    for i, j in enumerate(jobs):
-        groups.setdefault(find(i), []).append(j)
-    return list(groups.values())
+        if j.profile.comm_s > 0:
+            for e in j.profile.link_rates:
+                users.setdefault(e, []).append(i)
+    return [[jobs[i] for i in group] for group in connected_groups(len(jobs), users.values())]
 
 
 def link_capacities(topo: Topology) -> dict[Edge, float]:
