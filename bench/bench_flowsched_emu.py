@@ -53,8 +53,9 @@ def _plt():
 DEFAULT_BALANCE = 0.6
 
 
-def _intrajob_name(balance: float) -> str:
-    return "flowsched_intrajob" if balance == DEFAULT_BALANCE else f"flowsched_intrajob_b{balance:g}"
+def _intrajob_name(balance: float, layers: int = IntrajobSetup.layers) -> str:
+    name = "flowsched_intrajob" if layers == IntrajobSetup.layers else f"flowsched_intrajob_l{layers}"
+    return name if balance == DEFAULT_BALANCE else f"{name}_b{balance:g}"
 
 
 def intrajob(quick: bool, repeats: int, balance: float = DEFAULT_BALANCE, **setup_options: float) -> None:
@@ -103,6 +104,8 @@ def report_intrajob(setup: IntrajobSetup, reports: list[dict]) -> None:
     best_speed = max(r["summary"]["speedup_vs_ddp"]["bytescheduler"] for r in reports)
     reach = ": with this profile the 1.25x goal is out of reach even without noise" if mod_speed < 1.25 else ""
     status = "met" if pooled_speed >= 1.25 and pooled_over <= 0.15 else "not met"
+    runs_met = sum(r["summary"]["speedup_vs_ddp"]["bytescheduler"] >= 1.25 and r["summary"]["over_bound"]["bytescheduler"] <= 0.15
+                   for r in reports)
     notes = f"""
 Setup: {setup.world} emulated hosts on one switch, {setup.rate_mbit:g} Mbit/s links (HTB, 8-class tree), one gloo rank per host
 (GLOO_SOCKET_IFNAME = the host's interface, 1 torch thread), MLP of {setup.layers} x ({setup.width} x {setup.width}) linear layers
@@ -134,9 +137,10 @@ The measured iterations exceed the model by a further
 thread and the kernel's forwarding share 2 cores (with whatever else runs on the machine; see cpu_busy), so some
 iterations' collectives run slower than alone (`comm_log` in the JSON has every iteration's issue and completion times).
 Goal (>= 1.25x vs DDP and within 15% of the bound): {status};
-pooled {pooled_speed:.2f}x vs DDP and {pooled_over:.0%} over the bound (best run {best_speed:.2f}x).
+pooled {pooled_speed:.2f}x vs DDP and {pooled_over:.1%} over the bound (best run {best_speed:.2f}x);
+{runs_met} of {repeats} run(s) meet it on their own.
 """
-    name = _intrajob_name(setup.balance)
+    name = _intrajob_name(setup.balance, setup.layers)
     write_results(name, rows, title="Bandwidth-bound DP job in Mininet: default DDP vs Prophet vs ByteScheduler plans",
                   notes=notes, extra={"setup": setup.__dict__, "reports": reports})
     plt = _plt()
@@ -229,7 +233,7 @@ def main() -> None:
     parser.add_argument("--from-json", action="store_true", help="re-render the intra-job results from their saved JSON (no emulation)")
     args = parser.parse_args()
     if args.from_json:
-        saved = json.loads((RESULTS / f"{_intrajob_name(args.balance)}.json").read_text())
+        saved = json.loads((RESULTS / f"{_intrajob_name(args.balance, args.layers)}.json").read_text())
         report_intrajob(IntrajobSetup(**saved["setup"]), saved["reports"])
         return
     if os.geteuid() != 0:

@@ -391,12 +391,12 @@ class IntrajobSetup:
 
     >>> s = IntrajobSetup()
     >>> round(s.gradient_bytes / 1e6, 2), s.rank_args(0, "10.0.1.1", "fvh0-eth0")[:4]
-    (10.51, ['--rank', '0', '--world', '2'])
+    (16.81, ['--rank', '0', '--world', '2'])
     """
 
     world: int = 2
     rate_mbit: float = 120.0
-    layers: int = 10
+    layers: int = 16
     width: int = 512
     batch: int = 1024
     iters: int = 6
