@@ -304,35 +304,18 @@ def emulate_policy(topo: Topology, jobs: Sequence[ContendingJob], plan: dict[str
                    out_dir: Any = None, cpu_limit: float = 1.01, **options: Any) -> tuple[Any, dict[str, Any]]:
     """Run one policy's workload in Mininet (:func:`emu.mininet_backend.run_mininet`); returns ``(RunResult, fidelity)``.
 
-    A failed fidelity check does not lose the run: the result and the report
-    are read back from ``out_dir`` and ``fidelity["ok"]`` says it failed (and
-    ``fidelity["problems"]`` why). The CPU check is off by default
+    A failed fidelity check does not lose the run: ``fidelity["ok"]`` says it
+    failed (and ``fidelity["problems"]`` why). The CPU check is off by default
     (``cpu_limit`` > 1) because /proc/stat counts every process on a shared
     machine, ours or not; ``fidelity["cpu"]`` still reports the busy fraction.
-    Uses :data:`EMU_PREFIX` for the emulated names when the backend accepts a prefix.
+    The emulated names use :data:`EMU_PREFIX`.
     """
-    import inspect
-    import json
-    import tempfile
-    from pathlib import Path
-
     from emu.mininet_backend import run_mininet
-    from emu.net import FidelityError
-    from emu.results import RunResult
 
-    if "prefix" in inspect.signature(run_mininet).parameters:
-        options.setdefault("prefix", EMU_PREFIX)
-    with tempfile.TemporaryDirectory(prefix="netweave-fv-") as tmp:
-        out = Path(out_dir) if out_dir is not None else Path(tmp)
-        try:
-            result = run_mininet(topo, contention_workload(jobs, plan), time_scale=time_scale, byte_scale=byte_scale, out_dir=out,
-                                 cpu_limit=cpu_limit, **options)
-            return result, result.meta["fidelity"]
-        except FidelityError as exc:
-            if not (out / "result-mininet.json").exists():
-                raise
-            fidelity = json.loads((out / "fidelity.json").read_text()) if (out / "fidelity.json").exists() else dict(exc.report)
-            return RunResult.read(out / "result-mininet.json"), fidelity
+    options = {"prefix": EMU_PREFIX, **options}
+    result = run_mininet(topo, contention_workload(jobs, plan), time_scale=time_scale, byte_scale=byte_scale, out_dir=out_dir,
+                         cpu_limit=cpu_limit, raise_on_fidelity=False, **options)
+    return result, result.meta["fidelity"]
 
 
 # -- scenario 3: random coflow instances --------------------------------------------------------------------

@@ -45,8 +45,6 @@ Time scaling: rates are divided by ``time_scale`` (K) and bytes by
 
 from __future__ import annotations
 
-import inspect
-import json
 import math
 import statistics
 import tempfile
@@ -254,19 +252,11 @@ def measured_iteration_times(result: RunResult, warmup: int) -> dict[str, float]
 def _run_mininet(scenario: ShiftScenario, workload: Workload, out: Path, options: Mapping[str, Any]) -> tuple[RunResult, dict[str, Any]]:
     """One Mininet run; a failed fidelity check keeps the result and says so in the returned report."""
     from emu.mininet_backend import run_mininet
-    from emu.net import FidelityError
 
-    options = dict(options)
-    if "prefix" in inspect.signature(run_mininet).parameters:
-        options.setdefault("prefix", EMU_PREFIX)
-    try:
-        result = run_mininet(scenario.topo, workload, time_scale=scenario.time_scale, byte_scale=scenario.byte_scale, out_dir=out, **options)
-        return result, result.meta["fidelity"]
-    except FidelityError as exc:
-        if not (out / "result-mininet.json").exists():
-            raise
-        fidelity = json.loads((out / "fidelity.json").read_text()) if (out / "fidelity.json").exists() else dict(exc.report)
-        return RunResult.read(out / "result-mininet.json"), fidelity
+    options = {"prefix": EMU_PREFIX, **options}
+    result = run_mininet(scenario.topo, workload, time_scale=scenario.time_scale, byte_scale=scenario.byte_scale, out_dir=out,
+                         raise_on_fidelity=False, **options)
+    return result, result.meta["fidelity"]
 
 
 def _fidelity_summary(fidelity: Mapping[str, Any]) -> dict[str, Any]:

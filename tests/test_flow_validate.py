@@ -255,3 +255,21 @@ def test_priority_protects_the_small_job_in_mininet():
         sim_mean = sim[policy]["mean_jct_s"]
         emu_mean = float(np.mean(list(emu[policy].values())))
         assert abs(emu_mean - sim_mean) <= 0.15 * sim_mean, (policy, emu_mean, sim_mean)
+
+
+@pytest.mark.emulation
+def test_failed_fidelity_check_keeps_the_run(tmp_path):
+    """A fidelity failure (here forced: a CPU limit of -1 cannot hold) is reported, not raised, and the measured
+    result and the report on disk survive; the emulated names carry flowsched's prefix."""
+    import json
+
+    from flowsched.validate import EMU_PREFIX, emulate_policy
+
+    topo, jobs = contention_scenario(2, iterations=1, base_bytes=50e6, compute_s=2e-3)
+    plan = simulate_policies(topo, jobs, ("fair",))["fair"]["plan"]
+    result, fidelity = emulate_policy(topo, jobs, plan, time_scale=1000, byte_scale=40, probe_dscp=False, calibrate_seconds=0.5,
+                                      cpu_limit=-1.0, out_dir=tmp_path)
+    assert not fidelity["ok"] and any("CPU busy" in p for p in fidelity["problems"])
+    assert set(result.jobs) == {j.name for j in jobs} and all(j.jct > 0 for j in result.jobs.values())
+    assert json.loads((tmp_path / "fidelity.json").read_text())["ok"] is False
+    assert all(h.startswith(EMU_PREFIX) for h in result.meta["plan"]["hosts"])
