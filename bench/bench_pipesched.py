@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -106,19 +107,6 @@ def wait_for_quiet(max_foreign: float, timeout_s: float, sample_s: float = 2.0) 
             return foreign, time.perf_counter() - t_start
 
 
-def posthoc_prediction(plan, report: dict, foreign: float) -> float:
-    """The same plan simulated with the CPU share the ranks had in the run.
-
-    The calibrated share plus what other users took during the calibration, less what they took during the
-    run. Not a prediction (it uses a figure from the run); it separates the model's error from other users' load.
-    """
-    from pipesched.simulate import SharedCpu, simulate
-
-    sh = report["shared_cpu"]
-    cores = min(float(os.cpu_count() or 1), max(0.5, sh["cores"] + report["calibration"]["foreign_cores"] - foreign))
-    return simulate(plan.schedule, plan.costs, plan.links, cores=SharedCpu(cores, sh["message_cpu_s"], sh["action_cpu_s"])).makespan
-
-
 @contextlib.contextmanager
 def measurement_lock(path: str | None):
     """Hold the shared measurement lock (``flock`` on ``path``) for the block; no-op for None."""
@@ -135,43 +123,173 @@ def measurement_lock(path: str | None):
             fcntl.flock(fh, fcntl.LOCK_UN)
 
 
-def bench_cpu_validation(quick: bool, max_foreign: float = 0.15, quiet_timeout_s: float = 90.0, lock: str | None = None) -> tuple[list, dict]:
+CPU_CASES = ((4, "1f1b"), (4, "auto"), (2, "auto"))
+
+
+def bench_cpu_validation(quick: bool, max_foreign: float = 0.15, quiet_timeout_s: float = 90.0, lock: str | None = None,
+                         rounds: int = 3) -> tuple[list, dict]:
     from pipesched.calibrate import cpu_validation
     from pipesched.models import tail_heavy_widths
 
     widths = tail_heavy_widths(12, 384, 3072)
     base_cfg = {"dim": 384, "batch": 384, "microbatches": 8, "iterations": 3 if quick else 10}
+    rounds = 1 if quick else rounds
     rows, reports = [], {}
     # 4 ranks on this machine's cores (the required setting), and as many ranks as cores (where balance can show).
-    for stages, schedule in ((4, "1f1b"), (4, "auto"), (2, "auto")):
+    for stages, schedule in CPU_CASES:
         cfg = {**base_cfg, "stages": stages}
         # Wait for a quiet machine outside the lock (other engineers' measurements are not held up), then measure
-        # the case (calibrations, profile, both runs: about a minute) holding it.
+        # the case (calibrations, profile, `rounds` pairs of runs: about two to three minutes) holding it.
         foreign_before, waited = wait_for_quiet(max_foreign, quiet_timeout_s)
         with measurement_lock(lock):
             load0 = os.getloadavg()[0]
-            rep = cpu_validation(widths, schedule=schedule, threads=1, baseline=True, **cfg)
+            rep = cpu_validation(widths, schedule=schedule, threads=1, baseline=True, rounds=rounds, **cfg)
             load1 = os.getloadavg()[0]
-        ours_plan, uni_plan = rep.pop("_plan"), rep.pop("_uniform_plan")
-        rep.pop("_run")
-        o, u = rep["ours"], rep["uniform_torch_1f1b"]
-        sh = rep["shared_cpu"]
-        for name, r, pl in ((f"{stages} ranks: ours ({schedule} -> {o['schedule']})", o, ours_plan),
-                            (f"{stages} ranks: uniform + torch Schedule1F1B", u, uni_plan)):
-            posthoc = posthoc_prediction(pl, rep, r["foreign_cores"])
-            rows.append({"run": name, "spans": str(rep["plan"]["spans"] if r is o else u["spans"]), "predicted_ms": r["predicted_s"] * 1e3,
-                         "measured_median_ms": r["measured_s"] * 1e3, "measured_min_ms": min(r["measured_iterations_s"]) * 1e3,
-                         "error": r["error"], "error_vs_min": r["error_vs_fastest"], "per_action_mape": r["per_action_mape"],
-                         "cpu_work_error": sum(r["rank_work_predicted_s"]) / sum(r["rank_cpu_measured_s"]) - 1,
-                         "cores_calibrated": sh["cores"], "foreign_cores_run": r["foreign_cores"],
-                         "posthoc_ms": posthoc * 1e3, "posthoc_error": posthoc / r["measured_s"] - 1,
-                         "loadavg": f"{load0:.1f}->{load1:.1f}"})
-        rows[-2] |= {"speedup_measured_median": rep["speedup_measured"],
-                     "speedup_measured_min": min(u["measured_iterations_s"]) / min(o["measured_iterations_s"]),
-                     "speedup_predicted": rep["speedup_predicted"]}
+        for key in ("_plan", "_uniform_plan", "_run"):
+            rep.pop(key)
+        rows += case_rows(f"{stages} ranks, {schedule}", rep)
         rep["quiet_wait"] = {"foreign_cores_before": foreign_before, "waited_s": waited}
+        rep["loadavg"] = [load0, load1]
         reports[f"{stages}-{schedule}"] = rep
-    return rows, {"config": {"widths": widths, **base_cfg}, "reports": reports}
+    return rows, {"config": {"widths": widths, "rounds": rounds, **base_cfg}, "reports": reports}
+
+
+def case_rows(case: str, rep: dict) -> list[dict]:
+    """One row per run of a cpu_validation report: raw prediction (probe-scaled and as profiled), measurement, errors."""
+    rows = []
+    for rec in rep["rounds"]:
+        for arm in rec["order"]:
+            r = rec[arm]
+            label = f"ours ({r['schedule']})" if arm == "ours" else "uniform + torch 1F1B"
+            row = {"case": case, "round": rec["round"], "run": label, "spans": str(r["spans"]), "probe_scale": r["probe_scale"],
+                   "predicted_ms": r["predicted_s"] * 1e3, "measured_median_ms": r["measured_s"] * 1e3,
+                   "measured_min_ms": min(r["measured_iterations_s"]) * 1e3, "error": r["error"],
+                   "predicted_unscaled_ms": r["predicted_unscaled_s"] * 1e3, "error_unscaled": r["error_unscaled"],
+                   "probe_after_scale": r["probe_after_scale"],
+                   "cpu_work_error": sum(r["rank_work_predicted_s"]) / sum(r["rank_cpu_measured_s"]) - 1,
+                   "foreign_cores_run": r["foreign_cores"], "posthoc_error": r["posthoc_error"]}
+            if arm == "ours" and "speedup_measured" in rec:
+                row["speedup_round"] = rec["speedup_measured"]
+            rows.append(row)
+    return rows
+
+
+def summary_lines(extra: dict) -> str:
+    """Per case and overall: runs within 10 %, median errors, paired speed-ups (for the markdown notes)."""
+    lines, runs, within = [], 0, 0
+    for key, rep in extra["reports"].items():
+        s = rep["summary"]
+        runs, within = runs + s["runs"], within + s["within"]
+        parts = [f"{arm}: " + ", ".join(f"{e:+.1%}" for e in s[arm]["errors"]) + f" (median {s[arm]['median_error']:+.1%})"
+                 for arm in ("ours", "uniform_torch_1f1b") if arm in s]
+        cands = ", ".join(f"{c['schedule']} {c['predicted_s'] * 1e3:.1f} ms/{c['in_flight']} in flight" for c in rep["plan"]["candidates"]
+                          if "predicted_s" in c)
+        lines.append(f"- {key}: plan {rep['plan']['schedule']} {rep['plan']['spans']} (candidates: {cands}); {s['within']} of {s['runs']} "
+                     f"within 10 %; errors {'; '.join(parts)}; speed-up per round "
+                     + ", ".join(f"{x:.2f}x" for x in s.get("speedups", [])) + f" (median {s.get('speedup_median', float('nan')):.2f}x)")
+    lines.insert(0, f"All cases: {within} of {runs} predictions within 10 %.")
+    return "\n".join(lines)
+
+
+def bench_drift(duration_s: float, max_foreign: float = 0.15, quiet_timeout_s: float = 90.0, lock: str | None = None) -> tuple[list, dict]:
+    """How much this machine's CPU speed moves, and whether a speed probe tracks it (the diagnosis behind the probe).
+
+    Under the lock, for ``duration_s``: back-to-back speed probes for 30 s, then rounds of [probe, the validation's
+    CPU-time profile (co-runner as in cpu_validation), probe, a uniform 4-rank Schedule1F1B run of 10 iterations,
+    probe]. Every round's run is then predicted from every earlier-or-same round's profile, once as is and once
+    rescaled by the probe ratio (probe before the run / probe around the profile), so the errors show what the
+    drift costs the prediction and what the probe recovers.
+    """
+    from pipesched.calibrate import calibrate_cpu, calibrate_runtime, probe_scale, profile_mlp, speed_probe
+    from pipesched.devices import Device
+    from pipesched.models import tail_heavy_widths
+    from pipesched.plan import uniform_plan
+    from pipesched.runner import run_pipeline
+    from pipesched.simulate import SharedCpu
+
+    widths = tail_heavy_widths(12, 384, 3072)
+    dim, batch, m, stages = 384, 384, 8, 4
+    mb = batch // m
+    foreign_before, waited = wait_for_quiet(max_foreign, quiet_timeout_s)
+    series, rounds = [], []
+    with measurement_lock(lock):
+        t_start = time.time()
+        while time.time() - t_start < 30:
+            series.append(speed_probe(widths, dim, mb).to_dict())
+        cal = calibrate_cpu(stages, mb * dim * 4)
+        rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=m)
+        while len(rounds) < 2 or time.time() - t_start < duration_s:
+            p0 = speed_probe(widths, dim, mb)
+            # the profile as before (15 repetitions per layer in one burst), then spread over 5 passes of the chain
+            one = profile_mlp(widths, dim, mb, repeats=15, statistic="median", clock="cpu", warmup=2, co_runners=1)
+            p1 = speed_probe(widths, dim, mb)
+            spread5 = profile_mlp(widths, dim, mb, repeats=15, statistic="median", clock="cpu", warmup=2, co_runners=1, passes=5)
+            p2 = speed_probe(widths, dim, mb)
+            run = run_pipeline([(0, 3), (3, 6), (6, 9), (9, 12)], list(range(stages)), microbatches=m, batch=batch, dim=dim,
+                               model_kwargs={"widths": widths, "dim": dim}, builtin="1F1B", iterations=10, warmup=1)
+            p3 = speed_probe(widths, dim, mb)
+            rounds.append({"at_s": p0.at - t_start, "probe_profile_1pass": [p0.cpu_s, p1.cpu_s], "probe_profile_5pass": [p1.cpu_s, p2.cpu_s],
+                           "probe_before_run": p2.cpu_s, "probe_after_run": p3.cpu_s, "profiles": {"1pass": one, "5pass": spread5},
+                           "profile_total_s": {k: sum(lay.fwd_s + lay.bwd_s for lay in v.layers) for k, v in (("1pass", one), ("5pass", spread5))},
+                           "run_median_s": run.median_s, "run_iterations_s": run.iteration_s, "run_cpu_s": sum(run.rank_cpu_s),
+                           "foreign_cores_run": run.foreign_cores})
+    devices = [Device(f"cpu-rank{r}") for r in range(stages)]
+    shared = SharedCpu(cal.cpu_share, rt.message_cpu_s, rt.action_cpu_s)
+
+    def predict(profile, k: float = 1.0) -> float:
+        cores = dataclasses.replace(shared, message_cpu_s=shared.message_cpu_s * k, action_cpu_s=shared.action_cpu_s * k)
+        return uniform_plan(profile.scaled(k), devices, cal.link(), microbatches=m, family="1f1b", cores=cores).sim.makespan
+
+    rows, pairs = [], []
+    for i, ri in enumerate(rounds):
+        for j in range(i, len(rounds)):
+            rj = rounds[j]
+            k = probe_scale(statistics.mean(ri["probe_profile_5pass"]), rj["probe_before_run"])
+            pairs.append({"profile_round": i, "run_round": j, "scale_5pass": k,
+                          "error_1pass": predict(ri["profiles"]["1pass"]) / rj["run_median_s"] - 1,
+                          "error_5pass": predict(ri["profiles"]["5pass"]) / rj["run_median_s"] - 1,
+                          "error_5pass_probe_scaled": predict(ri["profiles"]["5pass"], k) / rj["run_median_s"] - 1})
+    for i, r in enumerate(rounds):
+        own = next(p for p in pairs if p["profile_round"] == i and p["run_round"] == i)
+        probe_ms = (*r["probe_profile_1pass"], r["probe_profile_5pass"][1], r["probe_after_run"])
+        rows.append({"round": i, "at_s": r["at_s"], "probe_ms": "/".join(f"{x * 1e3:.0f}" for x in probe_ms),
+                     "profile_1pass_ms": r["profile_total_s"]["1pass"] * 1e3, "profile_5pass_ms": r["profile_total_s"]["5pass"] * 1e3,
+                     "run_median_ms": r["run_median_s"] * 1e3, "run_cpu_ms": r["run_cpu_s"] * 1e3, "foreign_cores_run": r["foreign_cores_run"],
+                     "error_1pass": own["error_1pass"], "error_5pass": own["error_5pass"],
+                     "error_5pass_probe_scaled": own["error_5pass_probe_scaled"]})
+        r["profiles"] = {k: v.to_dict() for k, v in r["profiles"].items()}
+
+    def spread(values: list[float]) -> dict:
+        return {"min": min(values), "median": statistics.median(values), "max": max(values), "max_over_min": max(values) / min(values),
+                "cv": statistics.pstdev(values) / statistics.mean(values)}
+
+    def corr(a: list[float], b: list[float]) -> float:
+        ma, mb_ = statistics.mean(a), statistics.mean(b)
+        num = sum((x - ma) * (y - mb_) for x, y in zip(a, b, strict=True))
+        den = (sum((x - ma) ** 2 for x in a) * sum((y - mb_) ** 2 for y in b)) ** 0.5
+        return num / den if den else float("nan")
+
+    probes = [s["cpu_s"] for s in series] + [x for r in rounds for x in (*r["probe_profile_1pass"], r["probe_profile_5pass"][1],
+                                                                         r["probe_after_run"])]
+    summary = {
+        "probe_back_to_back_30s": spread([s["cpu_s"] for s in series]), "probe_all": spread(probes),
+        "profile_total_1pass": spread([r["profile_total_s"]["1pass"] for r in rounds]),
+        "profile_total_5pass": spread([r["profile_total_s"]["5pass"] for r in rounds]),
+        "run_median": spread([r["run_median_s"] for r in rounds]),
+        "corr_profile_1pass_vs_its_probes": corr([r["profile_total_s"]["1pass"] for r in rounds],
+                                                 [statistics.mean(r["probe_profile_1pass"]) for r in rounds]),
+        "corr_run_vs_probe_before": corr([r["run_median_s"] for r in rounds], [r["probe_before_run"] for r in rounds]),
+        "corr_run_vs_profile_5pass": corr([r["run_median_s"] for r in rounds], [r["profile_total_s"]["5pass"] for r in rounds]),
+        "pairs": len(pairs),
+    }
+    for key in ("error_1pass", "error_5pass", "error_5pass_probe_scaled"):
+        summary[f"abs_{key}_all_pairs"] = spread([abs(p[key]) for p in pairs])
+        summary[f"{key}_within_10pct"] = sum(abs(p[key]) <= 0.10 for p in pairs)
+        summary[f"{key}_median"] = statistics.median(p[key] for p in pairs)
+    for key, val in summary.items():
+        print(key, val)
+    return rows, {"summary": summary, "pairs": pairs, "probe_series": series, "rounds": rounds, "calibration": cal.to_dict(),
+                  "runtime_calibration": rt.to_dict(), "quiet_wait": {"foreign_cores_before": foreign_before, "waited_s": waited}}
 
 
 def bench_gpt_cluster() -> list:
@@ -208,9 +326,18 @@ def main() -> None:
     ap.add_argument("--quiet-timeout", type=float, default=90.0, help="give up waiting for a quiet machine after this many seconds")
     ap.add_argument("--lock", metavar="PATH", help="take this flock (e.g. /tmp/netweave-measure.lock) around each CPU case only, "
                                                      "after the quiet wait; without it, run the script under flock yourself")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="CPU validation: rounds of (ours, uniform) runs per case, alternating the order, each predicted after a speed probe")
+    ap.add_argument("--drift", type=float, metavar="S",
+                    help="only the drift diagnosis: S seconds of speed probes, profiles and uniform runs (under --lock or flock)")
     args = ap.parse_args()
+    if args.drift:
+        rows, extra = bench_drift(args.drift, args.max_foreign, args.quiet_timeout, args.lock)
+        write_results("pipesched_cpu_validation.drift", rows, title="Pipeline planner: CPU speed drift on this machine (diagnosis)",
+                      notes=DRIFT_NOTES, extra=extra)
+        return
     if args.cpu_only:
-        cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock)
+        cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds)
         write_cpu_results(cpu_rows, extra)
         return
     speed_rows: list = []
@@ -221,13 +348,24 @@ def main() -> None:
     gpt_rows = bench_gpt_cluster()
     write_results("pipesched_gpt_cluster", gpt_rows, title="Pipeline planner: planned vs uniform split + 1F1B (simulated, default cluster)",
                   notes="Analytic GPT-3 2.7B-class profile (H100 roofline at 50% FLOP/s, 80% HBM); links from topology.paths.gpu_path.")
-    cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock)
+    cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds)
     write_cpu_results(cpu_rows, extra)
+
+
+DRIFT_NOTES = """
+Speed probe: one forward + backward of the validation model (12 MLP blocks, micro-batch 48, one thread), median CPU time of
+7 repetitions, in the benchmark's process. Each round: probe, the CPU-time profile with 15 repetitions per layer in one burst
+(one co-runner, as before), probe, the same profile spread over 5 passes of the chain, probe, uniform split + torch
+Schedule1F1B in 4 gloo processes (10 timed iterations), probe (probe_ms lists the four). error_1pass / error_5pass: the run
+predicted from the same round's profile; error_5pass_probe_scaled: the 5-pass profile (and the runtime's CPU costs) multiplied
+by the probe before the run / the mean probe around that profile. The JSON holds every (profile round, same or later run round)
+pair, the summary (spreads, correlations) and the 30 s of back-to-back probes.
+"""
 
 
 def write_cpu_results(cpu_rows: list, extra: dict) -> None:
     write_results("pipesched_cpu_validation", cpu_rows, title="Pipeline planner: predicted vs measured (gloo processes, this CPU)",
-                  notes=f"""
+                  notes=summary_lines(extra) + f"""
 {os.cpu_count()} CPUs shared with other engineers' jobs. Every input of 'predicted_ms' is measured before the run, by separate
 micro-measurements (pipesched.calibrate): the per-layer profile in CPU time (medians of 15, backward accumulating into .grad,
 the other core busy with the same model), the runtime's CPU cost per action and per gloo message (a pipeline of near-empty

@@ -15,13 +15,18 @@ before the run it predicts, by separate micro-measurements:
    get together while all compute (``cpu_share``: less than the cores when other users' processes run), and
    the one-way time of a gloo message of the run's activation size between two processes while the other
    ``ranks - 2`` compute (its wait part is the link latency);
-4. the plan and its prediction (simulator with processor sharing over ``cpu_share``, the per-action and per-message CPU costs,
-   :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less its CPU work);
-5. the run (torch's ``_PipelineScheduleRuntime`` in gloo processes), compared on iteration time, per-action
-   durations and CPU times, per-rank CPU time and activation memory.
-
-It also runs the usual default, a uniform split with torch's ``Schedule1F1B``, so that the plan's measured
-gain is known.
+4. the plan (for ``schedule="auto"``: every exportable family, chosen by :func:`pipesched.plan.choose_robust`, which
+   treats simulated times within :data:`AUTO_TIE_MARGIN` as tied and then prefers fewer micro-batches in flight)
+   and its prediction (simulator with processor sharing over ``cpu_share``, the per-action and per-message CPU
+   costs, :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less its CPU work);
+5. the CPU's speed (:func:`speed_probe`: one forward + backward of the model's own chain, CPU time) read around
+   the profile and again right before each run: this virtual machine's CPU speed drifts by tens of percent within
+   minutes, so each run's prediction is the plan re-simulated with all CPU work scaled by the ratio of the two
+   readings (:func:`rescaled_plan`, :func:`probe_scale`), still made before the run;
+6. the runs (torch's ``_PipelineScheduleRuntime`` in gloo processes), in ``rounds`` rounds of our plan and the
+   usual default, a uniform split with torch's ``Schedule1F1B``, alternating which goes first, compared on
+   iteration time, per-action durations and CPU times, per-rank CPU time and activation memory; the plan's gain
+   is the baseline's measured time over ours within each round (:func:`summarize_rounds`).
 """
 
 from __future__ import annotations
@@ -38,16 +43,16 @@ from typing import Any
 from .devices import Device, LinkModel
 from .export import schedule_csv, spans_for_schedule
 from .models import mlp_chain
-from .plan import Plan, plan, uniform_plan
+from .plan import Plan, choose_robust, plan, plan_partition, uniform_plan
 from .profile import ModelProfile, measure_profile
 from .runner import RunResult, foreign_cores, gather_results, machine_busy_s, run_pipeline
-from .simulate import SharedCpu
+from .simulate import SharedCpu, simulate
 
 EXPORTABLE = ("1f1b", "zbh1", "gpipe", "interleaved")
 
 
 def profile_mlp(widths: list[int], dim: int, microbatch: int, threads: int = 1, repeats: int = 5, statistic: str = "median",
-                clock: str = "wall", warmup: int = 1, co_runners: int = 0) -> ModelProfile:
+                clock: str = "wall", warmup: int = 1, co_runners: int = 0, passes: int = 1) -> ModelProfile:
     """Measured profile of :func:`pipesched.models.mlp_chain` with the MSE loss on the last layer.
 
     ``co_runners`` other processes train the same model (forward + backward of the whole chain, same
@@ -63,10 +68,72 @@ def profile_mlp(widths: list[int], dim: int, microbatch: int, threads: int = 1, 
     with _co_running(co_runners, {"widths": list(widths), "dim": dim, "microbatch": microbatch, "threads": threads}):
         prof = measure_profile(layers, torch.randn(microbatch, dim), loss_fn=lambda out: torch.nn.functional.mse_loss(out, target),
                                repeats=repeats, warmup=warmup, threads=threads, name=f"mlp{len(widths)}x{dim}", statistic=statistic,
-                               clock=clock)
+                               clock=clock, passes=passes)
     if co_runners:
         prof = replace(prof, reference={**prof.reference, "co_runners": co_runners})
     return prof
+
+
+@dataclass(frozen=True)
+class SpeedProbe:
+    """One reading of :func:`speed_probe`: how long a fixed workload took on this CPU just now (seconds)."""
+
+    cpu_s: float          # median CPU time of the measuring thread per repetition
+    wall_s: float         # median wall time per repetition
+    at: float             # time.time() when it ended
+    samples_cpu_s: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu_s": self.cpu_s, "wall_s": self.wall_s, "at": self.at, "samples_cpu_s": list(self.samples_cpu_s)}
+
+
+def speed_probe(widths: list[int], dim: int, microbatch: int, *, threads: int = 1, repeats: int = 7, warmup: int = 2,
+                seed: int = 0) -> SpeedProbe:
+    """The CPU's current speed on the model's own kernels: one forward + backward of the whole chain, timed.
+
+    A fixed workload (the :func:`pipesched.models.mlp_chain` of ``widths`` on one micro-batch, MSE loss, the
+    backward accumulating into ``.grad`` as in training), run ``repeats`` times in the calling thread after
+    ``warmup`` untimed repetitions; medians of the thread's CPU time and of the wall time. Taken at profile time
+    and again right before a run, the ratio of the two readings is how much slower or faster the same work has
+    become (this virtual machine's CPU speed drifts by tens of percent within minutes), so the profile can be
+    rescaled to the CPU the run will get without looking at the run (:func:`probe_scale`).
+
+    >>> p = speed_probe([16, 64], 8, 4, repeats=3, warmup=1)
+    >>> p.cpu_s > 0 and p.wall_s > 0 and len(p.samples_cpu_s) == 3
+    True
+    """
+    import torch
+
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        model = torch.nn.Sequential(*mlp_chain(widths, dim, seed=seed))
+        gen = torch.Generator().manual_seed(seed + 1)
+        x, y = torch.randn(microbatch, dim, generator=gen), torch.randn(microbatch, dim, generator=gen)
+        cpu, wall = [], []
+        for k in range(warmup + repeats):
+            c0, t0 = time.thread_time(), time.perf_counter()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            c1, t1 = time.thread_time(), time.perf_counter()
+            if k >= warmup:
+                cpu.append(c1 - c0)
+                wall.append(t1 - t0)
+    finally:
+        torch.set_num_threads(old)
+    return SpeedProbe(statistics.median(cpu), statistics.median(wall), time.time(), tuple(cpu))
+
+
+def probe_scale(at_profile: SpeedProbe | float, now: SpeedProbe | float) -> float:
+    """Factor by which CPU work measured at ``at_profile`` is expected to take longer ``now``: the ratio of two probes.
+
+    >>> probe_scale(0.080, 0.092)
+    1.15
+    """
+    a = at_profile.cpu_s if isinstance(at_profile, SpeedProbe) else float(at_profile)
+    b = now.cpu_s if isinstance(now, SpeedProbe) else float(now)
+    if not (a > 0 and b > 0):
+        raise ValueError(f"probe readings must be positive, got {a} and {b}")
+    return round(b / a, 12)
 
 
 def _co_runner(job: dict[str, Any], ready, stop) -> None:
@@ -281,7 +348,7 @@ def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, t
     """
     mb = batch // microbatches
     widths = [8] * stages
-    prof = profile_mlp(widths, dim, mb, threads=threads, repeats=15, statistic="median", clock="cpu", warmup=2)
+    prof = profile_mlp(widths, dim, mb, threads=threads, repeats=15, statistic="median", clock="cpu", warmup=2, passes=PROFILE_PASSES)
     run = run_pipeline([(s, s + 1) for s in range(stages)], list(range(stages)), microbatches=microbatches, batch=batch, dim=dim,
                        model_kwargs={"widths": widths, "dim": dim}, builtin="1F1B", iterations=iterations, warmup=1, threads=threads)
     extra = []
@@ -349,14 +416,83 @@ def _messages(p: Plan, rank: int, a) -> int:
     return sum(1 for s in p.schedule.neighbours(a.stage) if s is not None and p.schedule.stage_rank[s] != rank)
 
 
+PROFILE_PASSES = 5
+"""Passes over the chain the CPU profiles spread their repetitions over (:func:`pipesched.profile.measure_profile`)."""
+
+AUTO_TIE_MARGIN = 0.05
+"""Simulated iteration times closer than this (a fraction) count as tied when ``cpu_validation`` picks a schedule
+(:func:`pipesched.plan.choose_robust`): the median absolute error of the CPU predictions committed before this rule
+(quiet machine, six runs: 9.8, 2.6, 1.5, 27.5, 0.3, 6.2 %) was 4 %, so a smaller gap is not a ranking."""
+
+
+def rescaled_plan(p: Plan, profile: ModelProfile, scale: float) -> Plan:
+    """``p`` (same partition, schedule, devices and links) predicted with every CPU work ``scale`` times longer.
+
+    The profile's times and the :class:`~pipesched.simulate.SharedCpu`'s per-action and per-message CPU work are
+    multiplied by ``scale`` (a :func:`probe_scale` ratio: the machine got that much slower since the profile);
+    the CPU share and the link's wait are not CPU work and stay. ``scale = 1`` reproduces ``p``'s simulation.
+    """
+    if p.shared_cpu is None:
+        raise ValueError("rescaled_plan needs a plan simulated with a SharedCpu")
+    if not scale > 0:
+        raise ValueError(f"scale must be positive, got {scale}")
+    cores = replace(p.shared_cpu, message_cpu_s=p.shared_cpu.message_cpu_s * scale, action_cpu_s=p.shared_cpu.action_cpu_s * scale)
+    return plan_partition(profile.scaled(scale), p.partition, p.devices, p.links, family=p.family, microbatches=p.schedule.microbatches,
+                          chunks=p.chunks, cores=cores)
+
+
+def summarize_rounds(rounds: list[dict[str, Any]], arms: tuple[str, ...] = ("ours", "uniform_torch_1f1b"), tolerance: float = 0.10,
+                     ) -> dict[str, Any]:
+    """Aggregate per-round runs: per arm the errors, how many are within ``tolerance``, their median; the paired speed-ups.
+
+    Each round is ``{arm: {"predicted_s", "measured_s", "error", ...}, ...}``; the speed-up of a round is the baseline's
+    measured median over ours (the two runs of a round are back to back, so slow drift cancels in the ratio).
+
+    >>> r = [{"ours": {"error": 0.02, "measured_s": 1.0}, "uniform_torch_1f1b": {"error": -0.12, "measured_s": 1.3}},
+    ...      {"ours": {"error": -0.05, "measured_s": 1.1}, "uniform_torch_1f1b": {"error": 0.04, "measured_s": 1.32}}]
+    >>> s = summarize_rounds(r)
+    >>> s["runs"], s["within"], s["ours"]["within"], round(s["speedup_median"], 3)
+    (4, 3, 2, 1.25)
+    """
+    out: dict[str, Any] = {"tolerance": tolerance, "rounds": len(rounds)}
+    runs = within = 0
+    for arm in arms:
+        errors = [r[arm]["error"] for r in rounds if arm in r]
+        if not errors:
+            continue
+        ok = sum(abs(e) <= tolerance for e in errors)
+        out[arm] = {"errors": errors, "within": ok, "median_error": statistics.median(errors),
+                    "median_abs_error": statistics.median(abs(e) for e in errors), "max_abs_error": max(abs(e) for e in errors)}
+        runs, within = runs + len(errors), within + ok
+    out["runs"], out["within"] = runs, within
+    if len(arms) == 2:
+        pairs = [r[arms[1]]["measured_s"] / r[arms[0]]["measured_s"] for r in rounds if arms[0] in r and arms[1] in r]
+        if pairs:
+            out |= {"speedups": pairs, "speedup_median": statistics.median(pairs), "speedup_min": min(pairs), "speedup_max": max(pairs),
+                    "rounds_won": sum(x > 1 for x in pairs)}
+    return out
+
+
 def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, threads: int = 1,
                    iterations: int = 3, warmup: int = 1, schedule: str = "auto", baseline: bool = True,
-                   cores: float | None = None, repeats: int = 15) -> dict[str, Any]:
-    """Calibrate, profile, plan, predict, run and compare (see the module docstring); returns a JSON-able report.
+                   cores: float | None = None, repeats: int = 15, rounds: int = 1, probe: bool = True,
+                   scale_by_probe: bool = False, tie_margin: float = AUTO_TIE_MARGIN, passes: int = PROFILE_PASSES) -> dict[str, Any]:
+    """Calibrate, profile, plan, then ``rounds`` rounds of predict-and-run; returns a JSON-able report.
 
-    ``cores`` overrides the measured compute share (default: :func:`calibrate_cpu`'s). The prediction is made
-    before the run and is not adjusted afterwards.
+    Before the runs (module docstring, steps 1-4): the CPU and runtime calibrations, the profile between two
+    :func:`speed_probe` readings (their mean is the profile's reference speed), and the plan: for
+    ``schedule="auto"`` every exportable family is planned and :func:`pipesched.plan.choose_robust` picks among
+    them with ``tie_margin``. Then each round runs our plan and (``baseline``) the uniform split with torch's
+    ``Schedule1F1B``, alternating which goes first (ours first in even rounds). Right before each run a probe is
+    read and the plan's prediction is rescaled to it (:func:`rescaled_plan` with :func:`probe_scale` of the reference
+    and that reading; ``probe=False`` keeps scale 1): every input is still measured before the run it predicts,
+    and nothing is adjusted afterwards. A probe after the run is recorded for diagnosis only, as is ``posthoc_s``
+    (the rescaled plan simulated with the CPU share less what other users took during the run: not a prediction).
+    ``cores`` overrides the measured compute share. ``report["rounds"]`` holds every run; ``report["ours"]`` and
+    ``report["uniform_torch_1f1b"]`` are round 0's, ``report["summary"]`` the aggregate (:func:`summarize_rounds`).
     """
+    if rounds < 1:
+        raise ValueError(f"need at least one round, got {rounds}")
     mb = batch // microbatches
     cal = calibrate_cpu(stages, mb * dim * 4, threads=threads)
     rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=microbatches, threads=threads)
@@ -365,41 +501,84 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     # cores is the simulator's processor sharing over cal.cpu_share, the CPU our processes got when all ran.
     machine_cores = os.cpu_count() or 1
     shared = SharedCpu(cores or cal.cpu_share, rt.message_cpu_s, rt.action_cpu_s)
+
+    def read_probe() -> SpeedProbe | None:
+        return speed_probe(widths, dim, mb, threads=threads) if probe else None
+
+    probes = [read_probe()]
     prof = profile_mlp(widths, dim, mb, threads=threads, repeats=repeats, statistic="median", clock="cpu", warmup=2,
-                       co_runners=min(stages, machine_cores) - 1)
+                       co_runners=min(stages, machine_cores) - 1, passes=passes)
+    probes.append(read_probe())
+    reference = statistics.mean(q.cpu_s for q in probes) if probe else None    # type: ignore[union-attr]
     devices = [Device(f"cpu-rank{r}") for r in range(stages)]
     link = cal.link()
     families = [f for f in EXPORTABLE if schedule in ("auto", f)]
-    best = None
+    candidates, alternatives = [], []
     for fam in families:
         try:
             cand = plan(prof, devices, link, microbatches=microbatches, schedule=fam, cores=shared)
-        except Exception:   # a family that does not apply to this shape (e.g. interleaving with too few layers)
+        except Exception as exc:   # a family that does not apply to this shape (e.g. interleaving with too few layers)
+            alternatives.append({"schedule": fam, "error": str(exc)})
             continue
-        if best is None or cand.sim.makespan < best.sim.makespan:
-            best = cand
-    assert best is not None
+        candidates.append(cand)
+        alternatives.append({"schedule": fam, "predicted_s": cand.sim.makespan, "in_flight": cand.in_flight,
+                             "spans": [list(s.layers) for s in cand.partition.stages]})
+    best = choose_robust(candidates, tie_margin)
     kwargs = {"widths": list(widths), "dim": dim}
-    ours = run_pipeline(spans_for_schedule(best.schedule, best.partition), list(best.schedule.stage_rank), microbatches=microbatches,
-                        batch=batch, dim=dim, model_kwargs=kwargs, csv_text=schedule_csv(best.schedule), iterations=iterations,
-                        warmup=warmup, threads=threads)
+    common = {"microbatches": microbatches, "batch": batch, "dim": dim, "model_kwargs": kwargs, "iterations": iterations, "warmup": warmup,
+              "threads": threads}
+    arms: list[tuple[str, Plan, dict[str, Any]]] = [
+        ("ours", best, {"spans": spans_for_schedule(best.schedule, best.partition), "stage_rank": list(best.schedule.stage_rank),
+                        "csv_text": schedule_csv(best.schedule)})]
+    uni = None
+    if baseline:
+        uni = uniform_plan(prof, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
+        arms.append(("uniform_torch_1f1b", uni, {"spans": [s.layers for s in uni.partition.stages], "stage_rank": list(range(stages)),
+                                                 "builtin": "1F1B"}))
+    round_reports: list[dict[str, Any]] = []
+    first: dict[str, Any] = {}
+    for r in range(rounds):
+        rec: dict[str, Any] = {"round": r}
+        order = arms if r % 2 == 0 else arms[::-1]
+        rec["order"] = [name for name, _, _ in order]
+        for name, p, how in order:
+            before = read_probe()
+            scale = probe_scale(reference, before) if before is not None else 1.0
+            scaled = rescaled_plan(p, prof, scale)
+            predicted = scaled if scale_by_probe else p
+            run = run_pipeline(**how, **common)
+            after = read_probe()
+            c = compare(predicted, run)
+            posthoc_cores = min(float(machine_cores), max(0.5, shared.cores + cal.foreign_cores - run.foreign_cores))
+            posthoc = simulate(predicted.schedule, predicted.costs, predicted.links,
+                               cores=replace(predicted.shared_cpu, cores=posthoc_cores)).makespan
+            c |= {"probe_scale": scale, "scaled_by_probe": scale_by_probe,
+                  "predicted_unscaled_s": p.sim.makespan, "error_unscaled": p.sim.makespan / run.median_s - 1.0,
+                  "predicted_probe_scaled_s": scaled.sim.makespan, "error_probe_scaled": scaled.sim.makespan / run.median_s - 1.0,
+                  "probe_before_s": before.cpu_s if before else None, "probe_after_s": after.cpu_s if after else None,
+                  "probe_after_scale": probe_scale(reference, after) if after is not None else None,
+                  "posthoc_s": posthoc, "posthoc_error": posthoc / run.median_s - 1.0,
+                  "spans": [list(s.layers) for s in p.partition.stages]}
+            rec[name] = c
+            if r == 0:
+                first[name] = (predicted, run)
+        if baseline:
+            rec["speedup_measured"] = rec["uniform_torch_1f1b"]["measured_s"] / rec["ours"]["measured_s"]
+        round_reports.append(rec)
     report: dict[str, Any] = {
         "model": {"widths": list(widths), "dim": dim, "batch": batch, "microbatches": microbatches, "stages": stages, "threads": threads},
         "calibration": cal.to_dict(), "runtime_calibration": rt.to_dict(), "shared_cpu": shared.to_dict(),
-        "link_in_run": {"latency_s": ours.link_latency_s, "bandwidth_bytes_per_s": ours.link_bandwidth_bps},
+        "probe": {"reference_s": reference, "at_profile": [q.to_dict() for q in probes if q is not None]},
+        "link_in_run": {"latency_s": first["ours"][1].link_latency_s, "bandwidth_bytes_per_s": first["ours"][1].link_bandwidth_bps},
         "plan": {"schedule": best.family, "spans": [list(s.layers) for s in best.partition.stages],
-                 "recompute": [s.recompute for s in best.partition.stages]},
-        "ours": compare(best, ours), "profile": prof.to_dict(),
+                 "recompute": [s.recompute for s in best.partition.stages], "tie_margin": tie_margin, "candidates": alternatives},
+        "ours": round_reports[0]["ours"], "rounds": round_reports, "profile": prof.to_dict(),
+        "summary": summarize_rounds(round_reports, tuple(name for name, _, _ in arms)),
     }
-    if baseline:
-        uni = uniform_plan(prof, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
-        base = run_pipeline([s.layers for s in uni.partition.stages], list(range(stages)), microbatches=microbatches, batch=batch, dim=dim,
-                            model_kwargs=kwargs, builtin="1F1B", iterations=iterations, warmup=warmup, threads=threads)
-        report["uniform_torch_1f1b"] = compare(uni, base)
-        report["uniform_torch_1f1b"]["spans"] = [list(s.layers) for s in uni.partition.stages]
-        report["speedup_measured"] = base.median_s / ours.median_s
+    if uni is not None:
+        report["uniform_torch_1f1b"] = round_reports[0]["uniform_torch_1f1b"]
+        report["speedup_measured"] = report["summary"]["speedup_median"]
         report["speedup_predicted"] = uni.sim.makespan / best.sim.makespan
-        report["_uniform_plan"] = uni
-    report["_plan"] = best
-    report["_run"] = ours
+        report["_uniform_plan"] = first["uniform_torch_1f1b"][0]
+    report["_plan"], report["_run"] = first["ours"]
     return report

@@ -71,6 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the uniform torch Schedule1F1B run")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of (ours, uniform) runs, alternating which goes first, each predicted after a CPU speed probe (default 1)")
     p.add_argument("--out", help="write the report JSON here")
     p.add_argument("--trace", help="write predicted and measured timelines into one Chrome trace")
     add_json_flag(p)
@@ -254,9 +256,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError(f"batch {args.batch} is not divisible into {args.microbatches} micro-batches", where="--batch")
     if args.stages > len(widths):
         raise InputError(f"{args.stages} stages but the model has only {len(widths)} layers", where="--stages")
+    if args.rounds < 1:
+        raise InputError(f"expected at least 1 round, got {args.rounds}", where="--rounds")
     progress(f"profiling, planning and running {args.stages} gloo processes ...")
     rep = cpu_validation(widths, dim=args.dim, batch=args.batch, microbatches=args.microbatches, stages=args.stages, threads=args.threads,
-                         iterations=args.iterations, schedule=args.schedule, baseline=not args.no_baseline)
+                         iterations=args.iterations, schedule=args.schedule, baseline=not args.no_baseline, rounds=args.rounds)
     plan_obj, run = rep.pop("_plan"), rep.pop("_run")
     rep.pop("_uniform_plan", None)
     if args.trace:
@@ -267,13 +271,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         atomic_write_text(args.out, json.dumps(rep, indent=1, default=str) + "\n")
     o = rep["ours"]
     lines = [f"plan: {o['schedule']}, spans {rep['plan']['spans']}",
-             f"ours: predicted {o['predicted_s'] * 1e3:.4g} ms, measured {o['measured_s'] * 1e3:.4g} ms (error {o['error']:+.1%}), "
-             f"per-action error {o['per_action_mape']:.1%} mean abs",
+             f"ours: predicted {o['predicted_s'] * 1e3:.4g} ms (CPU speed probe x{o['probe_scale']:.3f} since the profile), "
+             f"measured {o['measured_s'] * 1e3:.4g} ms (error {o['error']:+.1%}), per-action error {o['per_action_mape']:.1%} mean abs",
              f"CPU work: modelled {sum(o['rank_work_predicted_s']) * 1e3:.4g} ms, measured {sum(o['rank_cpu_measured_s']) * 1e3:.4g} ms "
              f"(all ranks); CPU share calibrated {rep['shared_cpu']['cores']:.2f} cores, other users took {o['foreign_cores']:.2f} during the run"]
     if "uniform_torch_1f1b" in rep:
         u = rep["uniform_torch_1f1b"]
         lines.append(f"uniform + torch Schedule1F1B: predicted {u['predicted_s'] * 1e3:.4g} ms, measured {u['measured_s'] * 1e3:.4g} ms")
         lines.append(f"measured speed-up {rep['speedup_measured']:.2f}x (predicted {rep['speedup_predicted']:.2f}x)")
+    if args.rounds > 1:
+        summ = rep["summary"]
+        lines.append(f"{args.rounds} rounds: {summ['within']} of {summ['runs']} predictions within 10 %; errors "
+                     + "; ".join(f"{arm}: " + ", ".join(f"{e:+.1%}" for e in summ[arm]["errors"]) for arm in ("ours", "uniform_torch_1f1b")
+                                 if arm in summ)
+                     + ("; speed-up per round " + ", ".join(f"{x:.2f}x" for x in summ["speedups"]) if "speedups" in summ else ""))
     emit(args, rep, "\n".join(lines))
     return 0

@@ -22,7 +22,7 @@ from .profile import RECOMPUTE_OPTIONS, ModelProfile
 from .schedules import Schedule, ScheduleError, make_schedule, validate
 from .simulate import SharedCpu, SimResult, StageCost, lower_bound, simulate
 
-__all__ = ["Plan", "check_plan", "devices_from_topology", "plan", "plan_partition", "stage_costs", "uniform_plan"]
+__all__ = ["Plan", "check_plan", "choose_robust", "devices_from_topology", "plan", "plan_partition", "stage_costs", "uniform_plan"]
 
 AUTO_FAMILIES = ("1f1b", "zbh1", "interleaved", "gpipe", "chimera")
 # Above this many (layers x stages) the planner uses the faster bottleneck objective instead of the flush bound.
@@ -47,6 +47,11 @@ class Plan:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     links: LinkModel | None = None
     shared_cpu: SharedCpu | None = None     # the CPU model the simulation used (CPU runs), if any
+
+    @property
+    def in_flight(self) -> int:
+        """Micro-batches whose activations the plan holds at once, summed over stage ids (each stage's simulated peak)."""
+        return sum(self.sim.peak_in_flight.values())
 
     @property
     def gap(self) -> float:
@@ -150,14 +155,39 @@ def plan_partition(profile: ModelProfile, part: Partition, devices: Sequence[Dev
                 memory_ok=not problems, problems=problems, links=links, shared_cpu=cores if isinstance(cores, SharedCpu) else None)
 
 
+def choose_robust(candidates: Sequence[Plan], margin: float = 0.0) -> Plan:
+    """The fastest simulated plan, unless the simulation cannot tell it from others: then the one holding the fewest micro-batches.
+
+    Plans whose simulated iteration is within ``margin`` (a fraction) of the fastest count as tied: a prediction
+    with that much error cannot rank them. Among the tied, the plan with the fewest micro-batches in flight
+    (:attr:`Plan.in_flight`: less activation memory, a smaller working set, and fewer forwards run ahead of their
+    backwards, so a slow stage delays less queued work) wins, ties broken by the simulated time. ``margin = 0``
+    is plain "fastest".
+
+    >>> from types import SimpleNamespace as NS
+    >>> fast = NS(sim=NS(makespan=1.00), in_flight=32)
+    >>> close = NS(sim=NS(makespan=1.02), in_flight=10)
+    >>> choose_robust([fast, close]) is fast, choose_robust([fast, close], margin=0.05) is close
+    (True, True)
+    """
+    if not candidates:
+        raise PlanError("no plan to choose from")
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0, got {margin}")
+    fastest = min(c.sim.makespan for c in candidates)
+    tied = [c for c in candidates if c.sim.makespan <= fastest * (1 + margin)]
+    return min(tied, key=lambda c: (c.in_flight, c.sim.makespan))
+
+
 def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | None, *, microbatches: int, schedule: str = "auto",
          chunks: int = 2, recompute: Sequence[str] = RECOMPUTE_OPTIONS, max_replicas: int = 1, cores: float | SharedCpu | None = None,
-         refine_budget: int = 40) -> Plan:
+         refine_budget: int = 40, tie_margin: float = 0.0) -> Plan:
     """The best plan over the requested schedule family (or all of them with ``schedule="auto"``).
 
     For each family: the DP partition under that family's in-flight memory model, its schedule, a simulated
     run (per-rank memory checked against each device) and the family's lower bound. ``auto`` returns the
-    fastest simulated plan that fits in memory; every candidate is listed in ``alternatives``. The winner's
+    fastest simulated plan that fits in memory (with ``tie_margin`` > 0: :func:`choose_robust` among the plans
+    within that fraction of the fastest); every candidate is listed in ``alternatives``. The winner's
     boundaries are then refined on the simulated makespan (:func:`refine`, ``refine_budget`` simulations;
     0 turns it off and returns the DP's partition as is).
     """
@@ -189,7 +219,7 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
             candidates.append(cand)
             alternatives.append({"schedule": fam, "makespan_s": cand.sim.makespan, "bound_s": cand.bound["bound_s"],
                                  "bubble_fraction": cand.sim.bubble_fraction, "peak_memory_bytes": max(cand.sim.peak_memory),
-                                 "memory_ok": cand.memory_ok})
+                                 "in_flight": cand.in_flight, "memory_ok": cand.memory_ok})
         except (PlanError, ScheduleError) as exc:
             if schedule != "auto":
                 raise
@@ -200,7 +230,7 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
         if candidates:
             raise PlanError("no schedule fits in device memory: " + "; ".join(candidates[0].problems), where="--memory")
         raise last_error or PlanError("no plan found")
-    best = min(fitting, key=lambda c: c.sim.makespan)
+    best = choose_robust(fitting, tie_margin)
     if refine_budget and all(len(st.devices) == 1 for st in best.partition.stages):
         best = refine(profile, best, devices, links, budget=refine_budget, cores=cores, recompute=recompute)
     best.alternatives = alternatives

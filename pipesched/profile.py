@@ -387,7 +387,7 @@ def _tensor_bytes(t) -> int:
 
 def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Callable[[Any], Any] | None = None,
                     repeats: int = 5, warmup: int = 1, threads: int | None = None, name: str = "measured",
-                    state_factor: float = 4.0, statistic: str = "median", clock: str = "wall") -> ModelProfile:
+                    state_factor: float = 4.0, statistic: str = "median", clock: str = "wall", passes: int = 1) -> ModelProfile:
     """Run a chain of ``torch.nn.Module`` layers on CPU and time and size every layer for one micro-batch.
 
     For each layer (fed the previous layer's real output): the forward time; the input-gradient time
@@ -407,6 +407,11 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
     and pays their forward time again; "full" keeps only the layer input and pays the whole forward.
     ``weight_grad_bytes`` is what children with parameters saved (their inputs, needed by W). The last layer is
     followed by ``loss_fn`` (if given), whose cost is charged to it.
+    With ``passes`` > 1 the repetitions are spread over that many passes through the whole chain (``repeats /
+    passes`` per layer and pass, rounded up; ``warmup`` untimed ones in the first pass, one in later passes) and
+    each statistic is taken over all passes' samples: every layer is then timed across the whole profiling window,
+    not in one burst of a fraction of a second, so a momentary slowdown of the machine (on this virtual machine
+    the same work's CPU time swings by 20-30 % within seconds) is spread over all layers instead of landing on a few.
     ``state_factor`` 4 is FP32 weights + grads + Adam's two moments.
 
     >>> import torch
@@ -417,26 +422,45 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
     """
     import torch
 
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
+    stat = {"median": statistics.median, "min": min}[statistic]
+    per_pass = -(-repeats // passes)
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
     try:
-        results = []
-        x = example_input
-        for index, layer in enumerate(layers):
-            is_last = index == len(layers) - 1
-            results.append(_measure_layer(torch, layer, x, loss_fn if is_last else None, repeats, warmup, f"layer{index}", statistic, clock))
-            with torch.no_grad():
-                x = layer(x)
+        results: list[LayerProfile] = []
+        pooled: list[dict[str, list[float]]] = [{} for _ in layers]
+        for k in range(passes):
+            x = example_input
+            for index, layer in enumerate(layers):
+                is_last = index == len(layers) - 1
+                lay = _measure_layer(torch, layer, x, loss_fn if is_last else None, per_pass if passes > 1 else repeats,
+                                     warmup if k == 0 else min(warmup, 1), f"layer{index}", statistic, clock, samples=pooled[index])
+                if k == 0:
+                    results.append(lay)
+                with torch.no_grad():
+                    x = layer(x)
     finally:
         torch.set_num_threads(old_threads)
+    if passes > 1:
+        results = [_from_samples(lay, smp, stat) for lay, smp in zip(results, pooled, strict=True)]
     batch = example_input.shape[0] if hasattr(example_input, "shape") and example_input.dim() else 1
     return ModelProfile(name=name, layers=tuple(results), source="measured", microbatch_size=int(batch), state_factor=state_factor,
-                        reference={"name": "cpu", "threads": threads or old_threads, "statistic": statistic, "clock": clock})
+                        reference={"name": "cpu", "threads": threads or old_threads, "statistic": statistic, "clock": clock,
+                                   "repeats": per_pass * passes, "passes": passes})
+
+
+def _from_samples(lay: LayerProfile, samples: dict[str, list[float]], stat) -> LayerProfile:
+    """``lay`` (sizes from one pass) with its times recomputed from pooled samples of all passes."""
+    fwd = stat(samples["f"])
+    return replace(lay, fwd_s=fwd, bwd_input_s=stat(samples["i"]), bwd_weight_s=stat(samples["w"]), bwd_full_s=stat(samples["full"]),
+                   recompute_s={"none": 0.0, "selective": stat(samples["sel"]) if samples["cheap"][0] else 0.0, "full": fwd})
 
 
 def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: str, statistic: str = "median",
-                   clock: str = "wall") -> LayerProfile:
+                   clock: str = "wall", samples: dict[str, list[float]] | None = None) -> LayerProfile:
     stat = {"median": statistics.median, "min": min}[statistic]
     now = {"wall": time.perf_counter, "cpu": time.thread_time}[clock]
     params = [p for p in layer.parameters() if p.requires_grad]
@@ -523,6 +547,10 @@ def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: st
 
     total = sum(nbytes for nbytes, _ in saved.values())
     cheap = sum(nbytes for nbytes, owner in saved.values() if owner is not None and not child_has_params[owner])
+    if samples is not None:
+        for key, values in (("f", f_times), ("i", i_times), ("w", w_times), ("full", full_times), ("sel", sel_times)):
+            samples.setdefault(key, []).extend(values)
+        samples["cheap"] = [float(cheap)]
     wgrad = sum(nbytes for nbytes, owner in saved.values() if owner is None or child_has_params[owner])
     input_bytes = _tensor_bytes(x) if torch.is_tensor(x) else 0
     fwd = stat(f_times)
