@@ -161,11 +161,11 @@ def case_rows(case: str, rep: dict) -> list[dict]:
         for arm in rec["order"]:
             r = rec[arm]
             label = f"ours ({r['schedule']})" if arm == "ours" else "uniform + torch 1F1B"
-            row = {"case": case, "round": rec["round"], "run": label, "spans": str(r["spans"]), "probe_scale": r["probe_scale"],
+            row = {"case": case, "round": rec["round"], "run": label, "spans": str(r["spans"]), "profiles": rec["profiles_pooled"],
                    "predicted_ms": r["predicted_s"] * 1e3, "measured_median_ms": r["measured_s"] * 1e3,
                    "measured_min_ms": min(r["measured_iterations_s"]) * 1e3, "error": r["error"],
-                   "predicted_unscaled_ms": r["predicted_unscaled_s"] * 1e3, "error_unscaled": r["error_unscaled"],
-                   "probe_after_scale": r["probe_after_scale"],
+                   "error_first_profile": r["error_first_profile"], "probe_scale": r["probe_scale"],
+                   "error_probe_scaled": r["error_probe_scaled"],
                    "cpu_work_error": sum(r["rank_work_predicted_s"]) / sum(r["rank_cpu_measured_s"]) - 1,
                    "foreign_cores_run": r["foreign_cores"], "posthoc_error": r["posthoc_error"]}
             if arm == "ours" and "speedup_measured" in rec:
@@ -366,19 +366,21 @@ pair, the summary (spreads, correlations) and the 30 s of back-to-back probes.
 def write_cpu_results(cpu_rows: list, extra: dict) -> None:
     write_results("pipesched_cpu_validation", cpu_rows, title="Pipeline planner: predicted vs measured (gloo processes, this CPU)",
                   notes=summary_lines(extra) + f"""
-{os.cpu_count()} CPUs shared with other engineers' jobs. Every input of 'predicted_ms' is measured before the run, by separate
-micro-measurements (pipesched.calibrate): the per-layer profile in CPU time (medians of 15, backward accumulating into .grad,
-the other core busy with the same model), the runtime's CPU cost per action and per gloo message (a pipeline of near-empty
-blocks with the same activation size), the CPU share the ranks get together and the one-way message time (ping-pong while the
-other ranks compute). The simulator shares that CPU among the computing ranks (processor sharing) and adds the message and
-action CPU work to the actions. 'error' = predicted / measured median - 1; 'error_vs_min' against the fastest iteration.
-'cpu_work_error': the model's CPU work summed over ranks (profile + runtime + messages) against the CPU time the ranks' threads
-used in a step. 'foreign_cores_run': cores other users' processes kept busy during the timed iterations (/proc/stat less our
-ranks' CPU time); 'nice' does not hold them back here, because the kernel groups each login session's processes (autogroup)
-and shares the CPU between groups first. 'posthoc_ms' re-simulates the same plan with the CPU share the ranks really had
-(calibrated share + other users' load at calibration - their load during the run): NOT a prediction, it separates the
-model's error from the load other users added after the calibration. speedups: uniform + torch Schedule1F1B / our plan,
-measured back to back.""",
+
+{os.cpu_count()} CPUs shared with other engineers' jobs. Protocol per case (pipesched.calibrate.cpu_validation, under the
+measurement lock after a quiet wait): CPU share and gloo message calibration, the runtime's per-action and per-message CPU cost,
+a first CPU-time profile (15 repetitions per layer spread over 5 passes of the chain, one co-runner), the plan ("auto": every
+exportable schedule planned, simulated times within 5 % count as tied and the one with the fewest micro-batches in flight wins),
+then {extra["config"]["rounds"]} rounds; each round takes one more profile (from the second round on) and predicts both runs from
+the per-layer median of all profiles so far ('profiles'), then runs our plan and the uniform split with torch's Schedule1F1B
+({extra["config"]["iterations"]} timed iterations each), ours first in even rounds. Every input of 'predicted_ms' is measured
+before the run; nothing is adjusted afterwards. 'error' = predicted / measured median - 1. Diagnostics, not predictions used:
+'error_first_profile' (the same run predicted from the first profile alone, as the previous protocol did), 'probe_scale' and
+'error_probe_scaled' (the prediction rescaled by a CPU speed probe read right before the run over the probes read around the
+profiles), 'cpu_work_error' (the model's CPU work summed over ranks against the CPU time the ranks' threads used per step),
+'foreign_cores_run' (cores other users' processes kept busy during the timed iterations: /proc/stat less our ranks' CPU time),
+'posthoc_error' (the plan re-simulated with the calibrated CPU share less other users' load during the run; uses the run).
+'speedup_round': uniform + torch Schedule1F1B / our plan, the two runs of the round, back to back.""",
                   extra=extra)
 
 

@@ -19,14 +19,16 @@ before the run it predicts, by separate micro-measurements:
    treats simulated times within :data:`AUTO_TIE_MARGIN` as tied and then prefers fewer micro-batches in flight)
    and its prediction (simulator with processor sharing over ``cpu_share``, the per-action and per-message CPU
    costs, :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less its CPU work);
-5. the CPU's speed (:func:`speed_probe`: one forward + backward of the model's own chain, CPU time) read around
-   the profile and again right before each run: this virtual machine's CPU speed drifts by tens of percent within
-   minutes, so each run's prediction is the plan re-simulated with all CPU work scaled by the ratio of the two
-   readings (:func:`rescaled_plan`, :func:`probe_scale`), still made before the run;
-6. the runs (torch's ``_PipelineScheduleRuntime`` in gloo processes), in ``rounds`` rounds of our plan and the
-   usual default, a uniform split with torch's ``Schedule1F1B``, alternating which goes first, compared on
-   iteration time, per-action durations and CPU times, per-rank CPU time and activation memory; the plan's gain
-   is the baseline's measured time over ours within each round (:func:`summarize_rounds`).
+5. the runs (torch's ``_PipelineScheduleRuntime`` in gloo processes), in ``rounds`` rounds of our plan and the
+   usual default, a uniform split with torch's ``Schedule1F1B``, alternating which goes first; each round first
+   takes one more profile and predicts from the per-layer median of all profiles so far (this virtual machine's
+   CPU time for the same work swings by 20-30 % within seconds and a single profile's total by ~8 % from one
+   minute to the next, while a run's median iteration varies by ~3 %). Compared on iteration time, per-action
+   durations and CPU times, per-rank CPU time and activation memory; the plan's gain is the baseline's measured
+   time over ours within each round (:func:`summarize_rounds`). A CPU speed probe (:func:`speed_probe`, the
+   model's own chain) is read around every profile and run and recorded with the prediction it would give
+   (:func:`rescaled_plan`), but not used: on this machine it did not track the runs' speed (``bench_pipesched.py
+   --drift``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from .devices import Device, LinkModel
 from .export import schedule_csv, spans_for_schedule
 from .models import mlp_chain
 from .plan import Plan, choose_robust, plan, plan_partition, uniform_plan
-from .profile import ModelProfile, measure_profile
+from .profile import ModelProfile, measure_profile, median_profile
 from .runner import RunResult, foreign_cores, gather_results, machine_busy_s, run_pipeline
 from .simulate import SharedCpu, simulate
 
@@ -477,19 +479,23 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
                    iterations: int = 3, warmup: int = 1, schedule: str = "auto", baseline: bool = True,
                    cores: float | None = None, repeats: int = 15, rounds: int = 1, probe: bool = True,
                    scale_by_probe: bool = False, tie_margin: float = AUTO_TIE_MARGIN, passes: int = PROFILE_PASSES) -> dict[str, Any]:
-    """Calibrate, profile, plan, then ``rounds`` rounds of predict-and-run; returns a JSON-able report.
+    """Calibrate, profile, plan, then ``rounds`` rounds of profile-predict-run; returns a JSON-able report.
 
-    Before the runs (module docstring, steps 1-4): the CPU and runtime calibrations, the profile between two
-    :func:`speed_probe` readings (their mean is the profile's reference speed), and the plan: for
-    ``schedule="auto"`` every exportable family is planned and :func:`pipesched.plan.choose_robust` picks among
-    them with ``tie_margin``. Then each round runs our plan and (``baseline``) the uniform split with torch's
-    ``Schedule1F1B``, alternating which goes first (ours first in even rounds). Right before each run a probe is
-    read and the plan's prediction is rescaled to it (:func:`rescaled_plan` with :func:`probe_scale` of the reference
-    and that reading; ``probe=False`` keeps scale 1): every input is still measured before the run it predicts,
-    and nothing is adjusted afterwards. A probe after the run is recorded for diagnosis only, as is ``posthoc_s``
-    (the rescaled plan simulated with the CPU share less what other users took during the run: not a prediction).
+    Before the runs (module docstring, steps 1-4): the CPU and runtime calibrations, a first profile (spread over
+    ``passes`` passes of the chain) and the plan: for ``schedule="auto"`` every exportable family is planned on it
+    and :func:`pipesched.plan.choose_robust` picks among them with ``tie_margin``. Each round then takes one more
+    profile (from the second round on), predicts our plan and (``baseline``) the uniform split with torch's
+    ``Schedule1F1B`` from the per-layer median of all profiles taken so far (:func:`pipesched.profile.median_profile`:
+    profiles spread over minutes, so one caught in a slow spell of the machine does not decide the prediction), and
+    runs both, alternating which goes first (ours first in even rounds). Every input of a round's predictions is
+    measured before its runs, and nothing is adjusted afterwards. Recorded for diagnosis only: a
+    :func:`speed_probe` reading around every profile and before and after every run, with the prediction rescaled by
+    their ratio (``predicted_probe_scaled_s``; it becomes the prediction with ``scale_by_probe=True``, and
+    ``probe=False`` skips the readings), the prediction from the first profile alone, and ``posthoc_s`` (the plan
+    simulated with the CPU share less what other users took during the run: uses the run, so not a prediction).
     ``cores`` overrides the measured compute share. ``report["rounds"]`` holds every run; ``report["ours"]`` and
-    ``report["uniform_torch_1f1b"]`` are round 0's, ``report["summary"]`` the aggregate (:func:`summarize_rounds`).
+    ``report["uniform_torch_1f1b"]`` are round 0's, ``report["summary"]`` the aggregate (:func:`summarize_rounds`)
+    and ``report["speedup_measured"]`` its median of the rounds' paired speed-ups.
     """
     if rounds < 1:
         raise ValueError(f"need at least one round, got {rounds}")
@@ -505,18 +511,23 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     def read_probe() -> SpeedProbe | None:
         return speed_probe(widths, dim, mb, threads=threads) if probe else None
 
-    probes = [read_probe()]
-    prof = profile_mlp(widths, dim, mb, threads=threads, repeats=repeats, statistic="median", clock="cpu", warmup=2,
-                       co_runners=min(stages, machine_cores) - 1, passes=passes)
-    probes.append(read_probe())
-    reference = statistics.mean(q.cpu_s for q in probes) if probe else None    # type: ignore[union-attr]
+    co_runners = min(stages, machine_cores) - 1
+
+    def take_profile() -> tuple[ModelProfile, list[SpeedProbe]]:
+        before = read_probe()
+        one = profile_mlp(widths, dim, mb, threads=threads, repeats=repeats, statistic="median", clock="cpu", warmup=2,
+                          co_runners=co_runners, passes=passes)
+        return one, [q for q in (before, read_probe()) if q is not None]
+
+    first_profile, probes = take_profile()
+    profiles = [first_profile]
     devices = [Device(f"cpu-rank{r}") for r in range(stages)]
     link = cal.link()
     families = [f for f in EXPORTABLE if schedule in ("auto", f)]
     candidates, alternatives = [], []
     for fam in families:
         try:
-            cand = plan(prof, devices, link, microbatches=microbatches, schedule=fam, cores=shared)
+            cand = plan(first_profile, devices, link, microbatches=microbatches, schedule=fam, cores=shared)
         except Exception as exc:   # a family that does not apply to this shape (e.g. interleaving with too few layers)
             alternatives.append({"schedule": fam, "error": str(exc)})
             continue
@@ -532,19 +543,28 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
                         "csv_text": schedule_csv(best.schedule)})]
     uni = None
     if baseline:
-        uni = uniform_plan(prof, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
+        uni = uniform_plan(first_profile, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
         arms.append(("uniform_torch_1f1b", uni, {"spans": [s.layers for s in uni.partition.stages], "stage_rank": list(range(stages)),
                                                  "builtin": "1F1B"}))
     round_reports: list[dict[str, Any]] = []
     first: dict[str, Any] = {}
     for r in range(rounds):
-        rec: dict[str, Any] = {"round": r}
+        if r > 0:   # a fresh profile each round, pooled with the earlier ones: all of it measured before this round's runs
+            more, more_probes = take_profile()
+            profiles.append(more)
+            probes += more_probes
+        prof = median_profile(profiles)
+        reference = statistics.mean(q.cpu_s for q in probes) if probes else None
+        rec: dict[str, Any] = {"round": r, "profiles_pooled": len(profiles),
+                               "profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in profiles[-1].layers),
+                               "pooled_profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in prof.layers)}
         order = arms if r % 2 == 0 else arms[::-1]
         rec["order"] = [name for name, _, _ in order]
-        for name, p, how in order:
+        for name, chosen, how in order:
+            p = rescaled_plan(chosen, prof, 1.0)     # the chosen plan, predicted from the pooled profile
             before = read_probe()
-            scale = probe_scale(reference, before) if before is not None else 1.0
-            scaled = rescaled_plan(p, prof, scale)
+            scale = probe_scale(reference, before) if before is not None and reference else 1.0
+            scaled = rescaled_plan(chosen, prof, scale)
             predicted = scaled if scale_by_probe else p
             run = run_pipeline(**how, **common)
             after = read_probe()
@@ -555,10 +575,12 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
             c |= {"probe_scale": scale, "scaled_by_probe": scale_by_probe,
                   "predicted_unscaled_s": p.sim.makespan, "error_unscaled": p.sim.makespan / run.median_s - 1.0,
                   "predicted_probe_scaled_s": scaled.sim.makespan, "error_probe_scaled": scaled.sim.makespan / run.median_s - 1.0,
+                  "predicted_first_profile_s": rescaled_plan(chosen, first_profile, 1.0).sim.makespan if r else chosen.sim.makespan,
                   "probe_before_s": before.cpu_s if before else None, "probe_after_s": after.cpu_s if after else None,
-                  "probe_after_scale": probe_scale(reference, after) if after is not None else None,
+                  "probe_after_scale": probe_scale(reference, after) if after is not None and reference else None,
                   "posthoc_s": posthoc, "posthoc_error": posthoc / run.median_s - 1.0,
-                  "spans": [list(s.layers) for s in p.partition.stages]}
+                  "spans": [list(s.layers) for s in chosen.partition.stages]}
+            c["error_first_profile"] = c["predicted_first_profile_s"] / run.median_s - 1.0
             rec[name] = c
             if r == 0:
                 first[name] = (predicted, run)
@@ -568,11 +590,12 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     report: dict[str, Any] = {
         "model": {"widths": list(widths), "dim": dim, "batch": batch, "microbatches": microbatches, "stages": stages, "threads": threads},
         "calibration": cal.to_dict(), "runtime_calibration": rt.to_dict(), "shared_cpu": shared.to_dict(),
-        "probe": {"reference_s": reference, "at_profile": [q.to_dict() for q in probes if q is not None]},
+        "probe": {"at_profiles": [q.to_dict() for q in probes]},
+        "profiles": [x.to_dict() for x in profiles],
         "link_in_run": {"latency_s": first["ours"][1].link_latency_s, "bandwidth_bytes_per_s": first["ours"][1].link_bandwidth_bps},
         "plan": {"schedule": best.family, "spans": [list(s.layers) for s in best.partition.stages],
                  "recompute": [s.recompute for s in best.partition.stages], "tie_margin": tie_margin, "candidates": alternatives},
-        "ours": round_reports[0]["ours"], "rounds": round_reports, "profile": prof.to_dict(),
+        "ours": round_reports[0]["ours"], "rounds": round_reports, "profile": median_profile(profiles).to_dict(),
         "summary": summarize_rounds(round_reports, tuple(name for name, _, _ in arms)),
     }
     if uni is not None:

@@ -113,6 +113,35 @@ class ModelProfile:
         return replace(self, layers=layers)
 
 
+def median_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
+    """Per layer and per time field, the median over several profiles of the same model (sizes from the first).
+
+    Profiles taken at different times see the machine at different speeds; their element-wise median is a
+    profile of its typical speed, robust to one profile caught in a slow (or fast) spell.
+
+    >>> a = analytic_profile(GPTConfig(layers=1, hidden=64, heads=2, seq_len=16, vocab=100))
+    >>> m = median_profile([a.scaled(1.0), a.scaled(3.0), a.scaled(1.2)])
+    >>> round(m.layers[1].fwd_s / a.layers[1].fwd_s, 12), median_profile([a]) == a
+    (1.2, True)
+    """
+    if not profiles:
+        raise ProfileError("median_profile needs at least one profile")
+    first = profiles[0]
+    if len(profiles) == 1:
+        return first
+    if any(len(p.layers) != len(first.layers) for p in profiles):
+        raise ProfileError("profiles of different models (layer counts differ)")
+    med = statistics.median
+    layers = []
+    for k, lay in enumerate(first.layers):
+        group = [p.layers[k] for p in profiles]
+        full = None if lay.bwd_full_s is None else med(g.bwd_s for g in group)
+        layers.append(replace(lay, fwd_s=med(g.fwd_s for g in group), bwd_input_s=med(g.bwd_input_s for g in group),
+                              bwd_weight_s=med(g.bwd_weight_s for g in group), bwd_full_s=full,
+                              recompute_s={o: med(g.recompute_s[o] for g in group) for o in lay.recompute_s}))
+    return replace(first, layers=tuple(layers), reference={**first.reference, "median_of": len(profiles)})
+
+
 # --------------------------------------------------------------------------------------------------------------
 # JSON format
 # --------------------------------------------------------------------------------------------------------------

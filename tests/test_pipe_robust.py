@@ -168,3 +168,32 @@ def test_profile_passes_pool_samples_over_the_whole_chain():
     assert (pooled.fwd_s, pooled.bwd_input_s, pooled.bwd_weight_s, pooled.bwd_s) == (3.0, 2.0, 1.0, 6.0)
     assert pooled.recompute_s == {"none": 0.0, "selective": 0.3, "full": 3.0}
     assert _from_samples(lay, {**samples, "cheap": [0.0]}, min).recompute_s["selective"] == 0.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(factors=st.lists(st.floats(0.5, 2.0), min_size=1, max_size=5), times=layer_times)
+def test_median_profile_is_the_elementwise_median(factors, times):
+    from pipesched.profile import median_profile
+
+    base = make_profile(times)
+    profiles = [base.scaled(f) for f in factors]
+    med = median_profile(profiles)
+    assert len(med.layers) == len(base.layers)
+    for k, lay in enumerate(med.layers):
+        group = [p.layers[k] for p in profiles]
+        assert lay.fwd_s == statistics.median(g.fwd_s for g in group)
+        assert lay.bwd_s == statistics.median(g.bwd_s for g in group)
+        assert lay.bwd_input_s == statistics.median(g.bwd_input_s for g in group)
+        assert (lay.saved_bytes, lay.output_bytes, lay.param_bytes) == (base.layers[k].saved_bytes, base.layers[k].output_bytes,
+                                                                        base.layers[k].param_bytes)
+    assert median_profile(list(reversed(profiles))).layers == med.layers     # order does not matter
+    assert med.layers[0].fwd_s == pytest.approx(base.layers[0].fwd_s * statistics.median(factors))
+
+
+def test_median_profile_rejects_nothing_and_mismatched_models():
+    from pipesched.profile import ProfileError, median_profile
+
+    with pytest.raises(ProfileError):
+        median_profile([])
+    with pytest.raises(ProfileError, match="layer counts"):
+        median_profile([make_profile([(0.01, 0.02)] * 8), make_profile([(0.01, 0.02)] * 9)])
