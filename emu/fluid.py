@@ -61,10 +61,14 @@ same groups again and again.
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import math
+import os
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -106,6 +110,7 @@ class PeriodicRun:
     events: int = 0
     solves: int = 0
     memo_hits: int = 0
+    engine: str = ""  # "python" or "c": which event loop ran (empty when no job communicates)
 
     def iteration_durations(self, i: int) -> list[float]:
         marks = [self.starts[i], *self.ends[i]]
@@ -257,32 +262,17 @@ def connected_groups(n: int, shared: Iterable[Sequence[int]]) -> list[list[int]]
     return list(groups.values())
 
 
-def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float], *, iterations: int = 4,
-                      rate_memo: dict[tuple, list[float]] | None = None, job_keys: Sequence[Hashable] | None = None,
-                      watch: Sequence[int] | None = None) -> PeriodicRun:
-    """Event-driven simulation of the fluid model (see the module docstring) until every job has done ``iterations``.
+@dataclass
+class _Coupling:
+    """The links that can couple jobs, numbered: the input of both event loops."""
 
-    Jobs without communication (``comm_s == 0``) are not simulated: their
-    iterations are their compute time. ``rate_memo`` (with ``job_keys``, one
-    sortable key per job that names its demands for good): the progress rates
-    of sets of communicating jobs, shared between runs; the max-min rates of
-    a set depend only on its jobs' demands and the capacities, so a later run
-    over some of the same jobs reuses them. ``watch`` (indices; default all
-    jobs): the run ends once these jobs have done ``iterations`` (the others'
-    answers then average fewer iterations).
-    """
-    _validate(jobs, capacity, iterations)
-    n = len(jobs)
-    starts = [j.start_s() for j in jobs]
-    run = PeriodicRun([j.name for j in jobs], starts, [[] for _ in range(n)])
-    sim = [i for i, j in enumerate(jobs) if j.comm_s > 0]
-    for i, j in enumerate(jobs):
-        if j.comm_s <= 0:
-            run.ends[i] = [starts[i] + j.compute_s * (k + 1) for k in range(iterations)]
-    if not sim:
-        return run
-    compute = [j.compute_s for j in jobs]
-    comm = [j.comm_s for j in jobs]
+    own_cap: list[float]                   # per job: its progress limit alone on its links
+    cap_list: list[float]                  # per binding link: capacity
+    job_links: list[list[tuple[int, float]]]  # per job: (binding link, demand)
+    link_users: list[list[int]]            # per binding link: its jobs
+
+
+def _coupling(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float]) -> _Coupling:
     # own cap: alone on its links a job progresses at most at min(1, capacity / demand); only binding links couple jobs
     users = _users(jobs)
     binding = {link: us for link, us in users.items() if len(us) > 1 and sum(d for _, d in us) > capacity[link]}
@@ -292,20 +282,76 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
     distinct: dict[tuple, Link] = {}
     for link, us in binding.items():
         distinct.setdefault((tuple(sorted(us)), capacity[link]), link)
-    binding = {link: binding[link] for link in distinct.values()}
-    link_ids = {link: k for k, link in enumerate(binding)}
-    cap_list = [float(capacity[link]) for link in binding]
-    cap_arr = np.array(cap_list)
-    job_links: list[list[tuple[int, float]]] = [[] for _ in range(n)]
-    nbrs: list[set[int]] = [set() for _ in range(n)]
-    for link, us in binding.items():
-        k = link_ids[link]
-        members = [i for i, _ in us]
+    kept = [binding[link] for link in distinct.values()]
+    job_links: list[list[tuple[int, float]]] = [[] for _ in jobs]
+    for k, us in enumerate(kept):
         for i, d in us:
             job_links[i].append((k, d))
+    return _Coupling(own_cap, [float(capacity[link]) for link in distinct.values()], job_links, [[i for i, _ in us] for us in kept])
+
+
+ENGINES = ("auto", "python", "c")
+
+
+def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float], *, iterations: int = 4,
+                      rate_memo: dict[tuple, list[float]] | None = None, job_keys: Sequence[Hashable] | None = None,
+                      watch: Sequence[int] | None = None, engine: str = "auto") -> PeriodicRun:
+    """Event-driven simulation of the fluid model (see the module docstring) until every job has done ``iterations``.
+
+    Jobs without communication (``comm_s == 0``) are not simulated: their
+    iterations are their compute time. ``watch`` (indices; default all
+    jobs): the run ends once these jobs have done ``iterations`` (the others'
+    answers then average fewer iterations).
+
+    ``engine``: ``"python"`` (the reference loop), ``"c"`` (the same loop in
+    ``csrc/fluid.c``, built by ``make``; same events and tolerances, rounding
+    aside), or ``"auto"`` (C when its library is built, else Python;
+    :func:`fluid_engine` says which). ``rate_memo`` (with ``job_keys``, one
+    sortable key per job that names its demands for good), Python loop only:
+    the progress rates of sets of communicating jobs, shared between runs; the
+    max-min rates of a set depend only on its jobs' demands and the
+    capacities, so a later run over some of the same jobs reuses them. The C
+    loop solves every set afresh (microseconds each).
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    _validate(jobs, capacity, iterations)
+    return _simulate(jobs, _coupling(jobs, capacity), iterations=iterations, rate_memo=rate_memo, job_keys=job_keys, watch=watch,
+                     engine=engine)
+
+
+def _simulate(jobs: Sequence[PeriodicJob], coupling: _Coupling, *, iterations: int, rate_memo: dict[tuple, list[float]] | None = None,
+              job_keys: Sequence[Hashable] | None = None, watch: Sequence[int] | None = None, engine: str = "auto") -> PeriodicRun:
+    """:func:`simulate_periodic` of validated jobs whose coupling is already known."""
+    n = len(jobs)
+    starts = [j.start_s() for j in jobs]
+    run = PeriodicRun([j.name for j in jobs], starts, [[] for _ in range(n)])
+    sim = [i for i, j in enumerate(jobs) if j.comm_s > 0]
+    for i, j in enumerate(jobs):
+        if j.comm_s <= 0:
+            run.ends[i] = [starts[i] + j.compute_s * (k + 1) for k in range(iterations)]
+    if not sim:
+        return run
+    use_c = engine == "c" or (engine == "auto" and _c_engine() is not None)
+    if watch is not None and not any(jobs[i].comm_s > 0 for i in watch):
+        return run  # the watched jobs do not communicate: their compute-only iterations are known already
+    if use_c:
+        _simulate_c(jobs, coupling, starts, iterations, watch, run)
+        return run
+    run.engine = "python"
+    compute = [j.compute_s for j in jobs]
+    comm = [j.comm_s for j in jobs]
+    own_cap, cap_list, job_links, link_users = coupling.own_cap, coupling.cap_list, coupling.job_links, coupling.link_users
+    cap_arr = np.array(cap_list)
+    nbrs: list[set[int]] = [set() for _ in range(n)]
+    for members in link_users:
+        for i in members:
             nbrs[i].update(members)
     for i in range(n):
         nbrs[i].discard(i)
+    # demand of the jobs communicating right now, per binding link: a link whose current users' demands fit its
+    # capacity cannot saturate (x <= 1), so it couples nobody at this moment
+    comm_load = [0.0] * len(cap_list)
 
     comm_set: set[int] = set()
     x = [0.0] * n
@@ -329,12 +375,15 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
     counts = [0] * n
 
     def component(seed: int) -> list[int]:
+        """The communicating jobs coupled to ``seed`` through links that their current demands overload."""
         comp, stack = {seed}, [seed]
         while stack:
-            for k in nbrs[stack.pop()]:
-                if k in comm_set and k not in comp:
-                    comp.add(k)
-                    stack.append(k)
+            for k, _ in job_links[stack.pop()]:
+                if comm_load[k] > cap_list[k]:
+                    for q in link_users[k]:
+                        if q not in comp and q in comm_set:
+                            comp.add(q)
+                            stack.append(q)
         return sorted(comp)
 
     def rates(comp: list[int]) -> list[float]:
@@ -349,15 +398,17 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
         hit = memo.get(key)
         if hit is None:
             run.solves += 1
+            # the component's overloaded links only: the rates of a set of jobs depend on that set alone
+            active = [[(k, d) for k, d in job_links[i] if comm_load[k] > cap_list[k]] for i in ordered]
             ef, el, co = [], [], []
             if len(ordered) > _SMALL:
-                for pos, i in enumerate(ordered):
-                    for k, d in job_links[i]:
+                for pos, ls in enumerate(active):
+                    for k, d in ls:
                         ef.append(pos)
                         el.append(k)
                         co.append(d)
             if len(ordered) <= _SMALL:
-                hit = _fill_progress([job_links[i] for i in ordered], cap_list, [own_cap[i] for i in ordered])
+                hit = _fill_progress(active, cap_list, [own_cap[i] for i in ordered])
             else:
                 uniq, local = np.unique(np.asarray(el, dtype=np.intp), return_inverse=True)
                 hit = maxmin_rates_coo(np.asarray(ef, dtype=np.intp), local, len(ordered), cap_arr[uniq],
@@ -400,6 +451,8 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
         run.events += 1
         if state[i] == 2:  # communication done: the iteration ends, the next compute starts
             comm_set.discard(i)
+            for k, d in job_links[i]:
+                comm_load[k] -= d
             x[i] = 0.0
             run.ends[i].append(t)
             counts[i] += 1
@@ -416,6 +469,8 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
         elif state[i] == 1:  # compute done: communicate
             state[i] = 2
             comm_set.add(i)
+            for k, d in job_links[i]:
+                comm_load[k] += d
             rem[i], last[i], x[i] = comm[i], t, 0.0
             resolve([i], t, new=i)
         else:  # first start
@@ -487,6 +542,103 @@ def simulate_periodic_reference(jobs: Sequence[PeriodicJob], capacity: Mapping[L
                 counts[i] += 1
             mode[i], t_end[i] = 1, t + compute[i]
     return run
+
+
+# ------------------------------------------------------------------ the C event loop (csrc/fluid.c) --
+FLUID_ABI = 1  # the nw_fluid_version() this module speaks
+_LIB_NAME = "libnetweave-fluid.so"
+_lib_state: dict[str, Any] = {}
+
+
+def fluid_library_path() -> Path:
+    """Where the C event loop is looked for: ``$NETWEAVE_FLUID_LIB``, else ``csrc/build/`` of this checkout."""
+    env = os.environ.get("NETWEAVE_FLUID_LIB")
+    return Path(env) if env else Path(__file__).resolve().parents[1] / "csrc" / "build" / _LIB_NAME
+
+
+def _c_engine() -> Any:
+    """The loaded C library, or None when it is not built (or speaks another ABI); loaded once."""
+    if "lib" not in _lib_state:
+        lib, why = None, ""
+        path = fluid_library_path()
+        if not path.exists():
+            why = f"{path} not built (run make -C csrc)"
+        else:
+            try:
+                lib = ctypes.CDLL(str(path))
+                lib.nw_fluid_version.restype = ctypes.c_int
+                if lib.nw_fluid_version() != FLUID_ABI:
+                    why = f"{path} speaks ABI {lib.nw_fluid_version()}, expected {FLUID_ABI} (rebuild csrc)"
+                    lib = None
+            except OSError as e:
+                why, lib = f"{path}: {e}", None
+        if lib is not None:
+            i, d = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double)
+            lib.nw_fluid_simulate.restype = ctypes.c_int
+            lib.nw_fluid_simulate.argtypes = [ctypes.c_int, d, d, d, d, ctypes.POINTER(ctypes.c_ubyte), ctypes.c_int, ctypes.c_int, d,
+                                              i, i, d, i, i, ctypes.c_int, d, i, ctypes.POINTER(ctypes.c_int64)]
+        _lib_state["lib"], _lib_state["why"] = lib, why
+    return _lib_state["lib"]
+
+
+def fluid_engine() -> str:
+    """Which loop ``engine="auto"`` runs: ``"c"``, or ``"python"`` with the reason the C library is not used.
+
+    >>> fluid_engine().split(" ")[0] in ("c", "python")
+    True
+    """
+    return "c" if _c_engine() is not None else f"python ({_lib_state['why']})"
+
+
+def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[float], iterations: int,
+                watch: Sequence[int] | None, run: PeriodicRun) -> None:
+    lib = _c_engine()
+    if lib is None:
+        raise RuntimeError(f"the C fluid engine is not available: {_lib_state['why']}")
+    n = len(jobs)
+    f64 = np.float64
+    compute = np.array([j.compute_s for j in jobs], dtype=f64)
+    comm = np.array([j.comm_s for j in jobs], dtype=f64)
+    start = np.array(starts, dtype=f64)
+    own = np.array(coupling.own_cap, dtype=f64)
+    watched = np.zeros(n, dtype=np.uint8)
+    for i in (range(n) if watch is None else watch):
+        watched[i] = jobs[i].comm_s > 0
+    cap = np.array(coupling.cap_list, dtype=f64)
+    jl_ptr = np.zeros(n + 1, dtype=np.int32)
+    jl_ptr[1:] = np.cumsum([len(ls) for ls in coupling.job_links])
+    jl_link = np.array([k for ls in coupling.job_links for k, _ in ls], dtype=np.int32)
+    jl_dem = np.array([d for ls in coupling.job_links for _, d in ls], dtype=f64)
+    lu_ptr = np.zeros(len(cap) + 1, dtype=np.int32)
+    lu_ptr[1:] = np.cumsum([len(us) for us in coupling.link_users])
+    lu_job = np.array([i for us in coupling.link_users for i in us], dtype=np.int32)
+    periods = [j.period_s for j in jobs if j.comm_s > 0]
+    # iterations a fast job finishes while a slow one does its own: a first guess, retried larger when short
+    ends_cap = iterations * (2 + math.ceil(max(periods) / max(min(periods), 1e-300) if periods else 1)) + 2
+    count = np.zeros(n, dtype=np.int32)
+    stats = np.zeros(2, dtype=np.int64)
+
+    def ptr(a: np.ndarray, t: Any) -> Any:
+        return a.ctypes.data_as(ctypes.POINTER(t))
+
+    while True:
+        ends = np.zeros(n * ends_cap, dtype=f64)
+        c_int, c_double = ctypes.c_int, ctypes.c_double
+        rc = lib.nw_fluid_simulate(n, ptr(compute, c_double), ptr(comm, c_double), ptr(start, c_double), ptr(own, c_double),
+                                   ptr(watched, ctypes.c_ubyte), iterations, len(cap), ptr(cap, c_double), ptr(jl_ptr, c_int),
+                                   ptr(jl_link, c_int), ptr(jl_dem, c_double), ptr(lu_ptr, c_int), ptr(lu_job, c_int), ends_cap,
+                                   ptr(ends, c_double), ptr(count, c_int), ptr(stats, ctypes.c_int64))
+        if rc != 0:
+            raise RuntimeError(f"nw_fluid_simulate failed with code {rc} ({'out of memory' if rc == -2 else 'invalid arguments'})")
+        most = int(count.max())
+        if most <= ends_cap:
+            break
+        ends_cap = most
+    table = ends.reshape(n, ends_cap)
+    for i, j in enumerate(jobs):
+        if j.comm_s > 0:
+            run.ends[i] = table[i, :count[i]].tolist()
+    run.events, run.solves, run.engine = int(stats[0]), int(stats[1]), "c"
 
 
 def iteration_times(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float], *, iterations: int = 4) -> dict[str, float]:
@@ -568,6 +720,9 @@ class PeriodicFluidModel:
         self._serial: dict[int, int] = {}  # a number per job object, never reused: names its demands in the rate memo
         self._next_serial = 0
         self.rate_memo: dict[tuple, list[float]] = {}
+        # binding links (several users whose demands sum above the capacity), kept up to date as jobs come and go
+        self._binding: dict[Link, bool] = {}
+        self._bind_links: dict[int, set[Link]] = {}
 
     def __call__(self, jobs: Sequence[PeriodicJob]) -> dict[str, float]:
         current = {id(j): j for j in jobs}
@@ -579,12 +734,14 @@ class PeriodicFluidModel:
         for i in removed:
             for link, _ in self._links[i]:
                 us = self._users[link]
-                if self._binding(link, us):  # its partners there may now be freer
+                if self._binding[link]:  # its partners there may now be freer
                     seeds.extend(k for k in us if k != i)
                 del us[i]
-                if not us:
-                    del self._users[link]
-            for store in (self._jobs, self._links, self._own, self._times, self._serial):
+                if us:
+                    self._update_binding(link)
+                else:
+                    del self._users[link], self._binding[link]
+            for store in (self._jobs, self._links, self._own, self._times, self._serial, self._bind_links):
                 del store[i]
         for i in added:
             j = current[i]
@@ -592,68 +749,102 @@ class PeriodicFluidModel:
             self._jobs[i], self._links[i] = j, links
             self._serial[i] = self._next_serial
             self._next_serial += 1
+            self._bind_links[i] = set()
             own = 1.0
             for link, d in links:
                 self._users.setdefault(link, {})[i] = d
+                self._update_binding(link, joined=i)
                 own = min(own, self.capacity[link] / d)
             self._own[i] = own
-        binding: dict[Link, bool] = {}
         done: set[int] = set()
         live = [s for s in dict.fromkeys(seeds) if s in self._jobs]
         for s in live:
             if s in done:
                 continue
-            comp = self._group(s, binding)
-            done.update(comp)
-            if self.radius is not None and len(comp) > 1:
-                inside = set(comp)
-                dist = self._distances([k for k in live if k in inside], binding, self.radius)
-                if len(dist) < len(comp):  # the group reaches beyond the ball: simulate the ball, refresh its interior
-                    ball = sorted(dist)
-                    interior = [p for p, k in enumerate(ball) if dist[k] < self.radius]
-                    for k, a in zip(ball, self._answer(ball, binding, watch=interior), strict=True):
-                        if dist[k] < self.radius or k not in self._times:
-                            self._times[k] = a
-                    continue
-            self._times.update(zip(comp, self._answer(comp, binding), strict=True))
+            if self.radius is None:
+                comp = self._group(s)
+                done.update(comp)
+                self._times.update(zip(comp, self._answer(comp), strict=True))
+                continue
+            # one hop beyond the ball tells whether the group ends inside it, without walking a large group
+            reach = self._distances([s], self.radius + 1)
+            if max(reach.values()) <= self.radius:  # the whole group lies within the ball: exact
+                comp = sorted(reach)
+                done.update(comp)
+                self._times.update(zip(comp, self._answer(comp), strict=True))
+                continue
+            # the group reaches beyond: simulate the ball around the changed jobs near s, refresh its interior
+            centres = [k for k in live if k in reach and k not in done]
+            done.update(centres)
+            dist = self._distances(centres, self.radius)
+            ball = sorted(dist)
+            interior = [p for p, k in enumerate(ball) if dist[k] < self.radius]
+            for k, a in zip(ball, self._answer(ball, watch=interior), strict=True):
+                if dist[k] < self.radius or k not in self._times:
+                    self._times[k] = a
         return {j.name: self._times[i] for i, j in current.items()}
 
-    def _distances(self, seeds: Sequence[int], binding: dict[Link, bool], radius: int) -> dict[int, int]:
+    def _update_binding(self, link: Link, joined: int | None = None) -> None:
+        """Re-evaluate whether ``link`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
+        us = self._users[link]
+        now = len(us) > 1 and sum(us.values()) > self.capacity[link]
+        before = self._binding.get(link, False)
+        self._binding[link] = now
+        if now and not before:
+            for k in us:
+                self._bind_links[k].add(link)
+        elif before and not now:
+            for k in us:
+                self._bind_links[k].discard(link)
+        elif now and joined is not None:
+            self._bind_links[joined].add(link)
+
+    def _distances(self, seeds: Sequence[int], radius: int) -> dict[int, int]:
         """Binding-link hops from the nearest seed, for the jobs at most ``radius`` hops away."""
         dist = dict.fromkeys(seeds, 0)
         frontier = list(seeds)
         for d in range(1, radius + 1):
             nxt = []
             for i in frontier:
-                for link, _ in self._links[i]:
-                    if binding.get(link):
-                        for k in self._users[link]:
-                            if k not in dist:
-                                dist[k] = d
-                                nxt.append(k)
+                for link in self._bind_links[i]:
+                    for k in self._users[link]:
+                        if k not in dist:
+                            dist[k] = d
+                            nxt.append(k)
             frontier = nxt
         return dist
 
-    def _binding(self, link: Link, users: Mapping[int, float]) -> bool:
-        return len(users) > 1 and sum(users.values()) > self.capacity[link]
-
-    def _group(self, seed: int, binding: dict[Link, bool]) -> list[int]:
+    def _group(self, seed: int) -> list[int]:
         """The jobs linked to ``seed`` through binding links (in the current set)."""
         comp, stack = {seed}, [seed]
         while stack:
-            for link, _ in self._links[stack.pop()]:
-                us = self._users[link]
-                b = binding.get(link)
-                if b is None:
-                    b = binding[link] = self._binding(link, us)
-                if b:
-                    for k in us:
-                        if k not in comp:
-                            comp.add(k)
-                            stack.append(k)
+            for link in self._bind_links[stack.pop()]:
+                for k in self._users[link]:
+                    if k not in comp:
+                        comp.add(k)
+                        stack.append(k)
         return sorted(comp)
 
-    def _answer(self, comp: list[int], binding: dict[Link, bool], watch: list[int] | None = None) -> list[float]:
+    def _coupling(self, comp: list[int]) -> _Coupling:
+        """The coupling of the jobs ``comp`` on their own (a ball may hold only some users of a link), from the kept state."""
+        pos = {k: p for p, k in enumerate(comp)}
+        distinct: dict[tuple, tuple[float, list[tuple[int, float]]]] = {}
+        for link in set().union(*(self._bind_links[k] for k in comp)):
+            us = [(pos[k], d) for k, d in self._users[link].items() if k in pos]
+            cap = self.capacity[link]
+            if len(us) > 1 and sum(d for _, d in us) > cap:
+                us.sort()
+                distinct.setdefault((tuple(us), cap), (float(cap), us))
+        job_links: list[list[tuple[int, float]]] = [[] for _ in comp]
+        cap_list, link_users = [], []
+        for k, (cap, us) in enumerate(distinct.values()):
+            cap_list.append(cap)
+            link_users.append([p for p, _ in us])
+            for p, d in us:
+                job_links[p].append((k, d))
+        return _Coupling([self._own[k] for k in comp], cap_list, job_links, link_users)
+
+    def _answer(self, comp: list[int], watch: list[int] | None = None) -> list[float]:
         if len(comp) == 1:
             j = self._jobs[comp[0]]
             return [j.compute_s + j.comm_s / self._own[comp[0]]]
@@ -664,7 +855,8 @@ class PeriodicFluidModel:
         if hit is not None and all(a is b for a, b in zip(hit[0], members, strict=True)):
             self.hits += 1
             return hit[1]
-        key, order = self._signature(comp, binding)
+        coupling = self._coupling(comp)
+        key, order = self._signature(comp, coupling)
         if watch is not None:
             key = (key, tuple(sorted(order.index(p) for p in watch)))
         cached = self.by_signature.get(key)
@@ -676,8 +868,8 @@ class PeriodicFluidModel:
         else:
             if len(self.rate_memo) >= 5 * self.cache_limit:
                 self.rate_memo.clear()
-            run = simulate_periodic(members, self.capacity, iterations=self.iterations, rate_memo=self.rate_memo,
-                                    job_keys=[self._serial[i] for i in comp], watch=watch)
+            run = _simulate(members, coupling, iterations=self.iterations, rate_memo=self.rate_memo,
+                            job_keys=[self._serial[i] for i in comp], watch=watch)
             self.simulations += 1
             self.events += run.events
             means = run.mean_iteration_s()
@@ -690,7 +882,7 @@ class PeriodicFluidModel:
         self.by_identity[ident] = (members, answer)  # holding the jobs keeps their ids from being reused
         return answer
 
-    def _signature(self, comp: list[int], binding: dict[Link, bool]) -> tuple[tuple, list[int]]:
+    def _signature(self, comp: list[int], coupling: _Coupling) -> tuple[tuple, list[int]]:
         """A name- and link-free key of the group's simulation, and the group positions in key order."""
         q = self.phase_quantum
         rows = []
@@ -700,15 +892,17 @@ class PeriodicFluidModel:
             if q > 0 and j.period_s > 0:
                 bins = max(1, round(1 / q))
                 start = (round(start / j.period_s * bins) % bins) / bins * j.period_s
-            rows.append((_r9(j.compute_s), _r9(j.comm_s), _r9(start), _r9(self._own[i]), p))
+            rows.append((_r9(j.compute_s), _r9(j.comm_s), _r9(start), _r9(coupling.own_cap[p]), p))
         rows.sort()
         order = [r[4] for r in rows]
-        rank = {comp[p]: r for r, p in enumerate(order)}
-        columns = []
-        for link in {link for i in comp for link, _ in self._links[i] if binding.get(link)}:
-            users = [(rank[k], d) for k, d in self._users[link].items() if k in rank]  # a ball may hold only some of them
-            if len(users) > 1 and sum(d for _, d in users) > self.capacity[link]:
-                columns.append((tuple(sorted((r, _r9(d)) for r, d in users)), _r9(self.capacity[link])))
+        rank = [0] * len(comp)
+        for r, p in enumerate(order):
+            rank[p] = r
+        per_link: list[list[tuple[int, float]]] = [[] for _ in coupling.cap_list]
+        for p, ls in enumerate(coupling.job_links):
+            for c, d in ls:
+                per_link[c].append((rank[p], _r9(d)))
+        columns = [(tuple(sorted(us)), _r9(cap)) for us, cap in zip(per_link, coupling.cap_list, strict=True)]
         return (tuple(r[:4] for r in rows), tuple(sorted(columns))), order
 
 
@@ -716,5 +910,5 @@ def _r9(v: float) -> float:
     return float(f"{v:.9g}")
 
 
-__all__ = ["PeriodicFluidModel", "PeriodicJob", "PeriodicRun", "binding_components", "binding_links", "iteration_times",
-           "simulate_periodic", "simulate_periodic_reference"]
+__all__ = ["ENGINES", "PeriodicFluidModel", "PeriodicJob", "PeriodicRun", "binding_components", "binding_links", "fluid_engine",
+           "fluid_library_path", "iteration_times", "simulate_periodic", "simulate_periodic_reference"]

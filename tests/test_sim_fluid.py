@@ -147,11 +147,29 @@ def fluid_instances(draw):
     return jobs, capacity
 
 
+@pytest.fixture(scope="module")
+def c_engine():
+    """Build csrc/ (emu's fluid library included) and load it afresh."""
+    from emu import fluid
+    from flowsched import ncclhook
+
+    ncclhook.build()
+    fluid._lib_state.clear()
+    assert fluid.fluid_engine() == "c"
+    return "c"
+
+
+@pytest.fixture(scope="module", params=["python", "c"])
+def engine(request):
+    return request.getfixturevalue("c_engine") if request.param == "c" else "python"
+
+
 @settings(max_examples=120, deadline=None)
-@given(fluid_instances(), st.integers(1, 6))
-def test_fast_simulation_equals_the_dense_reference(inst, iterations):
+@given(inst=fluid_instances(), iterations=st.integers(1, 6))
+def test_fast_simulation_equals_the_dense_reference(engine, inst, iterations):
     jobs, capacity = inst
-    fast = simulate_periodic(jobs, capacity, iterations=iterations)
+    fast = simulate_periodic(jobs, capacity, iterations=iterations, engine=engine)
+    assert fast.engine == (engine if any(j.comm_s > 0 for j in jobs) else "")
     ref = simulate_periodic_reference(jobs, capacity, iterations=iterations)
     for i, j in enumerate(jobs):
         k = min(len(fast.ends[i]), len(ref.ends[i]))
@@ -180,7 +198,7 @@ def test_no_job_beats_its_isolated_period_and_the_model_splits_exactly(inst):
     assert model(renamed) == pytest.approx({"x" + k: v for k, v in out.items()}, rel=1e-9)
 
 
-def test_large_random_component_fast_equals_reference():
+def test_large_random_component_fast_equals_reference(engine):
     rng = random.Random(7)
     links = [f"l{k}" for k in range(30)]
     capacity = dict.fromkeys(links, 50.0)
@@ -189,10 +207,55 @@ def test_large_random_component_fast_equals_reference():
         period = rng.choice([0.1, 0.2, 0.35])
         comm = period * rng.uniform(0.2, 0.6)
         jobs.append(_job(f"j{i}", period - comm, comm, {link: rng.uniform(20, 50) for link in rng.sample(links, 4)}, rng.uniform(0, 1)))
-    fast = simulate_periodic(jobs, capacity, iterations=4)
+    fast = simulate_periodic(jobs, capacity, iterations=4, engine=engine)
     ref = simulate_periodic_reference(jobs, capacity, iterations=4)
     assert fast.mean_iteration_s() == pytest.approx(ref.mean_iteration_s(), rel=1e-7)
     assert fast.events == ref.events
+
+
+@settings(max_examples=150, deadline=None)
+@given(inst=fluid_instances(), watch=st.sets(st.integers(0, 5)), iterations=st.integers(1, 5))
+def test_c_event_loop_runs_the_python_loop_event_for_event(c_engine, inst, watch, iterations):
+    jobs, capacity = inst
+    watch = sorted(w for w in watch if w < len(jobs)) or None
+    py = simulate_periodic(jobs, capacity, iterations=iterations, watch=watch, engine="python")
+    c = simulate_periodic(jobs, capacity, iterations=iterations, watch=watch, engine="c")
+    assert c.events == py.events
+    for i in range(len(jobs)):
+        assert len(c.ends[i]) == len(py.ends[i])
+        assert c.ends[i] == pytest.approx(py.ends[i], rel=1e-12, abs=1e-15)
+
+
+def test_c_event_loop_grows_its_buffer_when_a_fast_job_outruns_the_guess(c_engine):
+    # a hog slows the watched job 10x on link m; the fast job, barely slowed on link l, then finishes far more
+    # iterations than the period ratio says
+    capacity = {"l": 10.0, "m": 10.0}
+    slow = _job("slow", 0.05, 0.95, {"l": 1.0, "m": 10.0})
+    fast = _job("fast", 0.009, 0.001, {"l": 10.0})
+    hog = _job("hog", 0.0, 0.5, {"m": 90.0})
+    jobs = [slow, fast, hog]
+    py = simulate_periodic(jobs, capacity, iterations=3, watch=[0], engine="python")
+    c = simulate_periodic(jobs, capacity, iterations=3, watch=[0], engine="c")
+    guess = 3 * (2 + math.ceil(slow.period_s / fast.period_s)) + 2
+    assert len(py.ends[1]) > guess
+    assert c.events == py.events
+    for i in range(3):
+        assert c.ends[i] == pytest.approx(py.ends[i], rel=1e-12)
+
+
+def test_engine_choice_and_a_missing_library(monkeypatch, tmp_path):
+    from emu import fluid
+
+    jobs = [_job("a", 0.05, 0.05, {"l": 10.0}), _job("b", 0.05, 0.05, {"l": 10.0})]
+    with pytest.raises(ValueError, match="engine must be one of"):
+        simulate_periodic(jobs, {"l": 10.0}, engine="fortran")
+    monkeypatch.setenv("NETWEAVE_FLUID_LIB", str(tmp_path / "missing.so"))
+    monkeypatch.setattr(fluid, "_lib_state", {})
+    assert fluid.fluid_engine().startswith("python (") and "missing.so not built" in fluid.fluid_engine()
+    with pytest.raises(RuntimeError, match="C fluid engine is not available"):
+        simulate_periodic(jobs, {"l": 10.0}, engine="c")
+    run = simulate_periodic(jobs, {"l": 10.0})  # auto falls back to the Python loop
+    assert run.engine == "python" and run.mean_iteration_s() == pytest.approx({"a": 0.15, "b": 0.15})
 
 
 # -- against the flow-level simulator -----------------------------------------------------------------------------
