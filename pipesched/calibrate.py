@@ -424,7 +424,7 @@ PROFILE_PASSES = 5
 AUTO_TIE_MARGIN = 0.05
 """Simulated iteration times closer than this (a fraction) count as tied when ``cpu_validation`` picks a schedule
 (:func:`pipesched.plan.choose_robust`): the median absolute error of the CPU predictions committed before this rule
-(quiet machine, six runs: 9.8, 2.6, 1.5, 27.5, 0.3, 6.2 %) was 4 %, so a smaller gap is not a ranking."""
+(quiet machine, six runs: 9.8, 2.6, 1.5, 27.5, 0.3, 6.2 %) was 4.4 %, so a smaller gap is not a ranking."""
 
 
 def rescaled_plan(p: Plan, profile: ModelProfile, scale: float) -> Plan:
