@@ -11,7 +11,7 @@ Sections
 3. Replay of 10,000 synthetic jobs on 1024 GPUs (target: < 120 s) under every policy (FIFO first-fit, LAS, HiveD,
    HiveD + CASSINI), with emu.fluid limited to REPLAY_RADIUS binding-link hops around each change; replay_error:
    the error of that limit against the exact model on the first 1,000 jobs of the same trace.
-   Fluid: emu.fluid's event-driven simulation against its dense reference on one large group of jobs.
+   Fluid: emu.fluid's event loops (Python, C) against the dense reference on one large group of jobs.
 4. Accuracy of the fluid contention model against emu's flow-level simulator on small job sets.
 5. Figures: a network-bound job mix (HiveD + CASSINI vs contention-blind FIFO first-fit: average and p99 JCT
    ratios), and a Philly-like mix (fragmentation and queueing, HiveD buddy vs first-fit; LAS for reference).
@@ -33,7 +33,7 @@ import numpy as np  # noqa: E402
 
 import topology  # noqa: E402
 from bench._common import RESULTS, write_results  # noqa: E402
-from emu.fluid import PeriodicJob, binding_links, simulate_periodic, simulate_periodic_reference  # noqa: E402
+from emu.fluid import PeriodicJob, binding_links, fluid_engine, simulate_periodic, simulate_periodic_reference  # noqa: E402
 from placement.cassini import time_shifts  # noqa: E402
 from placement.cli import plot_jct  # noqa: E402
 from placement.contention import EmuSlowdown, FluidSlowdown, PlacedJob  # noqa: E402
@@ -119,7 +119,8 @@ def _replay_trace(n: int) -> list[TraceJob]:
 
 def _replay_row(policy: str, jobs: list, r, wall: float, sd: FluidSlowdown, model: str) -> dict:
     m = r.metrics
-    return {"policy": policy, "jobs": len(jobs), "model": model, "wall_s": wall, "under_120s": wall < 120 if len(jobs) == 10_000 else "",
+    return {"policy": policy, "jobs": len(jobs), "model": model, "engine": fluid_engine(), "wall_s": wall,
+            "under_120s": wall < 120 if len(jobs) == 10_000 else "",
             "avg_jct_s": m["avg_jct_s"], "p99_jct_s": m["p99_jct_s"], "avg_queue_s": m["avg_queue_s"], "utilisation": m["gpu_utilisation"],
             "events": m["events"], "groups_simulated": sd.simulations, "fluid_events": sd.model.events, "group_cache_hits": sd.hits}
 
@@ -215,19 +216,25 @@ def bench_fluid(quick: bool) -> None:
             own = links[(3 * i) % len(links): (3 * i) % len(links) + 4]
             jobs.append(PeriodicJob(f"j{i}", compute_ms / 1e3, comm, {e: rng.uniform(25, 50) for e in own}, rng.uniform(0, 1)))
         t0 = time.perf_counter()
-        fast = simulate_periodic(jobs, capacity)
+        fast = simulate_periodic(jobs, capacity, engine="python")
         tf = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        in_c = simulate_periodic(jobs, capacity, engine="c")
+        tc = time.perf_counter() - t0
         t0 = time.perf_counter()
         ref = simulate_periodic_reference(jobs, capacity)
         tr = time.perf_counter() - t0
-        a, b = fast.mean_iteration_s(), ref.mean_iteration_s()
+        a, b, c = fast.mean_iteration_s(), ref.mean_iteration_s(), in_c.mean_iteration_s()
         rows.append({"jobs": n_jobs, "binding_links": len(binding_links(jobs, capacity)), "events": fast.events, "solves": fast.solves,
-                     "memo_hits": fast.memo_hits, "fast_s": tf, "reference_s": tr, "speedup": tr / tf,
-                     "max_rel_diff": max(abs(a[k] / b[k] - 1) for k in a)})
-    write_results("placement_fluid", rows, title="emu.fluid: event-driven simulation with local re-solves vs the dense reference",
+                     "memo_hits": fast.memo_hits, "python_s": tf, "c_s": tc, "reference_s": tr, "python_vs_reference": tr / tf,
+                     "c_vs_python": tf / tc, "max_rel_diff": max(abs(a[k] / b[k] - 1) for k in a),
+                     "c_max_rel_diff": max(abs(c[k] / a[k] - 1) for k in a)})
+    write_results("placement_fluid", rows, title="emu.fluid: event loops (Python with local re-solves, C) vs the dense reference",
                   notes="One group of jobs chained by shared links (4 links each, 2 shared with each neighbour; demands 25-50 of 50 GB/s; "
                         "compute from the trace model mix). Reference: every event re-solves all communicating jobs on all links "
-                        "(the placement planner's former job-level simulation, on emu's solver). Both run until every job has done 4 iterations.")
+                        "(the placement planner's former job-level simulation, on emu's solver). python: simulate_periodic's Python loop "
+                        "(components, memoised rates); c: the same loop in csrc/fluid.c. All run until every job has done 4 iterations. "
+                        "max_rel_diff: Python loop vs reference; c_max_rel_diff: C vs Python loop.")
 
 
 def bench_accuracy() -> None:

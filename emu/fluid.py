@@ -38,11 +38,14 @@ dense :func:`simulate_periodic_reference` up to rounding):
   user's progress (as does any link whose capacity is below one user's demand);
   of several links with the same users, demands and capacity one is kept;
 - the max-min allocation decomposes over the connected components of the
-  communicating jobs linked by the remaining (*binding*) links, so an event
-  re-solves only the component of the job that started or stopped
-  communicating;
+  communicating jobs linked by the remaining (*binding*) links that their
+  current users overload (a link whose communicating users' demands fit
+  cannot saturate), so an event re-solves only the component of the job that
+  started or stopped communicating;
 - a component's rates depend only on which jobs are in it: they are memoised
-  for the run (a periodic schedule brings the same sets back every iteration).
+  for the run (a periodic schedule brings the same sets back every iteration);
+- the event loop also exists in C (``csrc/fluid.c``, ``engine="auto"`` uses it
+  when built): same events, same order, same tolerances, 4-34x faster.
 
 :class:`PeriodicFluidModel` adds the split of a job set into independent
 groups (jobs linked by binding links, :func:`binding_components`) and a cache
@@ -572,11 +575,14 @@ def _c_engine() -> Any:
                     lib = None
             except OSError as e:
                 why, lib = f"{path}: {e}", None
-        if lib is not None:
-            i, d = ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_double)
+        if lib is not None:  # numpy arrays go straight in (C-contiguous, of these dtypes)
+            def arr(dtype: Any) -> Any:
+                return np.ctypeslib.ndpointer(dtype=dtype, flags="C_CONTIGUOUS")
+
+            i, d = arr(np.int32), arr(np.float64)
             lib.nw_fluid_simulate.restype = ctypes.c_int
-            lib.nw_fluid_simulate.argtypes = [ctypes.c_int, d, d, d, d, ctypes.POINTER(ctypes.c_ubyte), ctypes.c_int, ctypes.c_int, d,
-                                              i, i, d, i, i, ctypes.c_int, d, i, ctypes.POINTER(ctypes.c_int64)]
+            lib.nw_fluid_simulate.argtypes = [ctypes.c_int, d, d, d, d, arr(np.uint8), ctypes.c_int, ctypes.c_int, d,
+                                              i, i, d, i, i, ctypes.c_int, d, i, arr(np.int64)]
         _lib_state["lib"], _lib_state["why"] = lib, why
     return _lib_state["lib"]
 
@@ -618,16 +624,10 @@ def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[f
     count = np.zeros(n, dtype=np.int32)
     stats = np.zeros(2, dtype=np.int64)
 
-    def ptr(a: np.ndarray, t: Any) -> Any:
-        return a.ctypes.data_as(ctypes.POINTER(t))
-
     while True:
-        ends = np.zeros(n * ends_cap, dtype=f64)
-        c_int, c_double = ctypes.c_int, ctypes.c_double
-        rc = lib.nw_fluid_simulate(n, ptr(compute, c_double), ptr(comm, c_double), ptr(start, c_double), ptr(own, c_double),
-                                   ptr(watched, ctypes.c_ubyte), iterations, len(cap), ptr(cap, c_double), ptr(jl_ptr, c_int),
-                                   ptr(jl_link, c_int), ptr(jl_dem, c_double), ptr(lu_ptr, c_int), ptr(lu_job, c_int), ends_cap,
-                                   ptr(ends, c_double), ptr(count, c_int), ptr(stats, ctypes.c_int64))
+        ends = np.zeros(max(n * ends_cap, 1), dtype=f64)
+        rc = lib.nw_fluid_simulate(n, compute, comm, start, own, watched, iterations, len(cap), cap, jl_ptr, jl_link, jl_dem, lu_ptr,
+                                   lu_job, ends_cap, ends, count, stats)
         if rc != 0:
             raise RuntimeError(f"nw_fluid_simulate failed with code {rc} ({'out of memory' if rc == -2 else 'invalid arguments'})")
         most = int(count.max())
@@ -679,15 +679,17 @@ class PeriodicFluidModel:
       signature so that groups that differ only by small phase offsets share
       one simulation (the answer is the one of the first group simulated in
       that bin);
-    - ``radius`` (binding-link hops): when a changed group reaches further
-      than ``radius`` hops from the changed jobs, only that ball is simulated
-      and only the answers of the jobs strictly inside it (fewer than
-      ``radius`` hops away) are refreshed; the others keep their previous
+    - ``radius`` (binding-link hops): when the group of a changed job reaches
+      further than ``radius`` hops from it, only the ball of the jobs within
+      ``radius`` hops of the changed jobs near it (within ``radius + 1`` hops)
+      is simulated and only the answers of the jobs strictly inside it (fewer
+      than ``radius`` hops away) are refreshed; the others keep their previous
       answers. The ball's simulation ends once its interior jobs have done
-      ``iterations``. Two errors: the jobs on the ball's edge lose their outer
-      partners (they contend less than they would), and a change's effect on
-      farther jobs (which decays with distance) is ignored until a change
-      near them.
+      ``iterations``. The search stops one hop beyond the ball, so a large
+      group is never walked whole. Two errors: the jobs on the ball's edge
+      lose their outer partners (they contend less than they would), and a
+      change's effect on farther jobs (which decays with distance) is ignored
+      until a change near them.
 
     >>> m = PeriodicFluidModel({"l": 10.0})
     >>> a, b = PeriodicJob("a", 0.05, 0.05, {"l": 10.0}), PeriodicJob("b", 0.05, 0.05, {"l": 10.0})
@@ -769,7 +771,7 @@ class PeriodicFluidModel:
             # one hop beyond the ball tells whether the group ends inside it, without walking a large group
             reach = self._distances([s], self.radius + 1)
             if max(reach.values()) <= self.radius:  # the whole group lies within the ball: exact
-                comp = sorted(reach)
+                comp = self._ordered(reach)
                 done.update(comp)
                 self._times.update(zip(comp, self._answer(comp), strict=True))
                 continue
@@ -777,7 +779,7 @@ class PeriodicFluidModel:
             centres = [k for k in live if k in reach and k not in done]
             done.update(centres)
             dist = self._distances(centres, self.radius)
-            ball = sorted(dist)
+            ball = self._ordered(dist)
             interior = [p for p, k in enumerate(ball) if dist[k] < self.radius]
             for k, a in zip(ball, self._answer(ball, watch=interior), strict=True):
                 if dist[k] < self.radius or k not in self._times:
@@ -823,7 +825,12 @@ class PeriodicFluidModel:
                     if k not in comp:
                         comp.add(k)
                         stack.append(k)
-        return sorted(comp)
+        return self._ordered(comp)
+
+    def _ordered(self, ids: Iterable[int]) -> list[int]:
+        """Jobs in the order they joined: the same order in every process (ids are addresses; the order of
+        simultaneous events depends on it, and the replay's decisions on those)."""
+        return sorted(ids, key=self._serial.__getitem__)
 
     def _coupling(self, comp: list[int]) -> _Coupling:
         """The coupling of the jobs ``comp`` on their own (a ball may hold only some users of a link), from the kept state."""

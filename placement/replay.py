@@ -39,6 +39,7 @@ unified circles of the jobs sharing it).
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -184,6 +185,7 @@ class Replay:
         self.topo, self.policy = topo, policy
         self.slowdown = slowdown or FluidSlowdown(topo)
         self.candidates, self.las_thresholds = candidates, tuple(las_thresholds)
+        self._las_sorted = sorted(self.las_thresholds)
         self.profiles = profiles or ProfileCache(topo, routing)
         self.gpus = topo.gpus()
         self.gpu_pos = {g: i for i, g in enumerate(self.gpus)}
@@ -290,11 +292,12 @@ class Replay:
         return changed
 
     def _las_queue(self, r: _Run) -> int:
-        return sum(1 for th in self.las_thresholds if r.attained >= th)
+        return bisect.bisect_right(self._las_sorted, r.attained)
 
     def _schedule_las(self) -> bool:
         cands = [*self.running.values(), *(self.jobs[n] for n in self.queue)]
-        cands.sort(key=lambda r: (self._las_queue(r), r.trace.arrival_s, r.trace.name))
+        levels = self._las_sorted
+        cands.sort(key=lambda r: (bisect.bisect_right(levels, r.attained), r.trace.arrival_s, r.trace.name))  # = _las_queue
         budget = len(self.gpus)
         keep = set()
         for r in cands:

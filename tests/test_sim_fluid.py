@@ -337,3 +337,4 @@ def test_radius_model_is_exact_when_the_ball_holds_the_group_and_local_otherwise
     assert after["j5"] == pytest.approx(ball["j5"], rel=1e-9) and after["j5"] > jobs[5].period_s
     with pytest.raises(ValueError):
         PeriodicFluidModel(capacity, radius=0)
+
