@@ -338,3 +338,39 @@ def test_radius_model_is_exact_when_the_ball_holds_the_group_and_local_otherwise
     with pytest.raises(ValueError):
         PeriodicFluidModel(capacity, radius=0)
 
+
+
+SANITIZED_RUN = """
+import random
+import emu.fluid as F
+assert F.fluid_engine() == "c", F.fluid_engine()
+rng = random.Random(3)
+for trial in range(300):
+    links = [f"l{k}" for k in range(rng.randint(1, 6))]
+    cap = {l: rng.uniform(5, 20) for l in links}
+    jobs = [F.PeriodicJob(f"j{i}", rng.choice([0.0, rng.uniform(0.01, 0.2)]), rng.choice([0.0, rng.uniform(0.01, 0.2)]),
+                          {l: rng.uniform(1, 15) for l in rng.sample(links, rng.randint(0, len(links)))}, rng.uniform(0, 1))
+            for i in range(rng.randint(1, 14))]
+    watch = sorted(rng.sample(range(len(jobs)), rng.randint(1, len(jobs)))) if rng.random() < 0.5 else None
+    F.simulate_periodic(jobs, cap, iterations=rng.randint(1, 5), watch=watch, engine="c")
+print("clean", trial + 1)
+"""
+
+
+def test_c_event_loop_is_clean_under_asan_and_ubsan():
+    """The sanitizer build of csrc/fluid.c, preloaded into Python, on random instances (compute-only jobs, no links, watch sets)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    from flowsched import ncclhook
+
+    build = ncclhook.build(sanitize=True)
+    runtimes = [subprocess.run([shutil.which("gcc") or "gcc", f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
+                for lib in ("libasan.so", "libubsan.so")]
+    env = {**os.environ, "LD_PRELOAD": " ".join(runtimes), "ASAN_OPTIONS": "detect_leaks=0",
+           "NETWEAVE_FLUID_LIB": str(build / "libnetweave-fluid.so")}
+    res = subprocess.run([sys.executable, "-c", SANITIZED_RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "clean 300" in res.stdout
