@@ -182,7 +182,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for p in policies:
         progress(f"replaying {len(trace)} jobs under {p} ...")
         results[p] = replay(topo, trace, p, routing=args.routing, slowdown=FluidSlowdown(topo, radius=args.fluid_radius))
-    data = {"topology": topo.name, "jobs": len(trace), "metrics": {p: r.metrics for p, r in results.items()}}
+    from emu.fluid import fluid_engine
+
+    data = {"topology": topo.name, "jobs": len(trace), "fluid_engine": fluid_engine(), "fluid_radius": args.fluid_radius,
+            "metrics": {p: r.metrics for p, r in results.items()}}
     if args.out:
         atomic_write_text(args.out, json.dumps({**data, "per_job": {p: r.jobs for p, r in results.items()}}, indent=1, default=str) + "\n")
     if args.plot:
