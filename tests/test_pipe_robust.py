@@ -197,3 +197,18 @@ def test_median_profile_rejects_nothing_and_mismatched_models():
         median_profile([])
     with pytest.raises(ProfileError, match="layer counts"):
         median_profile([make_profile([(0.01, 0.02)] * 8), make_profile([(0.01, 0.02)] * 9)])
+
+
+def test_pipe_run_rejects_zero_rounds_before_starting_anything(capsys):
+    from netweave.cli import main
+
+    code = main(["pipe", "run", "--rounds", "0"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--rounds" in err and "Traceback" not in err
+
+
+def test_cpu_validation_needs_a_round():
+    from pipesched.calibrate import cpu_validation
+
+    with pytest.raises(ValueError, match="round"):
+        cpu_validation([8, 8], dim=4, batch=8, microbatches=2, stages=2, rounds=0)
