@@ -3,14 +3,17 @@
 1. Planning speed: a 1000-layer model into 64 stages (goal < 5 s), and a dense O(P n^2) implementation of the
    same PipeDream DP as the in-process baseline (same bottleneck required), at a size the dense one can do.
 2. Predicted versus measured on this CPU: a tail-heavy MLP chain profiled here, planned, run by torch's
-   _PipelineScheduleRuntime in 4 gloo processes, compared with the simulator's prediction; and our plan
-   versus the uniform split with torch's Schedule1F1B, by measured iteration time.
+   _PipelineScheduleRuntime in 4 and 2 gloo processes, compared with the simulator's prediction, in rounds
+   (a profile per round, pooled; our plan and the uniform split with torch's Schedule1F1B back to back, the
+   order alternating), each run's prediction and measurement reported; ``--drift S`` is the diagnosis of the
+   machine's speed drift behind that protocol.
 3. Our plan versus the uniform split + 1F1B on a GPT-3 2.7B-class model on the default cluster (simulated).
 
-Run: ``.venv/bin/python bench/bench_pipesched.py [--quick] [--cpu-only] [--max-foreign C] [--quiet-timeout S]`` (``--help``).
+Run: ``.venv/bin/python bench/bench_pipesched.py [--quick] [--cpu-only] [--rounds N] [--drift S] [--max-foreign C] [--quiet-timeout S]``
+(``--help``).
 The CPU validation is a timing measurement: run it under the shared lock, either per case
 (``--cpu-only --lock /tmp/netweave-measure.lock``: each case waits for a quiet machine, then takes the lock for
-about a minute) or as a whole (``flock /tmp/netweave-measure.lock .venv/bin/python bench/bench_pipesched.py --cpu-only``).
+about four minutes) or as a whole (``flock /tmp/netweave-measure.lock .venv/bin/python bench/bench_pipesched.py --cpu-only``).
 """
 
 from __future__ import annotations
@@ -375,7 +378,7 @@ then {extra["config"]["rounds"]} rounds; each round takes one more profile (from
 the per-layer median of all profiles so far ('profiles'), then runs our plan and the uniform split with torch's Schedule1F1B
 ({extra["config"]["iterations"]} timed iterations each), ours first in even rounds. Every input of 'predicted_ms' is measured
 before the run; nothing is adjusted afterwards. 'error' = predicted / measured median - 1. Diagnostics, not predictions used:
-'error_first_profile' (the same run predicted from the first profile alone, as the previous protocol did), 'probe_scale' and
+'error_first_profile' (the same run predicted from the case's first profile alone, one profile as before but spread over passes), 'probe_scale' and
 'error_probe_scaled' (the prediction rescaled by a CPU speed probe read right before the run over the probes read around the
 profiles), 'cpu_work_error' (the model's CPU work summed over ranks against the CPU time the ranks' threads used per step),
 'foreign_cores_run' (cores other users' processes kept busy during the timed iterations: /proc/stat less our ranks' CPU time),
