@@ -152,4 +152,11 @@ def test_demo_places_jobs_and_shifts_help(tmp_path, cluster):
     assert (tmp_path / "plan.json").exists() and "gpt.hostfile" in report["files"]
     for e in report["iteration_times"].values():
         assert e["shifted_ms"] <= e["unshifted_ms"] + 1e-9 and e["shifted_ms"] >= e["solo_ms"] - 1e-9
+    # the replay: every policy finishes every job that fits the cluster; LAS (preemptive) queues least, HiveD fragments less than first-fit
+    rep = report["replay"]
+    assert set(rep) == {"fifo", "las", "hived", "hived+cassini"}
+    assert len({m["finished"] for m in rep.values()}) == 1 and rep["fifo"]["finished"] >= 110
+    assert all(m["finished"] + m["unfinished"] == 120 for m in rep.values())
+    assert rep["las"]["avg_queue_s"] <= rep["fifo"]["avg_queue_s"] and rep["hived"]["fragmentation"] < rep["fifo"]["fragmentation"]
+    assert "replay_jct.png" in report["files"]
     json.dumps(report, default=str)
