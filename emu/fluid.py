@@ -220,7 +220,7 @@ def binding_links(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float]) -
     Returns ``{link: [(job index, demand), ...]}``. A link left out never
     saturates while its users communicate at most at their isolated speed.
     """
-    return {link: us for link, us in _users(jobs).items() if len(us) > 1 and sum(d for _, d in us) > capacity[link]}
+    return {link: us for link, us in _users(jobs).items() if _can_saturate([d for _, d in us], capacity[link])}
 
 
 def binding_components(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float]) -> list[list[int]]:
@@ -265,6 +265,12 @@ def connected_groups(n: int, shared: Iterable[Sequence[int]]) -> list[list[int]]
     return list(groups.values())
 
 
+def _can_saturate(demands: Sequence[float], capacity: float) -> bool:
+    """Whether a link with these users' demands can saturate: several users whose demands sum above its capacity
+    (a job alone is capped by its own links instead, and demands that fit never saturate it since ``x <= 1``)."""
+    return len(demands) > 1 and sum(demands) > capacity
+
+
 @dataclass
 class _Coupling:
     """The links that can couple jobs, numbered: the input of both event loops."""
@@ -274,23 +280,26 @@ class _Coupling:
     job_links: list[list[tuple[int, float]]]  # per job: (binding link, demand)
     link_users: list[list[int]]            # per binding link: its jobs
 
+    @classmethod
+    def of(cls, own_cap: list[float], links: Iterable[tuple[float, list[tuple[int, float]]]]) -> _Coupling:
+        """From candidate links, each ``(capacity, [(job, demand), ...])``: the binding ones, numbered; links that carry
+        the same jobs at the same demands and have the same capacity constrain alike, so one of each is kept (a ring
+        over eight rails loads eight such links)."""
+        distinct: dict[tuple, tuple[float, list[tuple[int, float]]]] = {}
+        for cap, us in links:
+            if _can_saturate([d for _, d in us], cap):
+                us = sorted(us)
+                distinct.setdefault((tuple(us), cap), (float(cap), us))
+        job_links: list[list[tuple[int, float]]] = [[] for _ in own_cap]
+        for k, (_, us) in enumerate(distinct.values()):
+            for i, d in us:
+                job_links[i].append((k, d))
+        return cls(own_cap, [cap for cap, _ in distinct.values()], job_links, [[i for i, _ in us] for _, us in distinct.values()])
+
 
 def _coupling(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float]) -> _Coupling:
-    # own cap: alone on its links a job progresses at most at min(1, capacity / demand); only binding links couple jobs
     users = _users(jobs)
-    binding = {link: us for link, us in users.items() if len(us) > 1 and sum(d for _, d in us) > capacity[link]}
-    own_cap = _own_caps(len(jobs), users, capacity)
-    # links that carry the same jobs at the same demands and have the same capacity constrain alike: keep one of each
-    # (a ring over eight rails loads eight such links)
-    distinct: dict[tuple, Link] = {}
-    for link, us in binding.items():
-        distinct.setdefault((tuple(sorted(us)), capacity[link]), link)
-    kept = [binding[link] for link in distinct.values()]
-    job_links: list[list[tuple[int, float]]] = [[] for _ in jobs]
-    for k, us in enumerate(kept):
-        for i, d in us:
-            job_links[i].append((k, d))
-    return _Coupling(own_cap, [float(capacity[link]) for link in distinct.values()], job_links, [[i for i, _ in us] for us in kept])
+    return _Coupling.of(_own_caps(len(jobs), users, capacity), ((capacity[link], us) for link, us in users.items()))
 
 
 ENGINES = ("auto", "python", "c")
@@ -789,7 +798,7 @@ class PeriodicFluidModel:
     def _update_binding(self, link: Link, joined: int | None = None) -> None:
         """Re-evaluate whether ``link`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
         us = self._users[link]
-        now = len(us) > 1 and sum(us.values()) > self.capacity[link]
+        now = _can_saturate(list(us.values()), self.capacity[link])
         before = self._binding.get(link, False)
         self._binding[link] = now
         if now and not before:
@@ -835,21 +844,9 @@ class PeriodicFluidModel:
     def _coupling(self, comp: list[int]) -> _Coupling:
         """The coupling of the jobs ``comp`` on their own (a ball may hold only some users of a link), from the kept state."""
         pos = {k: p for p, k in enumerate(comp)}
-        distinct: dict[tuple, tuple[float, list[tuple[int, float]]]] = {}
-        for link in set().union(*(self._bind_links[k] for k in comp)):
-            us = [(pos[k], d) for k, d in self._users[link].items() if k in pos]
-            cap = self.capacity[link]
-            if len(us) > 1 and sum(d for _, d in us) > cap:
-                us.sort()
-                distinct.setdefault((tuple(us), cap), (float(cap), us))
-        job_links: list[list[tuple[int, float]]] = [[] for _ in comp]
-        cap_list, link_users = [], []
-        for k, (cap, us) in enumerate(distinct.values()):
-            cap_list.append(cap)
-            link_users.append([p for p, _ in us])
-            for p, d in us:
-                job_links[p].append((k, d))
-        return _Coupling([self._own[k] for k in comp], cap_list, job_links, link_users)
+        links = set().union(*(self._bind_links[k] for k in comp))
+        return _Coupling.of([self._own[k] for k in comp],
+                            ((self.capacity[link], [(pos[k], d) for k, d in self._users[link].items() if k in pos]) for link in links))
 
     def _answer(self, comp: list[int], watch: list[int] | None = None) -> list[float]:
         if len(comp) == 1:
