@@ -148,7 +148,7 @@ def bench_cpu_validation(quick: bool, max_foreign: float = 0.15, quiet_timeout_s
             load0 = os.getloadavg()[0]
             rep = cpu_validation(widths, schedule=schedule, threads=1, baseline=True, rounds=rounds, **cfg)
             load1 = os.getloadavg()[0]
-        for key in ("_plan", "_uniform_plan", "_run"):
+        for key in ("_plan", "_run"):
             rep.pop(key)
         rows += case_rows(f"{stages} ranks, {schedule}", rep)
         rep["quiet_wait"] = {"foreign_cores_before": foreign_before, "waited_s": waited}

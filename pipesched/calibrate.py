@@ -602,6 +602,5 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
         report["uniform_torch_1f1b"] = round_reports[0]["uniform_torch_1f1b"]
         report["speedup_measured"] = report["summary"]["speedup_median"]
         report["speedup_predicted"] = uni.sim.makespan / best.sim.makespan
-        report["_uniform_plan"] = first["uniform_torch_1f1b"][0]
     report["_plan"], report["_run"] = first["ours"]
     return report
