@@ -167,7 +167,9 @@ def case_rows(case: str, rep: dict) -> list[dict]:
             row = {"case": case, "round": rec["round"], "run": label, "spans": str(r["spans"]), "profiles": rec["profiles_pooled"],
                    "predicted_ms": r["predicted_s"] * 1e3, "measured_median_ms": r["measured_s"] * 1e3,
                    "measured_min_ms": min(r["measured_iterations_s"]) * 1e3, "error": r["error"],
-                   "error_first_profile": r["error_first_profile"], "probe_scale": r["probe_scale"],
+                   "error_pooled_profiles": r["error_pooled"], "error_first_profile": r["error_first_profile"],
+                   "pre_run_profile_ms": (r["pre_run_profile_total_s"] or 0.0) * 1e3,
+                   "pooled_profile_ms": rec["pooled_profile_total_s"] * 1e3, "probe_scale": r["probe_scale"],
                    "error_probe_scaled": r["error_probe_scaled"],
                    "cpu_work_error": sum(r["rank_work_predicted_s"]) / sum(r["rank_cpu_measured_s"]) - 1,
                    "foreign_cores_run": r["foreign_cores"], "posthoc_error": r["posthoc_error"]}
@@ -330,7 +332,7 @@ def main() -> None:
     ap.add_argument("--lock", metavar="PATH", help="take this flock (e.g. /tmp/netweave-measure.lock) around each CPU case only, "
                                                      "after the quiet wait; without it, run the script under flock yourself")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="CPU validation: rounds of (ours, uniform) runs per case, alternating the order, each predicted after a speed probe")
+                    help="CPU validation: rounds of (ours, uniform) runs per case, alternating the order (default 3)")
     ap.add_argument("--drift", type=float, metavar="S",
                     help="only the drift diagnosis: S seconds of speed probes, profiles and uniform runs (under --lock or flock)")
     args = ap.parse_args()
@@ -366,21 +368,24 @@ pair, the summary (spreads, correlations) and the 30 s of back-to-back probes.
 """
 
 
-def write_cpu_results(cpu_rows: list, extra: dict) -> None:
-    write_results("pipesched_cpu_validation", cpu_rows, title="Pipeline planner: predicted vs measured (gloo processes, this CPU)",
-                  notes=summary_lines(extra) + f"""
+def write_cpu_results(cpu_rows: list, extra: dict, name: str = "pipesched_cpu_validation", note: str = "") -> None:
+    """Write the CPU validation's rows and reports (``note``: a line added after the summary, e.g. for a re-rendered older run)."""
+    write_results(name, cpu_rows, title="Pipeline planner: predicted vs measured (gloo processes, this CPU)",
+                  notes=summary_lines(extra) + (f"\n\n{note}" if note else "") + f"""
 
 {os.cpu_count()} CPUs shared with other engineers' jobs. Protocol per case (pipesched.calibrate.cpu_validation, under the
 measurement lock after a quiet wait): CPU share and gloo message calibration, the runtime's per-action and per-message CPU cost,
 a first CPU-time profile (15 repetitions per layer spread over 5 passes of the chain, one co-runner), the plan ("auto": every
 exportable schedule planned, simulated times within 5 % count as tied and the one with the fewest micro-batches in flight wins),
-then {extra["config"]["rounds"]} rounds; each round takes one more profile (from the second round on) and predicts both runs from
-the per-layer median of all profiles so far ('profiles'), then runs our plan and the uniform split with torch's Schedule1F1B
-({extra["config"]["iterations"]} timed iterations each), ours first in even rounds. Every input of 'predicted_ms' is measured
-before the run; nothing is adjusted afterwards. 'error' = predicted / measured median - 1. Diagnostics, not predictions used:
-'error_first_profile' (the same run predicted from the case's first profile alone, one profile as before but spread over passes), 'probe_scale' and
-'error_probe_scaled' (the prediction rescaled by a CPU speed probe read right before the run over the probes read around the
-profiles), 'cpu_work_error' (the model's CPU work summed over ranks against the CPU time the ranks' threads used per step),
+then {extra["config"]["rounds"]} rounds; each round takes one more such profile (from the second round on), then runs our plan
+and the uniform split with torch's Schedule1F1B ({extra["config"]["iterations"]} timed iterations each), ours first in even
+rounds. 'predicted_ms' is the plan simulated on the per-layer median of the profiles the run's ranks took, all at once in their
+own processes, right before the run's first step ('pre_run_profile_ms': its F + B total); nothing of the run enters it.
+'error' = predicted / measured median - 1. Diagnostics, not the prediction: 'error_pooled_profiles' (the same run predicted
+from the per-layer median of the case's profiles so far, 'profiles' of them, total 'pooled_profile_ms': the earlier
+protocol), 'error_first_profile' (from the case's first profile alone), 'probe_scale' and 'error_probe_scaled' (the pooled
+prediction rescaled by a CPU speed probe read right before the run over the probes read around the profiles),
+'cpu_work_error' (the model's CPU work summed over ranks against the CPU time the ranks' threads used per step),
 'foreign_cores_run' (cores other users' processes kept busy during the timed iterations: /proc/stat less our ranks' CPU time),
 'posthoc_error' (the plan re-simulated with the calibrated CPU share less other users' load during the run; uses the run).
 'speedup_round': uniform + torch Schedule1F1B / our plan, the two runs of the round, back to back.""",

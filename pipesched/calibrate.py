@@ -20,15 +20,19 @@ before the run it predicts, by separate micro-measurements:
    and its prediction (simulator with processor sharing over ``cpu_share``, the per-action and per-message CPU
    costs, :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less its CPU work);
 5. the runs (torch's ``_PipelineScheduleRuntime`` in gloo processes), in ``rounds`` rounds of our plan and the
-   usual default, a uniform split with torch's ``Schedule1F1B``, alternating which goes first; each round first
-   takes one more profile and predicts from the per-layer median of all profiles so far (this virtual machine's
-   CPU time for the same work swings by 20-30 % within seconds and a single profile's total by ~8 % from one
-   minute to the next, while a run's median iteration varies by ~3 %). Compared on iteration time, per-action
-   durations and CPU times, per-rank CPU time and activation memory; the plan's gain is the baseline's measured
-   time over ours within each round (:func:`summarize_rounds`). A CPU speed probe (:func:`speed_probe`, the
-   model's own chain) is read around every profile and run and recorded with the prediction it would give
-   (:func:`rescaled_plan`), but not used: on this machine it did not track the runs' speed (``bench_pipesched.py
-   --drift``).
+   usual default, a uniform split with torch's ``Schedule1F1B``, alternating which goes first. The prediction of
+   a run comes from a profile taken *in the run's own processes, seconds before its first step*
+   (``run_pipeline(pre_profile=...)``): every rank profiles the whole chain at the same time, in CPU time, and
+   the plan is simulated on the per-layer median of the ranks' profiles. This virtual machine's CPU speed for
+   the same work moves by up to ~20 % within tens of seconds, so a profile taken minutes earlier in another
+   process predicts a run no better than that; the ranks' own profile sees the speed, the memory layout and the
+   process count the run will have. The plan itself is chosen from the earlier profile (as a user would plan),
+   and the earlier profiles, pooled by median, give a second prediction kept for comparison (``error_pooled``).
+   Compared on iteration time, per-action durations and CPU times, per-rank CPU time and activation memory; the
+   plan's gain is the baseline's measured time over ours within each round (:func:`summarize_rounds`). A CPU
+   speed probe (:func:`speed_probe`, the model's own chain) is read around every profile and run and recorded
+   with the prediction it would give (:func:`rescaled_plan`), but not used: on this machine it did not track
+   the runs' speed (``bench_pipesched.py --drift``).
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from .devices import Device, LinkModel
 from .export import schedule_csv, spans_for_schedule
 from .models import mlp_chain
 from .plan import Plan, choose_robust, plan, plan_partition, uniform_plan
-from .profile import ModelProfile, measure_profile, median_profile
+from .profile import ModelProfile, measure_profile, median_profile, profile_from_dict
 from .runner import RunResult, foreign_cores, gather_results, machine_busy_s, run_pipeline
 from .simulate import SharedCpu, simulate
 
@@ -421,6 +425,10 @@ def _messages(p: Plan, rank: int, a) -> int:
 PROFILE_PASSES = 5
 """Passes over the chain the CPU profiles spread their repetitions over (:func:`pipesched.profile.measure_profile`)."""
 
+PRE_RUN_REPEATS = 6
+PRE_RUN_PASSES = 3
+"""Repetitions per layer (spread over passes of the chain) of the profile each rank takes right before a validation run."""
+
 AUTO_TIE_MARGIN = 0.05
 """Simulated iteration times closer than this (a fraction) count as tied when ``cpu_validation`` picks a schedule
 (:func:`pipesched.plan.choose_robust`): the median absolute error of the CPU predictions committed before this rule
@@ -478,27 +486,38 @@ def summarize_rounds(rounds: list[dict[str, Any]], arms: tuple[str, ...] = ("our
 def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, threads: int = 1,
                    iterations: int = 3, warmup: int = 1, schedule: str = "auto", baseline: bool = True,
                    cores: float | None = None, repeats: int = 15, rounds: int = 1, probe: bool = True,
-                   scale_by_probe: bool = False, tie_margin: float = AUTO_TIE_MARGIN, passes: int = PROFILE_PASSES) -> dict[str, Any]:
-    """Calibrate, profile, plan, then ``rounds`` rounds of profile-predict-run; returns a JSON-able report.
+                   tie_margin: float = AUTO_TIE_MARGIN, passes: int = PROFILE_PASSES, predict_from: str = "pre-run",
+                   pre_run_repeats: int = PRE_RUN_REPEATS) -> dict[str, Any]:
+    """Calibrate, profile, plan, then ``rounds`` rounds of predicted runs; returns a JSON-able report.
 
     Before the runs (module docstring, steps 1-4): the CPU and runtime calibrations, a first profile (spread over
     ``passes`` passes of the chain) and the plan: for ``schedule="auto"`` every exportable family is planned on it
     and :func:`pipesched.plan.choose_robust` picks among them with ``tie_margin``. Each round then takes one more
-    profile (from the second round on), predicts our plan and (``baseline``) the uniform split with torch's
-    ``Schedule1F1B`` from the per-layer median of all profiles taken so far (:func:`pipesched.profile.median_profile`:
-    profiles spread over minutes, so one caught in a slow spell of the machine does not decide the prediction), and
-    runs both, alternating which goes first (ours first in even rounds). Every input of a round's predictions is
-    measured before its runs, and nothing is adjusted afterwards. Recorded for diagnosis only: a
-    :func:`speed_probe` reading around every profile and before and after every run, with the prediction rescaled by
-    their ratio (``predicted_probe_scaled_s``; it becomes the prediction with ``scale_by_probe=True``, and
-    ``probe=False`` skips the readings), the prediction from the first profile alone, and ``posthoc_s`` (the plan
+    profile (from the second round on) and runs our plan and (``baseline``) the uniform split with torch's
+    ``Schedule1F1B``, alternating which goes first (ours first in even rounds). ``predict_from`` says what a run
+    is predicted from: ``"pre-run"`` (default) the per-layer median of the profiles the run's ranks take together
+    right before its first step (``pre_run_repeats`` repetitions per layer over :data:`PRE_RUN_PASSES` passes);
+    ``"pooled"`` the per-layer median of this case's profiles so far (:func:`pipesched.profile.median_profile`);
+    ``"probe-scaled"`` that pooled prediction rescaled by the :func:`speed_probe` read before the run over the
+    probes read around the profiles. All three are recorded for every run (``error_pre_run``, ``error_pooled``,
+    ``error_probe_scaled``), with the prediction from the first profile alone and ``posthoc_s`` (the plan
     simulated with the CPU share less what other users took during the run: uses the run, so not a prediction).
-    ``cores`` overrides the measured compute share. ``report["rounds"]`` holds every run; ``report["ours"]`` and
-    ``report["uniform_torch_1f1b"]`` are round 0's, ``report["summary"]`` the aggregate (:func:`summarize_rounds`)
-    and ``report["speedup_measured"]`` its median of the rounds' paired speed-ups.
+    Every input of a prediction is measured before the run's first step, and nothing is adjusted afterwards.
+    ``probe=False`` skips the probe readings; ``pre_run_repeats=0`` skips the ranks' profiles (then
+    ``predict_from`` must be another source). ``cores`` overrides the measured compute share.
+    ``report["rounds"]`` holds every run; ``report["ours"]`` and ``report["uniform_torch_1f1b"]`` are round 0's,
+    ``report["summary"]`` the aggregate (:func:`summarize_rounds`) and ``report["speedup_measured"]`` its median
+    of the rounds' paired speed-ups.
     """
     if rounds < 1:
         raise ValueError(f"need at least one round, got {rounds}")
+    if predict_from not in ("pre-run", "pooled", "probe-scaled"):
+        raise ValueError(f"predict_from must be 'pre-run', 'pooled' or 'probe-scaled', got {predict_from!r}")
+    if predict_from == "probe-scaled" and not probe:
+        raise ValueError("predict_from='probe-scaled' needs probe=True")
+    if predict_from == "pre-run" and pre_run_repeats < 1:
+        raise ValueError(f"predict_from='pre-run' needs pre_run_repeats >= 1, got {pre_run_repeats}")
+    pre_run = {"repeats": pre_run_repeats, "passes": PRE_RUN_PASSES} if pre_run_repeats > 0 else None
     mb = batch // microbatches
     cal = calibrate_cpu(stages, mb * dim * 4, threads=threads)
     rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=microbatches, threads=threads)
@@ -565,15 +584,23 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
             before = read_probe()
             scale = probe_scale(reference, before) if before is not None and reference else 1.0
             scaled = rescaled_plan(chosen, prof, scale)
-            predicted = scaled if scale_by_probe else p
-            run = run_pipeline(**how, **common)
+            run = run_pipeline(**how, **common, pre_profile=pre_run)
             after = read_probe()
+            # The ranks' own profiles, taken together in the run's processes before its first step.
+            pre = median_profile([profile_from_dict(d, source="pre-run profile") for d in run.pre_profiles]) if pre_run else None
+            p_pre = rescaled_plan(chosen, pre, 1.0) if pre is not None else None
+            predicted = {"pre-run": p_pre, "pooled": p, "probe-scaled": scaled}[predict_from]
             c = compare(predicted, run)
             posthoc_cores = min(float(machine_cores), max(0.5, shared.cores + cal.foreign_cores - run.foreign_cores))
             posthoc = simulate(predicted.schedule, predicted.costs, predicted.links,
                                cores=replace(predicted.shared_cpu, cores=posthoc_cores)).makespan
-            c |= {"probe_scale": scale, "scaled_by_probe": scale_by_probe,
-                  "predicted_unscaled_s": p.sim.makespan, "error_unscaled": p.sim.makespan / run.median_s - 1.0,
+            c |= {"probe_scale": scale,
+                  "predicted_from": predict_from,
+                  "predicted_pooled_s": p.sim.makespan, "error_pooled": p.sim.makespan / run.median_s - 1.0,
+                  "predicted_pre_run_s": p_pre.sim.makespan if p_pre else None,
+                  "error_pre_run": p_pre.sim.makespan / run.median_s - 1.0 if p_pre else None,
+                  "pre_run_profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in pre.layers) if pre else None,
+                  "pre_run_profiles": run.pre_profiles,
                   "predicted_probe_scaled_s": scaled.sim.makespan, "error_probe_scaled": scaled.sim.makespan / run.median_s - 1.0,
                   "predicted_first_profile_s": rescaled_plan(chosen, first_profile, 1.0).sim.makespan if r else chosen.sim.makespan,
                   "probe_before_s": before.cpu_s if before else None, "probe_after_s": after.cpu_s if after else None,

@@ -71,8 +71,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the uniform torch Schedule1F1B run")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="rounds of (ours, uniform) runs, alternating which goes first, each predicted from all profiles so far (default 1)")
+    p.add_argument("--rounds", type=int, default=1, help="rounds of (ours, uniform) runs, alternating which goes first (default 1)")
+    p.add_argument("--predict-from", default="pre-run", choices=["pre-run", "pooled", "probe-scaled"],
+                   help="what each run is predicted from: the profile its ranks take right before its first step (default), "
+                        "the median of the profiles taken so far, or that rescaled by a CPU speed probe")
     p.add_argument("--out", help="write the report JSON here")
     p.add_argument("--trace", help="write predicted and measured timelines into one Chrome trace")
     add_json_flag(p)
@@ -260,7 +262,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError(f"expected at least 1 round, got {args.rounds}", where="--rounds")
     progress(f"profiling, planning and running {args.stages} gloo processes ...")
     rep = cpu_validation(widths, dim=args.dim, batch=args.batch, microbatches=args.microbatches, stages=args.stages, threads=args.threads,
-                         iterations=args.iterations, schedule=args.schedule, baseline=not args.no_baseline, rounds=args.rounds)
+                         iterations=args.iterations, schedule=args.schedule, baseline=not args.no_baseline, rounds=args.rounds,
+                         predict_from=args.predict_from)
     plan_obj, run = rep.pop("_plan"), rep.pop("_run")
     if args.trace:
         write_chrome_trace(args.trace, ("predicted", plan_obj.sim), ("measured", measured_timeline(run, args.stages)))
@@ -270,8 +273,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         atomic_write_text(args.out, json.dumps(rep, indent=1, default=str) + "\n")
     o = rep["ours"]
     lines = [f"plan: {o['schedule']}, spans {rep['plan']['spans']}",
-             f"ours: predicted {o['predicted_s'] * 1e3:.4g} ms (CPU speed probe x{o['probe_scale']:.3f} since the profile, not applied), "
+             f"ours: predicted {o['predicted_s'] * 1e3:.4g} ms (from the {args.predict_from} profile), "
              f"measured {o['measured_s'] * 1e3:.4g} ms (error {o['error']:+.1%}), per-action error {o['per_action_mape']:.1%} mean abs",
+             f"other predictions: pooled profiles {o['error_pooled']:+.1%}, "
+             + (f"ranks' pre-run profile {o['error_pre_run']:+.1%}, " if o["error_pre_run"] is not None else "")
+             + f"probe-scaled {o['error_probe_scaled']:+.1%} (CPU speed probe x{o['probe_scale']:.3f} since the profiles)",
              f"CPU work: modelled {sum(o['rank_work_predicted_s']) * 1e3:.4g} ms, measured {sum(o['rank_cpu_measured_s']) * 1e3:.4g} ms "
              f"(all ranks); CPU share calibrated {rep['shared_cpu']['cores']:.2f} cores, other users took {o['foreign_cores']:.2f} during the run"]
     if "uniform_torch_1f1b" in rep:

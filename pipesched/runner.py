@@ -46,6 +46,7 @@ class RunResult:
     action_cpu_medians: dict[str, float] = field(default_factory=dict)   # "stage kind" -> median CPU time of the action's thread
     rank_cpu_s: list[float] = field(default_factory=list)                # per rank: median CPU time of all its threads per step
     foreign_cores: float = 0.0    # cores other processes used during the timed iterations (machine busy - our ranks' CPU)
+    pre_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: its profile taken right before the run (JSON form)
 
     @property
     def median_s(self) -> float:
@@ -55,7 +56,8 @@ class RunResult:
         return {"iteration_s": self.iteration_s, "median_s": self.median_s, "action_medians": self.action_medians,
                 "peak_saved_bytes": self.peak_saved_bytes, "peak_rss_growth_bytes": self.peak_rss_growth_bytes,
                 "link_latency_s": self.link_latency_s, "link_bandwidth_bps": self.link_bandwidth_bps, "losses": self.losses,
-                "action_cpu_medians": self.action_cpu_medians, "rank_cpu_s": self.rank_cpu_s, "foreign_cores": self.foreign_cores}
+                "action_cpu_medians": self.action_cpu_medians, "rank_cpu_s": self.rank_cpu_s, "foreign_cores": self.foreign_cores,
+                "pre_profiles": self.pre_profiles}
 
 
 def machine_busy_s() -> float:
@@ -200,6 +202,9 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         gen = torch.Generator().manual_seed(1)
         x = torch.randn(job["batch"], job["dim"], generator=gen)
         y = torch.randn(job["batch"], job["dim"], generator=gen)
+        pre_profile = None
+        if job.get("pre_profile"):
+            pre_profile = _pre_profile(torch, dist, layers, x, y, job)
         first = any(s.is_first for s in stages)
         last = any(s.is_last for s in stages)
         opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
@@ -244,13 +249,31 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         opt.zero_grad(set_to_none=True)
         queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "actions": last_records, "per_action": per_action,
                    "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
-                   "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses})
+                   "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses, "pre_profile": pre_profile})
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:   # report, do not hang the parent
         import traceback
 
         queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
+
+
+def _pre_profile(torch, dist, layers, x, y, job: dict[str, Any]) -> dict[str, Any]:
+    """This rank's CPU-time profile of the whole chain on one micro-batch, all ranks profiling at once, right before the run.
+
+    Taken in the run's own processes, with the run's thread count and every rank busy: the layers are timed in
+    the memory layout and under the process count they run with, seconds before the timed iterations.
+    """
+    from .profile import measure_profile
+
+    mb = job["batch"] // job["microbatches"]
+    target = y[:mb]
+    opts = job["pre_profile"]
+    dist.barrier()
+    prof = measure_profile(layers, x[:mb], loss_fn=lambda out: torch.nn.functional.mse_loss(out, target), repeats=opts.get("repeats", 6),
+                           warmup=2, threads=job["threads"], name="pre-run", statistic="median", clock="cpu", passes=opts.get("passes", 3))
+    dist.barrier()
+    return prof.to_dict()
 
 
 def _instrument(stage, sid: int, records: list) -> None:
@@ -311,11 +334,15 @@ def gather_results(procs: list, queue: Any, world: int, timeout_s: float, *, wha
 
 def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microbatches: int, batch: int, dim: int,
                  model: str = "pipesched.models:mlp_chain", model_kwargs: dict[str, Any] | None = None, csv_text: str | None = None,
-                 builtin: str | None = None, iterations: int = 3, warmup: int = 1, threads: int = 1, timeout_s: float = 300) -> RunResult:
+                 builtin: str | None = None, iterations: int = 3, warmup: int = 1, threads: int = 1, timeout_s: float = 300,
+                 pre_profile: dict[str, int] | None = None) -> RunResult:
     """Run a pipeline in ``max(stage_rank) + 1`` gloo processes and measure it (see the module docstring).
 
     Exactly one of ``csv_text`` (our schedule, compute_only CSV) and ``builtin`` (torch's schedule name)
     is given. ``batch`` is the whole batch; torch splits it into ``microbatches`` along dimension 0.
+    ``pre_profile`` (``{"repeats": n, "passes": k}``) has every rank profile the whole chain
+    (:func:`pipesched.profile.measure_profile`, CPU time, one micro-batch) at the same time, right before the
+    warm-up: ``RunResult.pre_profiles`` holds them, measured before the run's first step.
     """
     import torch.multiprocessing as mp
 
@@ -329,7 +356,7 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
             Path(csv_path).write_text(csv_text)
         job = {"spans": [list(s) for s in spans], "stage_rank": list(stage_rank), "microbatches": microbatches, "batch": batch, "dim": dim,
                "model": model, "model_kwargs": dict(model_kwargs or {}), "csv": csv_path, "builtin": builtin, "iterations": iterations,
-               "warmup": warmup, "threads": threads}
+               "warmup": warmup, "threads": threads, "pre_profile": dict(pre_profile) if pre_profile else None}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         port = _free_port()
@@ -348,7 +375,8 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
     return RunResult(iters, actions, medians, [results[r]["peak_saved"] for r in range(world)],
                      [results[r]["rss_growth"] for r in range(world)], results[0]["latency"], results[0]["bandwidth"],
                      losses=results[last_rank]["losses"], action_cpu_medians=cpu_medians,
-                     rank_cpu_s=[statistics.median(results[r]["cpu_s"]) for r in range(world)], foreign_cores=foreign)
+                     rank_cpu_s=[statistics.median(results[r]["cpu_s"]) for r in range(world)], foreign_cores=foreign,
+                     pre_profiles=[results[r]["pre_profile"] for r in range(world) if results[r]["pre_profile"] is not None])
 
 
 def measured_timeline(run: RunResult, ranks: int):

@@ -212,3 +212,13 @@ def test_cpu_validation_needs_a_round():
 
     with pytest.raises(ValueError, match="round"):
         cpu_validation([8, 8], dim=4, batch=8, microbatches=2, stages=2, rounds=0)
+
+
+@pytest.mark.parametrize("kwargs, match", [({"predict_from": "run"}, "predict_from"),
+                                           ({"predict_from": "pre-run", "pre_run_repeats": 0}, "pre_run_repeats"),
+                                           ({"predict_from": "probe-scaled", "probe": False}, "probe")])
+def test_cpu_validation_rejects_an_unknown_prediction_source_before_measuring(kwargs, match):
+    from pipesched.calibrate import cpu_validation
+
+    with pytest.raises(ValueError, match=match):
+        cpu_validation([8, 8], dim=4, batch=8, microbatches=2, stages=2, **kwargs)
