@@ -14,7 +14,9 @@ baseline. It measures:
 - per rank, the peak of live autograd-saved activation bytes during one extra step (``saved_tensors_hooks``
   counting each saved tensor once until autograd frees it, as the profiler does) and the peak RSS growth (Linux ``VmHWM`` after a reset);
 - the point-to-point link between rank 0 and rank 1 (a ping-pong at two message sizes gives latency and
-  bandwidth) so that the simulator can be fed the transport that was actually used.
+  bandwidth) so that the simulator can be fed the transport that was actually used;
+- on request (``pre_profile``), each rank's CPU-time profile of the whole chain, all ranks at once, taken after
+  the ping-pong and before the warm-up step: the input a prediction of this very run can use.
 """
 
 from __future__ import annotations
