@@ -23,27 +23,60 @@ Run as ``python -m emu.torchjob allreduce --rank 0 --world 4 --master-addr 10.0.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import time
 from pathlib import Path
 
 
-def _init(args: argparse.Namespace):
+def add_rank_arguments(parser: argparse.ArgumentParser, *, master_port: int, timeout_s: float) -> None:
+    """The options every rank script run inside an emulated host takes: who it is and where the rendezvous is.
+
+    ``--rank``, ``--world``, ``--master-addr`` (rank 0's address on the emulated network), ``--master-port``,
+    ``--ifname`` (the host's emulated interface, for ``GLOO_SOCKET_IFNAME``), ``--timeout`` (seconds, the
+    process group's) and ``--out`` (where rank 0 writes its JSON report).
+
+    >>> p = argparse.ArgumentParser(); add_rank_arguments(p, master_port=29500, timeout_s=300)
+    >>> a = p.parse_args(["--rank", "1", "--world", "2", "--master-addr", "10.0.0.1", "--ifname", "h1-eth0"])
+    >>> a.rank, a.world, a.master_port, a.timeout, a.out
+    (1, 2, 29500, 300, None)
+    """
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--master-addr", required=True)
+    parser.add_argument("--master-port", type=int, default=master_port)
+    parser.add_argument("--ifname", required=True)
+    parser.add_argument("--timeout", type=float, default=timeout_s)
+    parser.add_argument("--out")
+
+
+def init_gloo(args: argparse.Namespace, threads: int = 1):
+    """Join the gloo process group over the host's emulated interface; returns the ``torch`` and ``torch.distributed`` modules.
+
+    ``threads`` intra-op threads (default 1: the machine's cores are shared by every emulated host and the
+    kernel's forwarding).
+    """
     os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
     os.environ["MASTER_ADDR"] = args.master_addr
     os.environ["MASTER_PORT"] = str(args.master_port)
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # 2 cores are shared by every emulated host and the kernel's forwarding
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}", rank=args.rank,
-                            world_size=args.world, timeout=__import__("datetime").timedelta(seconds=args.timeout))
+                            world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
     return torch, dist
 
 
+def write_report(args: argparse.Namespace, report: dict) -> None:
+    """Rank 0 writes the job's JSON report to ``--out`` (other ranks, and runs without ``--out``, write nothing)."""
+    if args.rank == 0 and args.out:
+        Path(args.out).write_text(json.dumps(report) + "\n")
+
+
 def run_allreduce(args: argparse.Namespace) -> dict:
-    torch, dist = _init(args)
+    torch, dist = init_gloo(args)
     n = max(1, int(args.bytes) // 4)
     x = torch.ones(n, dtype=torch.float32)
     for _ in range(args.warmup):
@@ -66,7 +99,7 @@ def run_allreduce(args: argparse.Namespace) -> dict:
 
 
 def run_ddp(args: argparse.Namespace) -> dict:
-    torch, dist = _init(args)
+    torch, dist = init_gloo(args)
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel
 
@@ -105,21 +138,13 @@ def run_ddp(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="torch.distributed job for one emulated host")
     parser.add_argument("mode", choices=("allreduce", "ddp"))
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world", type=int, required=True)
-    parser.add_argument("--master-addr", required=True)
-    parser.add_argument("--master-port", type=int, default=29500)
-    parser.add_argument("--ifname", required=True)
+    add_rank_arguments(parser, master_port=29500, timeout_s=300)
     parser.add_argument("--bytes", type=float, default=8e6)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--out")
     args = parser.parse_args(argv)
-    report = run_allreduce(args) if args.mode == "allreduce" else run_ddp(args)
-    if args.rank == 0 and args.out:
-        Path(args.out).write_text(json.dumps(report) + "\n")
+    write_report(args, run_allreduce(args) if args.mode == "allreduce" else run_ddp(args))
 
 
 if __name__ == "__main__":

@@ -36,14 +36,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
-import json
 import os
 import statistics
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 METHODS = ("ddp", "prophet", "bytescheduler")
@@ -99,18 +96,15 @@ def _time_allreduce(dist: Any, torch: Any, nbytes: int, repeats: int) -> float:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    os.environ["GLOO_SOCKET_IFNAME"] = args.ifname
-    import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
+    from emu.torchjob import init_gloo
 
     from .ddp import GradientScheduler
     from .gradients import GradientProfile, measure_gradient_profile
     from .intrajob import ddp_plan, simulate_iteration, tune_bytescheduler, tune_prophet
 
-    torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://{args.master_addr}:{args.master_port}", rank=args.rank, world_size=args.world,
-                            timeout=datetime.timedelta(seconds=args.timeout))
+    torch, dist = init_gloo(args, threads=args.threads)
     gen = torch.Generator().manual_seed(100 + args.rank)
     x = torch.randn(args.batch, args.width, generator=gen)
     y = torch.randn(args.batch, args.width, generator=gen)
@@ -266,12 +260,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from emu.torchjob import add_rank_arguments, write_report
+
     p = argparse.ArgumentParser(description="one rank of the flowsched intra-job validation (runs inside an emulated host)")
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world", type=int, required=True)
-    p.add_argument("--master-addr", required=True)
-    p.add_argument("--master-port", type=int, default=29611)
-    p.add_argument("--ifname", required=True)
+    add_rank_arguments(p, master_port=29611, timeout_s=600)
     p.add_argument("--layers", type=int, default=5)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=512)
@@ -285,12 +277,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--profile-iters", type=int, default=5)
     p.add_argument("--probe-bytes", type=int, default=4_000_000)
     p.add_argument("--probe-repeats", type=int, default=3)
-    p.add_argument("--timeout", type=float, default=600)
-    p.add_argument("--out")
     args = p.parse_args(argv)
-    report = run(args)
-    if args.rank == 0 and args.out:
-        Path(args.out).write_text(json.dumps(report) + "\n")
+    write_report(args, run(args))
     # The process group is destroyed and the report written. Skip the interpreter's teardown: torch's C++ static
     # destructors occasionally meet a still-joinable gloo worker thread and std::terminate (seen about once in ten
     # loopback runs in CI), which would turn a finished run into a failed one.
