@@ -170,30 +170,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             model = build_model(args.layers, args.width)
             starts: list[float] = []
             starts_bwd: list[float] = []
-            if method == COMPUTE_ONLY:
-                opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+            if method in (COMPUTE_ONLY, "ddp"):
+                # the same loop; DDP's own hooks all-reduce the gradients during backward, compute-only has none
+                net = DistributedDataParallel(model) if method == "ddp" else model
+                opt = torch.optim.SGD(net.parameters(), lr=1e-3)
                 dist.barrier()
                 with _compute_priority(args.compute_nice):
                     for _it in range(args.warmup + args.iters + 1):
                         starts.append(time.perf_counter())
                         opt.zero_grad(set_to_none=True)
-                        loss = loss_fn(model(x), y)
+                        loss = loss_fn(net(x), y)
                         loss.backward()
                         opt.step()
                         losses[method].append(float(loss.detach()))
-            elif method == "ddp":
-                ddp = DistributedDataParallel(model)
-                opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
-                dist.barrier()
-                with _compute_priority(args.compute_nice):
-                    for _it in range(args.warmup + args.iters + 1):
-                        starts.append(time.perf_counter())
-                        opt.zero_grad(set_to_none=True)
-                        loss = loss_fn(ddp(x), y)
-                        loss.backward()
-                        opt.step()
-                        losses[method].append(float(loss.detach()))
-                del ddp
+                del net
             else:
                 # the scheduler's thread starts here, before the training thread's priority is lowered
                 sched = GradientScheduler(_linear_layers(model), plans[method], optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=1e-3))
