@@ -24,7 +24,7 @@ before the run it predicts, by separate micro-measurements:
    a run comes from a profile taken *in the run's own processes, seconds before its first step*
    (``run_pipeline(pre_profile=...)``): every rank profiles the whole chain at the same time, in CPU time, and
    the plan is simulated on the per-layer median of the ranks' profiles. This virtual machine's CPU speed for
-   the same work moves by up to ~20 % within tens of seconds, so a profile taken minutes earlier in another
+   the same work moves by tens of percent within tens of seconds, so a profile taken minutes earlier in another
    process predicts a run no better than that; the ranks' own profile sees the speed, the memory layout and the
    process count the run will have. The plan itself is chosen from the earlier profile (as a user would plan),
    and the earlier profiles, pooled by median, give a second prediction kept for comparison (``error_pooled``).
