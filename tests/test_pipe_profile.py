@@ -134,3 +134,22 @@ def test_scaled_profile():
     lay = LayerProfile("x", 1.0, 2.0, 3.0, 1, 1, {o: 1 for o in RECOMPUTE_OPTIONS}, {o: 0.5 for o in RECOMPUTE_OPTIONS}, bwd_full_s=4.0)
     prof = ModelProfile("m", (lay,)).scaled(2.0)
     assert prof.layers[0].fwd_s == 2.0 and prof.layers[0].bwd_s == 8.0 and prof.layers[0].recompute_s["full"] == 1.0
+
+
+def test_selective_recompute_time_is_one_forward_of_the_parameter_free_children():
+    """A block whose forward is almost all one parameter-free child (20 ms of sleep): selective recomputation costs
+    that child's forward once, about the whole forward, not twice (the profiler runs two forwards per repetition
+    and times the children in one of them)."""
+    import time as _time
+
+    torch = pytest.importorskip("torch")
+
+    class Pause(torch.nn.Module):
+        def forward(self, x):
+            _time.sleep(0.02)
+            return torch.nn.functional.gelu(x)      # saves its input: recomputed under "selective"
+
+    block = torch.nn.Sequential(torch.nn.Linear(4, 4), Pause())
+    lay = measure_profile([block], torch.randn(2, 4), repeats=3, warmup=1).layers[0]
+    assert lay.fwd_s >= 0.02
+    assert 0.02 <= lay.recompute_s["selective"] <= lay.fwd_s * 1.25     # was ~2x fwd_s when both forwards were counted
