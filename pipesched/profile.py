@@ -427,8 +427,8 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
     does not count the time the thread waits for a core (another process runs) and so gives the work a rank
     must get done whatever the sharing; the simulator's processor sharing then turns work into wall time.
     The fused backward runs as in training: ``torch.autograd.backward`` accumulating into the parameters'
-    ``.grad`` that earlier repeats filled (a micro-batch's backward adds into existing gradients; a fresh
-    ``autograd.grad`` would instead allocate new gradient buffers each time, whose page faults cost the CPU
+    ``.grad``, zero-filled before the first repetition (a micro-batch's backward adds into existing gradients; a
+    fresh ``autograd.grad`` would instead allocate new gradient buffers each time, whose page faults cost the CPU
     ~1 ms per 10 MB here and are absent from a pipelined step). The layer's own ``.grad`` are restored on return.
     Saved activations are counted with ``torch.autograd.graph.saved_tensors_hooks`` (each saved tensor once,
     parameters excluded) and attributed to the layer's direct child module that was running. "selective"
@@ -495,7 +495,10 @@ def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: st
     params = [p for p in layer.parameters() if p.requires_grad]
     old_grads = [p.grad for p in params]      # restored on return; the fused backward accumulates into fresh ones
     for p in params:
-        p.grad = None
+        # Zeros, not None: even the first timed fused backward then adds into existing gradients, as all but the
+        # first micro-batch of a step do (into None autograd would just keep its result, saving the add: ~40 %
+        # of a wide block's backward here, which a profile taken with warmup=0 would otherwise miss).
+        p.grad = torch.zeros_like(p)
     param_storages = {p.untyped_storage().data_ptr() for p in params}
     needs_input_grad = torch.is_tensor(x) and x.is_floating_point()
     children = list(layer.named_children())
