@@ -16,7 +16,10 @@ baseline. It measures:
 - the point-to-point link between rank 0 and rank 1 (a ping-pong at two message sizes gives latency and
   bandwidth) so that the simulator can be fed the transport that was actually used;
 - on request (``pre_profile``), each rank's CPU-time profile of the whole chain, all ranks at once, taken after
-  the ping-pong and before the warm-up step: the input a prediction of this very run can use.
+  the ping-pong and before the warm-up step: the input a prediction of this very run can use;
+- on request (``interleave_profile``), one more such profile pass before every timed step, all ranks at once
+  between two barriers, so that the profile samples the machine over the same seconds as the steps it
+  predicts (on a shared virtual machine the same work's CPU time drifts by tens of percent within a run).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class RunResult:
     rank_cpu_s: list[float] = field(default_factory=list)                # per rank: median CPU time of all its threads per step
     foreign_cores: float = 0.0    # cores other processes used during the timed iterations (machine busy - our ranks' CPU)
     pre_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: its profile taken right before the run (JSON form)
+    interleaved_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: median of its passes between the steps
+    interleaved_totals_s: list[list[float]] = field(default_factory=list)      # per rank: each pass's F + B total, step by step
 
     @property
     def median_s(self) -> float:
@@ -59,7 +64,8 @@ class RunResult:
                 "peak_saved_bytes": self.peak_saved_bytes, "peak_rss_growth_bytes": self.peak_rss_growth_bytes,
                 "link_latency_s": self.link_latency_s, "link_bandwidth_bps": self.link_bandwidth_bps, "losses": self.losses,
                 "action_cpu_medians": self.action_cpu_medians, "rank_cpu_s": self.rank_cpu_s, "foreign_cores": self.foreign_cores,
-                "pre_profiles": self.pre_profiles}
+                "pre_profiles": self.pre_profiles, "interleaved_profiles": self.interleaved_profiles,
+                "interleaved_totals_s": self.interleaved_totals_s}
 
 
 def machine_busy_s() -> float:
@@ -206,7 +212,11 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         y = torch.randn(job["batch"], job["dim"], generator=gen)
         pre_profile = None
         if job.get("pre_profile"):
-            pre_profile = _pre_profile(torch, dist, layers, x, y, job)
+            opts = job["pre_profile"]
+            pre_profile = _profile_chain(torch, dist, layers, x, y, job, repeats=opts.get("repeats", 6), passes=opts.get("passes", 3),
+                                         warmup=2, name="pre-run").to_dict()
+        interleave = job.get("interleave_profile")
+        interleaved = []
         first = any(s.is_first for s in stages)
         last = any(s.is_last for s in stages)
         opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
@@ -216,6 +226,9 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         per_action_cpu: dict[str, list[float]] = {}
         window: dict[str, float] = {}
         for it in range(job["warmup"] + job["iterations"]):
+            if interleave and it >= job["warmup"]:
+                interleaved.append(_profile_chain(torch, dist, layers, x, y, job, repeats=interleave.get("repeats", 1), passes=1,
+                                                  warmup=0, name=f"between steps {it - job['warmup']}"))
             dist.barrier()
             if it == job["warmup"]:
                 window = {"cpu0": time.process_time(), "busy0": machine_busy_s(), "t0": time.perf_counter()}
@@ -249,9 +262,15 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             sched.step(x if first else None, target=y if last else None, losses=[] if last else None)
         rss_growth = max(0, _rss("VmHWM") - rss0)
         opt.zero_grad(set_to_none=True)
+        inter = None
+        if interleaved:
+            from .profile import median_profile
+
+            inter = {"median": median_profile(interleaved).to_dict(), "totals": [sum(lay.fwd_s + lay.bwd_s for lay in q.layers) for q in interleaved]}
         queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "actions": last_records, "per_action": per_action,
                    "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
-                   "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses, "pre_profile": pre_profile})
+                   "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses, "pre_profile": pre_profile,
+                   "interleaved": inter})
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:   # report, do not hang the parent
@@ -260,22 +279,23 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
 
 
-def _pre_profile(torch, dist, layers, x, y, job: dict[str, Any]) -> dict[str, Any]:
-    """This rank's CPU-time profile of the whole chain on one micro-batch, all ranks profiling at once, right before the run.
+def _profile_chain(torch, dist, layers, x, y, job: dict[str, Any], *, repeats: int, passes: int, warmup: int, name: str):
+    """This rank's CPU-time profile of the whole chain on one micro-batch, every rank profiling at once.
 
-    Taken in the run's own processes, with the run's thread count and every rank busy: the layers are timed in
-    the memory layout and under the process count they run with, seconds before the timed iterations.
+    Taken in the run's own processes, with the run's thread count and every rank busy (barriers on both sides):
+    the layers are timed in the memory layout and under the process count they run with, seconds (or, between
+    steps, milliseconds) from the steps they predict. :func:`pipesched.profile.measure_profile` restores the
+    layers' ``.grad``, so the training is untouched.
     """
     from .profile import measure_profile
 
     mb = job["batch"] // job["microbatches"]
     target = y[:mb]
-    opts = job["pre_profile"]
     dist.barrier()
-    prof = measure_profile(layers, x[:mb], loss_fn=lambda out: torch.nn.functional.mse_loss(out, target), repeats=opts.get("repeats", 6),
-                           warmup=2, threads=job["threads"], name="pre-run", statistic="median", clock="cpu", passes=opts.get("passes", 3))
+    prof = measure_profile(layers, x[:mb], loss_fn=lambda out: torch.nn.functional.mse_loss(out, target), repeats=repeats,
+                           warmup=warmup, threads=job["threads"], name=name, statistic="median", clock="cpu", passes=passes)
     dist.barrier()
-    return prof.to_dict()
+    return prof
 
 
 def _instrument(stage, sid: int, records: list) -> None:
@@ -337,7 +357,7 @@ def gather_results(procs: list, queue: Any, world: int, timeout_s: float, *, wha
 def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microbatches: int, batch: int, dim: int,
                  model: str = "pipesched.models:mlp_chain", model_kwargs: dict[str, Any] | None = None, csv_text: str | None = None,
                  builtin: str | None = None, iterations: int = 3, warmup: int = 1, threads: int = 1, timeout_s: float = 300,
-                 pre_profile: dict[str, int] | None = None) -> RunResult:
+                 pre_profile: dict[str, int] | None = None, interleave_profile: dict[str, int] | None = None) -> RunResult:
     """Run a pipeline in ``max(stage_rank) + 1`` gloo processes and measure it (see the module docstring).
 
     Exactly one of ``csv_text`` (our schedule, compute_only CSV) and ``builtin`` (torch's schedule name)
@@ -345,6 +365,10 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
     ``pre_profile`` (``{"repeats": n, "passes": k}``) has every rank profile the whole chain
     (:func:`pipesched.profile.measure_profile`, CPU time, one micro-batch) at the same time, right before the
     warm-up: ``RunResult.pre_profiles`` holds them, measured before the run's first step.
+    ``interleave_profile`` (``{"repeats": n}``) has every rank profile the chain once more (``n`` repetitions
+    per layer, no warm-up) before each timed step, all at once between barriers, outside the step's timing:
+    ``RunResult.interleaved_profiles`` holds each rank's per-layer median over those passes and
+    ``interleaved_totals_s`` each pass's F + B total, so the profile and the steps sample the same seconds.
     """
     import torch.multiprocessing as mp
 
@@ -358,7 +382,8 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
             Path(csv_path).write_text(csv_text)
         job = {"spans": [list(s) for s in spans], "stage_rank": list(stage_rank), "microbatches": microbatches, "batch": batch, "dim": dim,
                "model": model, "model_kwargs": dict(model_kwargs or {}), "csv": csv_path, "builtin": builtin, "iterations": iterations,
-               "warmup": warmup, "threads": threads, "pre_profile": dict(pre_profile) if pre_profile else None}
+               "warmup": warmup, "threads": threads, "pre_profile": dict(pre_profile) if pre_profile else None,
+               "interleave_profile": dict(interleave_profile) if interleave_profile else None}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         port = _free_port()
@@ -378,7 +403,9 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
                      [results[r]["rss_growth"] for r in range(world)], results[0]["latency"], results[0]["bandwidth"],
                      losses=results[last_rank]["losses"], action_cpu_medians=cpu_medians,
                      rank_cpu_s=[statistics.median(results[r]["cpu_s"]) for r in range(world)], foreign_cores=foreign,
-                     pre_profiles=[results[r]["pre_profile"] for r in range(world) if results[r]["pre_profile"] is not None])
+                     pre_profiles=[results[r]["pre_profile"] for r in range(world) if results[r]["pre_profile"] is not None],
+                     interleaved_profiles=[results[r]["interleaved"]["median"] for r in range(world) if results[r]["interleaved"]],
+                     interleaved_totals_s=[results[r]["interleaved"]["totals"] for r in range(world) if results[r]["interleaved"]])
 
 
 def measured_timeline(run: RunResult, ranks: int):

@@ -43,9 +43,9 @@ def test_zero_bubble_plan_runs_in_real_processes_and_trains_like_one_process():
     plan = plan_partition(prof, part, devices, links, family="zbh1", microbatches=m)
     run = run_pipeline(spans_for_schedule(plan.schedule, part), list(plan.schedule.stage_rank), microbatches=m, batch=batch, dim=dim,
                        model_kwargs={"widths": widths, "dim": dim}, csv_text=schedule_csv(plan.schedule), iterations=2, warmup=1,
-                       pre_profile={"repeats": 2, "passes": 1})
+                       pre_profile={"repeats": 2, "passes": 1}, interleave_profile={"repeats": 1})
     # Same numbers as one process doing the same steps: the exported schedule computes the right gradients (and the
-    # ranks' profiling right before the run left their parameters and gradients as they were).
+    # ranks' profiling right before the run and between its steps left their parameters and gradients as they were).
     assert run.losses == pytest.approx(reference_losses(widths, dim, batch, m, 3)[1:], rel=1e-5)
     # Every rank profiled the whole chain: same sizes as the profile taken here, positive CPU times.
     from pipesched.profile import profile_from_dict
@@ -56,6 +56,12 @@ def test_zero_bubble_plan_runs_in_real_processes_and_trains_like_one_process():
         assert [(q.param_bytes, q.output_bytes, q.saved_bytes) for q in pre.layers] == \
             [(q.param_bytes, q.output_bytes, q.saved_bytes) for q in prof.layers]
         assert pre.reference["clock"] == "cpu" and all(q.fwd_s > 0 and q.bwd_s > 0 for q in pre.layers)
+    # ... and once more before each timed step: one median profile per rank, one F + B total per rank and step.
+    assert len(run.interleaved_profiles) == p and [len(t) for t in run.interleaved_totals_s] == [2] * p
+    for d in run.interleaved_profiles:
+        between = profile_from_dict(d)
+        assert [q.saved_bytes for q in between.layers] == [q.saved_bytes for q in prof.layers]
+        assert between.reference["median_of"] == 2 and all(q.fwd_s > 0 and q.bwd_s > 0 for q in between.layers)
     # Each rank ran exactly our actions, in our order.
     for r in range(p):
         done = [(a["stage"], a["kind"], a["mb"]) for a in sorted(run.actions, key=lambda a: a["start"]) if a["rank"] == r]
