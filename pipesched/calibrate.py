@@ -10,7 +10,8 @@ before the run it predicts, by separate micro-measurements:
    the other ranks, which costs a rank shared cache and memory bandwidth);
 2. the runtime's own costs (:func:`calibrate_runtime`): a pipeline of near-empty blocks with the same
    activation size run by torch's runtime in ``ranks`` processes gives the CPU time per compute action beyond
-   the layers and the CPU time per point-to-point message (posting, copying, waking gloo's threads);
+   the layers, and a pipeline of equal ``4 * dim`` blocks (ranks that compute between their messages, as a
+   real pipeline's do) the CPU time per point-to-point message (posting, copying, waking gloo's threads);
 3. the shared CPU (:func:`calibrate_cpu`), with as many processes as the run has ranks: the CPU share they
    get together while all compute (``cpu_share``: less than the cores when other users' processes run), and
    the one-way time of a gloo message of the run's activation size between two processes while the other
@@ -21,13 +22,15 @@ before the run it predicts, by separate micro-measurements:
    costs, :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less its CPU work);
 5. the runs (torch's ``_PipelineScheduleRuntime`` in gloo processes), in ``rounds`` rounds of our plan and the
    usual default, a uniform split with torch's ``Schedule1F1B``, alternating which goes first. The prediction of
-   a run comes from a profile taken *in the run's own processes, seconds before its first step*
-   (``run_pipeline(pre_profile=...)``): every rank profiles the whole chain at the same time, in CPU time, and
-   the plan is simulated on the per-layer median of the ranks' profiles. This virtual machine's CPU speed for
-   the same work moves by tens of percent within tens of seconds, so a profile taken minutes earlier in another
-   process predicts a run no better than that; the ranks' own profile sees the speed, the memory layout and the
-   process count the run will have. The plan itself is chosen from the earlier profile (as a user would plan),
-   and the earlier profiles, pooled by median, give a second prediction kept for comparison (``error_pooled``).
+   a run comes from profiles taken *in the run's own processes, interleaved with its steps*
+   (``run_pipeline(interleave_profile=...)``): before every timed step, between two barriers and outside the
+   step's timing, every rank profiles the whole chain once, in CPU time, and the plan is simulated on the
+   per-layer median of all those passes. This virtual machine's CPU speed for the same work moves by tens of
+   percent within seconds, also within one run (10 steps of one run ranged over 352-414 ms), so a profile taken
+   earlier, even seconds before the first step (``pre_profile``, kept as ``error_pre_run``), predicts a run only
+   as well as the machine held still; the interleaved passes sample the same seconds as the steps and see the
+   processes' memory layout and contention. The plan itself is chosen from the earlier profile (as a user would
+   plan), and the earlier profiles, pooled by median, give another prediction kept for comparison (``error_pooled``).
    Compared on iteration time, per-action durations and CPU times, per-rank CPU time and activation memory; the
    plan's gain is the baseline's measured time over ours within each round (:func:`summarize_rounds`). A CPU
    speed probe (:func:`speed_probe`, the model's own chain) is read around every profile and run and recorded
@@ -52,7 +55,7 @@ from .models import mlp_chain
 from .plan import Plan, choose_robust, plan, plan_partition, uniform_plan
 from .profile import ModelProfile, measure_profile, median_profile, profile_from_dict
 from .runner import RunResult, foreign_cores, gather_results, machine_busy_s, run_pipeline
-from .simulate import SharedCpu, simulate
+from .simulate import SharedCpu, StageCost, simulate
 
 EXPORTABLE = ("1f1b", "zbh1", "gpipe", "interleaved")
 
@@ -337,23 +340,20 @@ class RuntimeCalibration:
     action_cpu_s: float        # per compute action: CPU time of the action's thread beyond the layers' own work
     message_cpu_s: float       # per cross-rank message and rank: the rank's CPU time outside its actions, per message
     tiny_iteration_s: float    # iteration time of the near-empty pipeline (for the record)
+    idle_message_cpu_s: float | None = None   # the same per message in the near-empty pipeline (when message_cpu_s is the loaded one)
+    loaded_iteration_s: float | None = None   # iteration time of the loaded pipeline (for the record)
 
-    def to_dict(self) -> dict[str, float]:
-        return {"action_cpu_s": self.action_cpu_s, "message_cpu_s": self.message_cpu_s, "tiny_iteration_s": self.tiny_iteration_s}
+    def to_dict(self) -> dict[str, float | None]:
+        return {"action_cpu_s": self.action_cpu_s, "message_cpu_s": self.message_cpu_s, "tiny_iteration_s": self.tiny_iteration_s,
+                "idle_message_cpu_s": self.idle_message_cpu_s, "loaded_iteration_s": self.loaded_iteration_s}
 
 
-def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, threads: int = 1, iterations: int = 5) -> RuntimeCalibration:
-    """The runtime's own CPU cost per action and per message, measured on a pipeline with almost no compute.
-
-    A chain of ``stages`` blocks of hidden width 8 (same ``dim``, so the same activation bytes cross the same
-    boundaries as in the real run) is run by torch's ``Schedule1F1B`` in ``stages`` gloo processes. Its layers
-    are profiled the same way as the real model (CPU time, medians). Per action: measured thread CPU time less
-    the layers' profiled work -> median over actions = ``action_cpu_s``. Per rank: CPU time of all threads
-    during a step less the CPU time of its actions = the cost of its messages (posting, copying, waiting) and
-    of the schedule loop; summed over ranks and divided by the messages they handle = ``message_cpu_s``.
-    """
+def _runtime_costs(stages: int, width: int, *, dim: int, batch: int, microbatches: int, threads: int,
+                   iterations: int) -> tuple[float, float, float]:
+    """Per-action extra CPU (median), per-message CPU and iteration time of torch's ``Schedule1F1B`` on ``stages``
+    equal blocks of ``width`` (one per rank), against their profile taken here the validation's way."""
+    widths = [width] * stages
     mb = batch // microbatches
-    widths = [8] * stages
     prof = profile_mlp(widths, dim, mb, threads=threads, repeats=15, statistic="median", clock="cpu", warmup=2, passes=PROFILE_PASSES)
     run = run_pipeline([(s, s + 1) for s in range(stages)], list(range(stages)), microbatches=microbatches, batch=batch, dim=dim,
                        model_kwargs={"widths": widths, "dim": dim}, builtin="1F1B", iterations=iterations, warmup=1, threads=threads)
@@ -367,8 +367,33 @@ def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, t
         inside = microbatches * (run.action_cpu_medians.get(f"{r} F", 0.0) + run.action_cpu_medians.get(f"{r} B", 0.0))
         outside += max(0.0, run.rank_cpu_s[r] - inside)
         messages += 2 * microbatches * ((r > 0) + (r < stages - 1))
-    return RuntimeCalibration(max(0.0, statistics.median(extra)) if extra else 0.0, outside / messages if messages else 0.0,
-                              run.median_s)
+    return (max(0.0, statistics.median(extra)) if extra else 0.0, outside / messages if messages else 0.0, run.median_s)
+
+
+def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, threads: int = 1, iterations: int = 5,
+                      load_width: int | None = None) -> RuntimeCalibration:
+    """The runtime's own CPU cost per action and per message, measured on pipelines of equal one-block stages.
+
+    A chain of ``stages`` blocks of hidden width 8 (same ``dim``, so the same activation bytes cross the same
+    boundaries as in the real run) is run by torch's ``Schedule1F1B`` in ``stages`` gloo processes. Its layers
+    are profiled the same way as the real model (CPU time, medians). Per action: measured thread CPU time less
+    the layers' profiled work -> median over actions = ``action_cpu_s`` (near-empty blocks make that difference
+    exact to a few microseconds). Per rank: CPU time of all threads during a step less the CPU time of its
+    actions = the cost of its messages (posting, copying, waiting, waking gloo's threads) and of the schedule
+    loop; summed over ranks and divided by the messages they handle = the per-message cost.
+
+    With ``load_width`` the per-message cost (``message_cpu_s``) is taken instead from a second chain whose
+    blocks have that hidden width, so that the ranks compute between their messages as a real pipeline's do:
+    here a message cost 0.66 ms of CPU among computing ranks against 0.28-0.40 ms among near-idle ones (the
+    near-empty pipeline's figure stays in ``idle_message_cpu_s``). ``cpu_validation`` uses ``4 * dim``, a
+    transformer MLP's ratio, not the validated model's widths.
+    """
+    common = {"dim": dim, "batch": batch, "microbatches": microbatches, "threads": threads, "iterations": iterations}
+    action, message, tiny = _runtime_costs(stages, 8, **common)
+    if load_width is None:
+        return RuntimeCalibration(action, message, tiny)
+    _, loaded, loaded_s = _runtime_costs(stages, load_width, **common)
+    return RuntimeCalibration(action, loaded, tiny, idle_message_cpu_s=message, loaded_iteration_s=loaded_s)
 
 
 def compare(p: Plan, run: RunResult) -> dict[str, Any]:
@@ -416,6 +441,28 @@ def compare(p: Plan, run: RunResult) -> dict[str, Any]:
     }
 
 
+def run_action_costs(p: Plan, run: RunResult) -> dict[int, StageCost]:
+    """``p``'s stage costs with every action's CPU work replaced by the median CPU time its thread measured in ``run``.
+
+    A diagnostic, not a prediction (it uses the run): simulating the plan on these costs shows how much of a
+    prediction's error comes from the action costs (profile against what the actions cost inside the steps) and
+    how much from the rest of the model (dependencies, processor sharing, messages). The runtime's per-action
+    CPU cost, which the simulator adds to every action, is taken off the measured time.
+    """
+    extra = p.shared_cpu.action_cpu_s if p.shared_cpu is not None else 0.0
+    out = {}
+    for sid, cost in p.costs.items():
+        def measured(kind: str, default: float | None, sid=sid) -> float | None:
+            v = run.action_cpu_medians.get(f"{sid} {kind}")
+            return default if v is None else max(0.0, v - extra)
+        f, b = measured("F", cost.f), measured("B", None)
+        i, w = measured("I", cost.i), measured("W", cost.w)
+        if b is None:
+            b = (i or 0.0) + (w or 0.0) if i is not None and w is not None else cost.b
+        out[sid] = replace(cost, f=f, b=b, i=i, w=w)
+    return out
+
+
 def _messages(p: Plan, rank: int, a) -> int:
     if a.kind not in ("F", "B", "I"):
         return 0
@@ -428,6 +475,12 @@ PROFILE_PASSES = 5
 PRE_RUN_REPEATS = 6
 PRE_RUN_PASSES = 3
 """Repetitions per layer (spread over passes of the chain) of the profile each rank takes right before a validation run."""
+
+INTERLEAVE_REPEATS = 1
+"""Repetitions per layer of the profile pass each rank takes before every timed step of a validation run: with
+4 ranks and 10 steps, 40 samples per layer over the run's own seconds, at about one step's cost per pass."""
+
+PREDICTION_SOURCES = ("interleaved", "pre-run", "pooled", "probe-scaled")
 
 AUTO_TIE_MARGIN = 0.05
 """Simulated iteration times closer than this (a fraction) count as tied when ``cpu_validation`` picks a schedule
@@ -486,8 +539,8 @@ def summarize_rounds(rounds: list[dict[str, Any]], arms: tuple[str, ...] = ("our
 def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, threads: int = 1,
                    iterations: int = 3, warmup: int = 1, schedule: str = "auto", baseline: bool = True,
                    cores: float | None = None, repeats: int = 15, rounds: int = 1, probe: bool = True,
-                   tie_margin: float = AUTO_TIE_MARGIN, passes: int = PROFILE_PASSES, predict_from: str = "pre-run",
-                   pre_run_repeats: int = PRE_RUN_REPEATS) -> dict[str, Any]:
+                   tie_margin: float = AUTO_TIE_MARGIN, passes: int = PROFILE_PASSES, predict_from: str = "interleaved",
+                   pre_run_repeats: int = PRE_RUN_REPEATS, interleave_repeats: int = INTERLEAVE_REPEATS) -> dict[str, Any]:
     """Calibrate, profile, plan, then ``rounds`` rounds of predicted runs; returns a JSON-able report.
 
     Before the runs (module docstring, steps 1-4): the CPU and runtime calibrations, a first profile (spread over
@@ -495,32 +548,39 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     and :func:`pipesched.plan.choose_robust` picks among them with ``tie_margin``. Each round then takes one more
     profile (from the second round on) and runs our plan and (``baseline``) the uniform split with torch's
     ``Schedule1F1B``, alternating which goes first (ours first in even rounds). ``predict_from`` says what a run
-    is predicted from: ``"pre-run"`` (default) the per-layer median of the profiles the run's ranks take together
-    right before its first step (``pre_run_repeats`` repetitions per layer over :data:`PRE_RUN_PASSES` passes);
-    ``"pooled"`` the per-layer median of this case's profiles so far (:func:`pipesched.profile.median_profile`);
-    ``"probe-scaled"`` that pooled prediction rescaled by the :func:`speed_probe` read before the run over the
-    probes read around the profiles. All three are recorded for every run (``error_pre_run``, ``error_pooled``,
-    ``error_probe_scaled``), with the prediction from the first profile alone and ``posthoc_s`` (the plan
-    simulated with the CPU share less what other users took during the run: uses the run, so not a prediction).
-    Every input of a prediction is measured before the run's first step, and nothing is adjusted afterwards.
-    ``probe=False`` skips the probe readings; ``pre_run_repeats=0`` skips the ranks' profiles (then
-    ``predict_from`` must be another source). ``cores`` overrides the measured compute share.
+    is predicted from: ``"interleaved"`` (default) the per-layer median of the profile passes the run's ranks take
+    together before each of its timed steps (``interleave_repeats`` repetitions per layer and pass, outside the
+    steps' timing: the profile samples the same seconds of this drifting machine as the steps); ``"pre-run"`` the
+    per-layer median of the profiles the ranks take together right before the first step (``pre_run_repeats``
+    repetitions per layer over :data:`PRE_RUN_PASSES` passes); ``"pooled"`` the per-layer median of this case's
+    profiles so far (:func:`pipesched.profile.median_profile`); ``"probe-scaled"`` that pooled prediction rescaled
+    by the :func:`speed_probe` read before the run over the probes read around the profiles. All are recorded for
+    every run (``error_interleaved``, ``error_pre_run``, ``error_pooled``, ``error_probe_scaled``), with the
+    prediction from the first profile alone and ``posthoc_s`` (the plan simulated with the CPU share less what
+    other users took during the run: uses the run's load, so not a prediction). Every input of a prediction is a
+    measurement of the layers alone (profiles) or of the machine (calibrations); none is taken from the
+    pipelined steps, and nothing is adjusted afterwards. ``probe=False`` skips the probe readings;
+    ``pre_run_repeats=0`` and ``interleave_repeats=0`` skip the ranks' profiles (then ``predict_from`` must be
+    another source). ``cores`` overrides the measured compute share.
     ``report["rounds"]`` holds every run; ``report["ours"]`` and ``report["uniform_torch_1f1b"]`` are round 0's,
     ``report["summary"]`` the aggregate (:func:`summarize_rounds`) and ``report["speedup_measured"]`` its median
     of the rounds' paired speed-ups.
     """
     if rounds < 1:
         raise ValueError(f"need at least one round, got {rounds}")
-    if predict_from not in ("pre-run", "pooled", "probe-scaled"):
-        raise ValueError(f"predict_from must be 'pre-run', 'pooled' or 'probe-scaled', got {predict_from!r}")
+    if predict_from not in PREDICTION_SOURCES:
+        raise ValueError(f"predict_from must be one of {', '.join(PREDICTION_SOURCES)}, got {predict_from!r}")
     if predict_from == "probe-scaled" and not probe:
         raise ValueError("predict_from='probe-scaled' needs probe=True")
     if predict_from == "pre-run" and pre_run_repeats < 1:
         raise ValueError(f"predict_from='pre-run' needs pre_run_repeats >= 1, got {pre_run_repeats}")
+    if predict_from == "interleaved" and interleave_repeats < 1:
+        raise ValueError(f"predict_from='interleaved' needs interleave_repeats >= 1, got {interleave_repeats}")
     pre_run = {"repeats": pre_run_repeats, "passes": PRE_RUN_PASSES} if pre_run_repeats > 0 else None
+    interleave = {"repeats": interleave_repeats} if interleave_repeats > 0 else None
     mb = batch // microbatches
     cal = calibrate_cpu(stages, mb * dim * 4, threads=threads)
-    rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=microbatches, threads=threads)
+    rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=microbatches, threads=threads, load_width=4 * dim)
     # The profile is taken while the other cores are busy with the same model (min(ranks, cores) - 1 co-runners: in
     # the run the other cores are mostly busy with other ranks), in CPU time; the time-slicing among more ranks than
     # cores is the simulator's processor sharing over cal.cpu_share, the CPU our processes got when all ran.
@@ -584,28 +644,39 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
             before = read_probe()
             scale = probe_scale(reference, before) if before is not None and reference else 1.0
             scaled = rescaled_plan(chosen, prof, scale)
-            run = run_pipeline(**how, **common, pre_profile=pre_run)
+            run = run_pipeline(**how, **common, pre_profile=pre_run, interleave_profile=interleave)
             after = read_probe()
             # The ranks' own profiles, taken together in the run's processes before its first step.
             pre = median_profile([profile_from_dict(d, source="pre-run profile") for d in run.pre_profiles]) if pre_run else None
             p_pre = rescaled_plan(chosen, pre, 1.0) if pre is not None else None
-            predicted = {"pre-run": p_pre, "pooled": p, "probe-scaled": scaled}[predict_from]
+            # The ranks' passes between the steps: per layer, the median over ranks of each rank's median over passes.
+            inter = (median_profile([profile_from_dict(d, source="interleaved profile") for d in run.interleaved_profiles])
+                     if interleave else None)
+            p_inter = rescaled_plan(chosen, inter, 1.0) if inter is not None else None
+            predicted = {"interleaved": p_inter, "pre-run": p_pre, "pooled": p, "probe-scaled": scaled}[predict_from]
             c = compare(predicted, run)
             posthoc_cores = min(float(machine_cores), max(0.5, shared.cores + cal.foreign_cores - run.foreign_cores))
             posthoc = simulate(predicted.schedule, predicted.costs, predicted.links,
                                cores=replace(predicted.shared_cpu, cores=posthoc_cores)).makespan
+            replay = simulate(predicted.schedule, run_action_costs(predicted, run), predicted.links, cores=predicted.shared_cpu).makespan
             c |= {"probe_scale": scale,
                   "predicted_from": predict_from,
                   "predicted_pooled_s": p.sim.makespan, "error_pooled": p.sim.makespan / run.median_s - 1.0,
                   "predicted_pre_run_s": p_pre.sim.makespan if p_pre else None,
                   "error_pre_run": p_pre.sim.makespan / run.median_s - 1.0 if p_pre else None,
                   "pre_run_profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in pre.layers) if pre else None,
-                  "pre_run_profiles": run.pre_profiles,
+                  "predicted_interleaved_s": p_inter.sim.makespan if p_inter else None,
+                  "error_interleaved": p_inter.sim.makespan / run.median_s - 1.0 if p_inter else None,
+                  "interleaved_profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in inter.layers) if inter else None,
+                  # per step: the median over ranks of the F + B total of the pass taken right before it
+                  "interleaved_totals_s": ([statistics.median(col) for col in zip(*run.interleaved_totals_s, strict=True)]
+                                           if run.interleaved_totals_s else None),
                   "predicted_probe_scaled_s": scaled.sim.makespan, "error_probe_scaled": scaled.sim.makespan / run.median_s - 1.0,
                   "predicted_first_profile_s": rescaled_plan(chosen, first_profile, 1.0).sim.makespan if r else chosen.sim.makespan,
                   "probe_before_s": before.cpu_s if before else None, "probe_after_s": after.cpu_s if after else None,
                   "probe_after_scale": probe_scale(reference, after) if after is not None and reference else None,
                   "posthoc_s": posthoc, "posthoc_error": posthoc / run.median_s - 1.0,
+                  "run_costs_s": replay, "run_costs_error": replay / run.median_s - 1.0,
                   "spans": [list(s.layers) for s in chosen.partition.stages]}
             c["error_first_profile"] = c["predicted_first_profile_s"] / run.median_s - 1.0
             rec[name] = c

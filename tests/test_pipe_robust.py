@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesched.calibrate import SpeedProbe, probe_scale, rescaled_plan, summarize_rounds
+from pipesched.calibrate import SpeedProbe, probe_scale, rescaled_plan, run_action_costs, summarize_rounds
 from pipesched.devices import Device, LinkModel
 from pipesched.plan import choose_robust, plan, uniform_plan
 from pipesched.profile import LayerProfile, ModelProfile
@@ -45,6 +45,34 @@ def test_rescaled_plan_is_the_same_plan_with_all_cpu_work_scaled(times, scale, f
         assert scaled.shared_cpu == SharedCpu(cores, 3e-4 * scale, 2e-4 * scale)
         if link.link(0, 1)[1] == 0.0:   # (the link's wait is not CPU work: with a latency the makespan scales less than k)
             assert scaled.sim.makespan == pytest.approx(scale * p.sim.makespan, rel=1e-9)
+
+
+@settings(max_examples=20, deadline=None)
+@given(times=layer_times, family=st.sampled_from(["1f1b", "gpipe", "zbh1"]), factor=st.floats(0.5, 2.0))
+def test_run_action_costs_replays_the_measured_action_cpu(times, family, factor):
+    """A run whose actions cost exactly the modelled work replays to the plan's own simulation; a run whose actions
+    all cost ``factor`` times the profile (plus the runtime's per-action cost) gives ``factor`` times every duration."""
+    from pipesched.runner import RunResult
+
+    prof = make_profile(times)
+    devs = [Device(f"r{i}") for i in range(4)]
+    shared = SharedCpu(2.0, 0.0, 2e-4)
+    p = plan(prof, devs, LinkModel.uniform(4, math.inf, 0.0), microbatches=8, schedule=family, cores=shared, refine_budget=5)
+    kinds = {a.kind for acts in p.schedule.actions.values() for a in acts}
+
+    def run_with(k: float) -> RunResult:
+        cpu = {f"{s} {kind}": k * c.duration(kind) + shared.action_cpu_s for s, c in p.costs.items() for kind in kinds}
+        return RunResult([1.0], [], {}, [], [], 0.0, 0.0, action_cpu_medians=cpu)
+
+    same = run_action_costs(p, run_with(1.0))
+    assert all(same[s].duration(k) == pytest.approx(p.costs[s].duration(k), rel=1e-9) for s in p.costs for k in kinds)
+    from pipesched.simulate import simulate
+
+    replay = simulate(p.schedule, same, p.links, cores=p.shared_cpu).makespan
+    assert replay == pytest.approx(p.sim.makespan, rel=1e-9)
+    scaled = run_action_costs(p, run_with(factor))
+    assert all(scaled[s].duration(k) == pytest.approx(factor * p.costs[s].duration(k), rel=1e-9) for s in p.costs for k in kinds)
+    assert all(scaled[s].out_bytes == p.costs[s].out_bytes and scaled[s].saved_bytes == p.costs[s].saved_bytes for s in p.costs)
 
 
 def test_rescaled_plan_needs_a_shared_cpu_and_a_positive_scale():
@@ -207,6 +235,30 @@ def test_pipe_run_rejects_zero_rounds_before_starting_anything(capsys):
     assert code == 2 and "--rounds" in err and "Traceback" not in err
 
 
+@pytest.mark.slow
+def test_pipe_run_end_to_end_predicts_each_run_from_the_profile_passes_between_its_steps(capsys, tmp_path):
+    """The whole CPU validation on a tiny model (2 gloo processes): calibrations, profile, plan, our run and the
+    uniform baseline; every run carries the prediction from each source, the interleaved one being the prediction."""
+    import json
+
+    from netweave.cli import main
+
+    out = tmp_path / "report.json"
+    code = main(["pipe", "run", "--mlp", "16,16,64,64", "--dim", "16", "--batch", "16", "--microbatches", "4", "--stages", "2",
+                 "--iterations", "2", "--schedule", "1f1b", "--out", str(out), "--json"])
+    assert code == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert json.loads(out.read_text())["plan"] == rep["plan"]
+    assert rep["runtime_calibration"]["idle_message_cpu_s"] is not None       # message cost taken among computing ranks
+    for arm in ("ours", "uniform_torch_1f1b"):
+        o = rep[arm]
+        assert o["predicted_from"] == "interleaved" and o["predicted_s"] == o["predicted_interleaved_s"]
+        assert o["error"] == pytest.approx(o["predicted_s"] / o["measured_s"] - 1)
+        assert len(o["interleaved_totals_s"]) == 2 and all(t > 0 for t in o["interleaved_totals_s"])
+        for key in ("error_pre_run", "error_pooled", "error_probe_scaled", "run_costs_error", "posthoc_error"):
+            assert math.isfinite(o[key])
+
+
 def test_cpu_validation_needs_a_round():
     from pipesched.calibrate import cpu_validation
 
@@ -216,6 +268,7 @@ def test_cpu_validation_needs_a_round():
 
 @pytest.mark.parametrize("kwargs, match", [({"predict_from": "run"}, "predict_from"),
                                            ({"predict_from": "pre-run", "pre_run_repeats": 0}, "pre_run_repeats"),
+                                           ({"interleave_repeats": 0}, "interleave_repeats"),
                                            ({"predict_from": "probe-scaled", "probe": False}, "probe")])
 def test_cpu_validation_rejects_an_unknown_prediction_source_before_measuring(kwargs, match):
     from pipesched.calibrate import cpu_validation
