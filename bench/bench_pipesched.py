@@ -167,12 +167,15 @@ def case_rows(case: str, rep: dict) -> list[dict]:
             row = {"case": case, "round": rec["round"], "run": label, "spans": str(r["spans"]), "profiles": rec["profiles_pooled"],
                    "predicted_ms": r["predicted_s"] * 1e3, "measured_median_ms": r["measured_s"] * 1e3,
                    "measured_min_ms": min(r["measured_iterations_s"]) * 1e3, "error": r["error"],
-                   "error_pooled_profiles": r["error_pooled"], "error_first_profile": r["error_first_profile"],
+                   "error_pre_run_profile": r["error_pre_run"], "error_pooled_profiles": r["error_pooled"],
+                   "error_first_profile": r["error_first_profile"],
+                   "interleaved_profile_ms": (r.get("interleaved_profile_total_s") or 0.0) * 1e3,
                    "pre_run_profile_ms": (r["pre_run_profile_total_s"] or 0.0) * 1e3,
                    "pooled_profile_ms": rec["pooled_profile_total_s"] * 1e3, "probe_scale": r["probe_scale"],
                    "error_probe_scaled": r["error_probe_scaled"],
                    "cpu_work_error": sum(r["rank_work_predicted_s"]) / sum(r["rank_cpu_measured_s"]) - 1,
-                   "foreign_cores_run": r["foreign_cores"], "posthoc_error": r["posthoc_error"]}
+                   "foreign_cores_run": r["foreign_cores"], "posthoc_error": r["posthoc_error"],
+                   "error_run_action_costs": r.get("run_costs_error")}
             if arm == "ours" and "speedup_measured" in rec:
                 row["speedup_round"] = rec["speedup_measured"]
             rows.append(row)
@@ -379,15 +382,19 @@ a first CPU-time profile (15 repetitions per layer spread over 5 passes of the c
 exportable schedule planned, simulated times within 5 % count as tied and the one with the fewest micro-batches in flight wins),
 then {extra["config"]["rounds"]} rounds; each round takes one more such profile (from the second round on), then runs our plan
 and the uniform split with torch's Schedule1F1B ({extra["config"]["iterations"]} timed iterations each), ours first in even
-rounds. 'predicted_ms' is the plan simulated on the per-layer median of the profiles the run's ranks took, all at once in their
-own processes, right before the run's first step ('pre_run_profile_ms': its F + B total); nothing of the run enters it.
-'error' = predicted / measured median - 1. Diagnostics, not the prediction: 'error_pooled_profiles' (the same run predicted
+rounds. 'predicted_ms' is the plan simulated on the per-layer median of the profile passes the run's ranks took, all at
+once in their own processes, one before each timed step and outside its timing ('interleaved_profile_ms': its F + B total):
+the profile samples the same seconds of this drifting machine as the steps, and nothing of the steps enters it.
+'error' = predicted / measured median - 1. Diagnostics, not the prediction: 'error_pre_run_profile' (from the ranks'
+profiles taken together right before the first step, total 'pre_run_profile_ms'), 'error_pooled_profiles' (the same run predicted
 from the per-layer median of the case's profiles so far, 'profiles' of them, total 'pooled_profile_ms': the earlier
 protocol), 'error_first_profile' (from the case's first profile alone), 'probe_scale' and 'error_probe_scaled' (the pooled
 prediction rescaled by a CPU speed probe read right before the run over the probes read around the profiles),
 'cpu_work_error' (the model's CPU work summed over ranks against the CPU time the ranks' threads used per step),
 'foreign_cores_run' (cores other users' processes kept busy during the timed iterations: /proc/stat less our ranks' CPU time),
-'posthoc_error' (the plan re-simulated with the calibrated CPU share less other users' load during the run; uses the run).
+'posthoc_error' (the plan re-simulated with the calibrated CPU share less other users' load during the run; uses the run),
+'error_run_action_costs' (the plan simulated on the CPU time each action measured in the run: uses the run; what is left is
+the error of the rest of the model, sharing, messages and waits).
 'speedup_round': uniform + torch Schedule1F1B / our plan, the two runs of the round, back to back.""",
                   extra=extra)
 
