@@ -1,7 +1,8 @@
 """Predicted versus measured: profile a real model on this machine, plan it, run it with gloo, compare.
 
-:func:`cpu_validation` is the validation protocol on a CPU, and every input of the prediction is measured
-before the run it predicts, by separate micro-measurements:
+:func:`cpu_validation` is the validation protocol on a CPU. Every input of the prediction is a separate
+micro-measurement: of the machine and the runtime before the run, and of the layers alone, in passes between
+the run's steps (step 5); none is taken from the pipelined steps it predicts:
 
 1. the per-layer profile (:func:`profile_mlp`): the run's thread count, CPU time of the measuring thread
    (``clock="cpu"``: what a rank must compute, independent of who else runs), medians of 15, the fused
@@ -384,8 +385,8 @@ def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, t
 
     With ``load_width`` the per-message cost (``message_cpu_s``) is taken instead from a second chain whose
     blocks have that hidden width, so that the ranks compute between their messages as a real pipeline's do:
-    here a message cost 0.66 ms of CPU among computing ranks against 0.28-0.40 ms among near-idle ones (the
-    near-empty pipeline's figure stays in ``idle_message_cpu_s``). ``cpu_validation`` uses ``4 * dim``, a
+    in the three committed validation runs a message cost 0.44-0.82 ms of CPU among computing ranks against
+    0.30-0.48 ms among near-idle ones (the near-empty pipeline's figure stays in ``idle_message_cpu_s``). ``cpu_validation`` uses ``4 * dim``, a
     transformer MLP's ratio, not the validated model's widths.
     """
     common = {"dim": dim, "batch": batch, "microbatches": microbatches, "threads": threads, "iterations": iterations}
@@ -450,17 +451,34 @@ def run_action_costs(p: Plan, run: RunResult) -> dict[int, StageCost]:
     CPU cost, which the simulator adds to every action, is taken off the measured time.
     """
     extra = p.shared_cpu.action_cpu_s if p.shared_cpu is not None else 0.0
+
+    def measured(sid: int, kind: str) -> float | None:
+        v = run.action_cpu_medians.get(f"{sid} {kind}")
+        return None if v is None else max(0.0, v - extra)
+
     out = {}
     for sid, cost in p.costs.items():
-        def measured(kind: str, default: float | None, sid=sid) -> float | None:
-            v = run.action_cpu_medians.get(f"{sid} {kind}")
-            return default if v is None else max(0.0, v - extra)
-        f, b = measured("F", cost.f), measured("B", None)
-        i, w = measured("I", cost.i), measured("W", cost.w)
-        if b is None:
-            b = (i or 0.0) + (w or 0.0) if i is not None and w is not None else cost.b
-        out[sid] = replace(cost, f=f, b=b, i=i, w=w)
+        f, b, i, w = (measured(sid, k) for k in ("F", "B", "I", "W"))
+        if b is None:   # a split backward (I then W) was measured: the fused one costs their sum
+            b = i + w if i is not None and w is not None else cost.b
+        out[sid] = replace(cost, f=cost.f if f is None else f, b=b, i=cost.i if i is None else i, w=cost.w if w is None else w)
     return out
+
+
+def _ranks_prediction(chosen: Plan, profiles: list[dict[str, Any]], source: str) -> tuple[ModelProfile | None, Plan | None]:
+    """The per-layer median of the ranks' profiles (JSON form) and ``chosen`` predicted from it; ``(None, None)`` without profiles."""
+    if not profiles:
+        return None, None
+    prof = median_profile([profile_from_dict(d, source=source) for d in profiles])
+    return prof, rescaled_plan(chosen, prof, 1.0)
+
+
+def _source_fields(name: str, prof: ModelProfile | None, predicted: Plan | None, run: RunResult) -> dict[str, float | None]:
+    """``predicted_<name>_s``, ``error_<name>`` and ``<name>_profile_total_s`` (F + B of all layers) of one prediction source."""
+    if prof is None or predicted is None:
+        return {f"predicted_{name}_s": None, f"error_{name}": None, f"{name}_profile_total_s": None}
+    return {f"predicted_{name}_s": predicted.sim.makespan, f"error_{name}": predicted.sim.makespan / run.median_s - 1.0,
+            f"{name}_profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in prof.layers)}
 
 
 def _messages(p: Plan, rank: int, a) -> int:
@@ -646,13 +664,10 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
             scaled = rescaled_plan(chosen, prof, scale)
             run = run_pipeline(**how, **common, pre_profile=pre_run, interleave_profile=interleave)
             after = read_probe()
-            # The ranks' own profiles, taken together in the run's processes before its first step.
-            pre = median_profile([profile_from_dict(d, source="pre-run profile") for d in run.pre_profiles]) if pre_run else None
-            p_pre = rescaled_plan(chosen, pre, 1.0) if pre is not None else None
-            # The ranks' passes between the steps: per layer, the median over ranks of each rank's median over passes.
-            inter = (median_profile([profile_from_dict(d, source="interleaved profile") for d in run.interleaved_profiles])
-                     if interleave else None)
-            p_inter = rescaled_plan(chosen, inter, 1.0) if inter is not None else None
+            # The ranks' own profiles, taken in the run's processes: right before its first step, and between its
+            # steps (per layer, the median over ranks of each rank's median over its passes).
+            pre, p_pre = _ranks_prediction(chosen, run.pre_profiles, "pre-run profile")
+            inter, p_inter = _ranks_prediction(chosen, run.interleaved_profiles, "interleaved profile")
             predicted = {"interleaved": p_inter, "pre-run": p_pre, "pooled": p, "probe-scaled": scaled}[predict_from]
             c = compare(predicted, run)
             posthoc_cores = min(float(machine_cores), max(0.5, shared.cores + cal.foreign_cores - run.foreign_cores))
@@ -662,12 +677,7 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
             c |= {"probe_scale": scale,
                   "predicted_from": predict_from,
                   "predicted_pooled_s": p.sim.makespan, "error_pooled": p.sim.makespan / run.median_s - 1.0,
-                  "predicted_pre_run_s": p_pre.sim.makespan if p_pre else None,
-                  "error_pre_run": p_pre.sim.makespan / run.median_s - 1.0 if p_pre else None,
-                  "pre_run_profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in pre.layers) if pre else None,
-                  "predicted_interleaved_s": p_inter.sim.makespan if p_inter else None,
-                  "error_interleaved": p_inter.sim.makespan / run.median_s - 1.0 if p_inter else None,
-                  "interleaved_profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in inter.layers) if inter else None,
+                  **_source_fields("pre_run", pre, p_pre, run), **_source_fields("interleaved", inter, p_inter, run),
                   # per step: the median over ranks of the F + B total of the pass taken right before it
                   "interleaved_totals_s": ([statistics.median(col) for col in zip(*run.interleaved_totals_s, strict=True)]
                                            if run.interleaved_totals_s else None),

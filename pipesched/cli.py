@@ -27,6 +27,13 @@ def parse_bytes(text: str, *, where: str = "--memory") -> float:
     return float(m.group(1)) * _UNITS[m.group(2).lower()]
 
 
+SOURCE_LABELS = {"interleaved": ("ranks' profile between steps", "error_interleaved"),
+                 "pre-run": ("ranks' pre-run profile", "error_pre_run"),
+                 "pooled": ("pooled profiles", "error_pooled"),
+                 "probe-scaled": ("probe-scaled", "error_probe_scaled")}
+"""How ``pipe run`` names each of :data:`pipesched.calibrate.PREDICTION_SOURCES` and its error in the report."""
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     pipe = sub.add_parser("pipe", help="pipeline parallelism: profile, plan, simulate, export, run")
     psub = pipe.add_subparsers(dest="pipe_command", metavar="ACTION", required=True)
@@ -72,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the uniform torch Schedule1F1B run")
     p.add_argument("--rounds", type=int, default=1, help="rounds of (ours, uniform) runs, alternating which goes first (default 1)")
-    p.add_argument("--predict-from", default="interleaved", choices=["interleaved", "pre-run", "pooled", "probe-scaled"],
+    p.add_argument("--predict-from", default="interleaved", choices=list(SOURCE_LABELS),
                    help="what each run is predicted from: the profile passes its ranks take between its steps (default), "
                         "the profile they take right before its first step, the median of the profiles taken so far, "
                         "or that rescaled by a CPU speed probe")
@@ -276,10 +283,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     lines = [f"plan: {o['schedule']}, spans {rep['plan']['spans']}",
              f"ours: predicted {o['predicted_s'] * 1e3:.4g} ms (from the {args.predict_from} profile), "
              f"measured {o['measured_s'] * 1e3:.4g} ms (error {o['error']:+.1%}), per-action error {o['per_action_mape']:.1%} mean abs",
-             f"other predictions: pooled profiles {o['error_pooled']:+.1%}, "
-             + (f"ranks' profile between steps {o['error_interleaved']:+.1%}, " if o["error_interleaved"] is not None else "")
-             + (f"ranks' pre-run profile {o['error_pre_run']:+.1%}, " if o["error_pre_run"] is not None else "")
-             + f"probe-scaled {o['error_probe_scaled']:+.1%} (CPU speed probe x{o['probe_scale']:.3f} since the profiles)",
+             "other predictions: " + ", ".join(f"{label} {o[key]:+.1%}" for source, (label, key) in SOURCE_LABELS.items()
+                                                 if source != args.predict_from and o[key] is not None)
+             + f" (CPU speed probe x{o['probe_scale']:.3f} since the profiles)",
              f"CPU work: modelled {sum(o['rank_work_predicted_s']) * 1e3:.4g} ms, measured {sum(o['rank_cpu_measured_s']) * 1e3:.4g} ms "
              f"(all ranks); CPU share calibrated {rep['shared_cpu']['cores']:.2f} cores, other users took {o['foreign_cores']:.2f} during the run",
              f"diagnostic (uses the run): the plan simulated on its actions' measured CPU times {o['run_costs_error']:+.1%}"]

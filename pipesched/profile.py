@@ -493,7 +493,7 @@ def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: st
     stat = {"median": statistics.median, "min": min}[statistic]
     now = {"wall": time.perf_counter, "cpu": time.thread_time}[clock]
     params = [p for p in layer.parameters() if p.requires_grad]
-    old_grads = [p.grad for p in params]      # restored on return; the fused backward accumulates into fresh ones
+    old_grads = [p.grad for p in params]      # restored on return; the fused backward accumulates into zeroed ones
     for p in params:
         # Zeros, not None: even the first timed fused backward then adds into existing gradients, as all but the
         # first micro-batch of a step do (into None autograd would just keep its result, saving the add: ~40 %

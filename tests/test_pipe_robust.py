@@ -275,3 +275,10 @@ def test_cpu_validation_rejects_an_unknown_prediction_source_before_measuring(kw
 
     with pytest.raises(ValueError, match=match):
         cpu_validation([8, 8], dim=4, batch=8, microbatches=2, stages=2, **kwargs)
+
+
+def test_pipe_run_names_every_prediction_source():
+    from pipesched.calibrate import PREDICTION_SOURCES
+    from pipesched.cli import SOURCE_LABELS
+
+    assert tuple(SOURCE_LABELS) == PREDICTION_SOURCES
