@@ -17,7 +17,9 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
+import subprocess
 from typing import Any
 
 from emu.net import plan_network
@@ -29,7 +31,7 @@ from .coflow import cct_lower_bound, priority_cct, weighted_cct
 from .enforce import host_tc_commands, network_tc_commands
 from .gradients import GradientProfile, measure_gradient_profile
 from .intrajob import ddp_plan, simulate_iteration, tune_bytescheduler, tune_prophet
-from .plan import host_capacities, plan_from_workload, write_nccl_plan, write_plan
+from .plan import host_capacities, nccl_class, plan_from_workload, write_nccl_plan, write_plan
 
 IN_JOB_POLICIES = ("ddp", "bytescheduler", "prophet")
 
@@ -161,4 +163,41 @@ def demo(topo: Topology, out: pathlib.Path) -> tuple[dict, str]:
     lines.append(f"    tc batch of the Parrot plan for {host}'s first NIC, emulated at 1/1000 ({port.dev}, {len(port.lines)} lines):")
     lines += [f"      tc {x}" for x in port.lines if x.startswith(("qdisc replace", "class change"))]
     lines.append(f"      ... 8 leaves, 8 DSCP filters; {host}'s full-rate batch in {out / f'{host}.tc'}")
-    return report, "\n".join(lines)
+    report["nccl_hook"], hook_lines = nccl_hook_demo(sin.plan, host, out / f"{host}.nccl.plan")
+    return report, "\n".join(lines + hook_lines)
+
+
+GPU_RESULTS = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results" / "ncclhook_gpu.json"
+
+
+def nccl_hook_demo(plan: Any, host: str, nccl_plan: pathlib.Path) -> tuple[dict, list[str]]:
+    """The host's NCCL plan loaded into the plugin library the way NCCL loads it, for the host's most urgent job."""
+    from . import ncclhook
+
+    rule = min(plan.rules(host), key=lambda r: r.priority)
+    k = nccl_class(rule.priority)
+    try:
+        t = ncclhook.loopback_transfer(k, plan=nccl_plan)
+    except (ncclhook.NcclHookError, OSError, subprocess.TimeoutExpired) as e:
+        return {"skipped": str(e)}, [f"  NCCL hook: skipped ({str(e).splitlines()[0]})"]
+    sockets = t["marks"]["sender"] + t["marks"]["receiver"]
+    marks = sorted({(m["tos"] >> 2, m["prio"]) for m in sockets})
+    report: dict[str, Any] = {"job": rule.job, "traffic_class": k, "transfer": t}
+    lines = [f"  NCCL hook: {ncclhook.PLUGIN_LIB} loaded as NCCL loads it (ncclNetPlugin_v{t['version']}); "
+             f"{t['bytes'] / 1e6:.1f} MB moved intact over lo",
+             f"    job {rule.job} (priority {rule.priority} -> NCCL trafficClass {k}) with {nccl_plan.name}: "
+             f"{len(sockets)} sockets marked " + ", ".join(f"DSCP {d} / SO_PRIORITY {p:#x}" for d, p in marks)]
+    if GPU_RESULTS.exists():  # the last real-NCCL run, committed by csrc/tests/gpu_nccl_check.py
+        gpu = json.loads(GPU_RESULTS.read_text())
+        ratios = gpu.get("scenarios", {}).get("contention", {}).get("ratios", [])
+        if ratios:
+            report["gpu_record"] = {"date": gpu["date"], "device": gpu["device"], "nccl": gpu["nccl_version"], "ratios": ratios}
+
+            def span(xs: list[float]) -> str:
+                lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+                return lo if lo == hi else f"{lo}-{hi}"
+
+            lines.append(f"    recorded on {gpu['device']} with NCCL {gpu['nccl_version']} ({gpu['date']}, bench/results/ncclhook_gpu.md): "
+                         f"a small all-reduce beside a bulk one took {span([r['plan'] for r in ratios])}x its time alone with the "
+                         f"plan, {span([r['no_plan'] for r in ratios])}x without")
+    return report, lines

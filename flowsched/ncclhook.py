@@ -34,6 +34,7 @@ import fcntl
 import json
 import mmap
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -694,6 +695,37 @@ def gloo_contention(tmp_path: Path, *, marked: bool, prefix: str = "nwgc", subne
     report["capture"] = json.loads((tmp_path / "cap.json").read_text()) if capture else {}
     report["mark_log"] = (tmp_path / "mark.log").read_text().splitlines() if (tmp_path / "mark.log").exists() else []
     return report
+
+
+def loopback_transfer(traffic_class: int | None = None, *, plan: str | os.PathLike[str] | None = None,
+                      sizes: Sequence[int] = (1, 4096, 131073, 1 << 20), window: int = 4, build_dir: Path | None = None,
+                      timeout: float = 60.0) -> dict:
+    """Load the net plugin the way NCCL does and move messages between two processes over ``lo``.
+
+    Runs ``csrc/tests/net_harness`` (dlopen, newest ``ncclNetPlugin_vN`` first, listen/connect/accept,
+    ``window`` isend/irecv pairs of every size, every byte checked) with the communicator in ``traffic_class``
+    and the plugin reading ``plan``. Returns the table version NCCL would have used, the bytes received
+    intact and the marks (IP TOS, SO_PRIORITY, pacing rate) of the sockets on each side; raises
+    :class:`NcclHookError` when the transfer fails.
+    """
+    bdir = build_dir or build()
+    if not (bdir / "net_harness").exists():
+        raise NcclHookError("no net_harness here: build csrc/ first (make -C csrc)", source=str(bdir))
+    env = {k: v for k, v in os.environ.items() if k != "NETWEAVE_PLAN"}
+    env["NETWEAVE_SOCKET_IFNAME"] = "lo"
+    if plan is not None:
+        env["NETWEAVE_PLAN"] = str(plan)
+    args = [str(bdir / "net_harness"), str(bdir / PLUGIN_LIB), "--sizes", ",".join(map(str, sizes)), "--iters", "1",
+            "--window", str(window)] + (["--tc", str(traffic_class)] if traffic_class is not None else [])
+    res = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
+    ok = re.search(r"OK receiver bytes=(\d+) version=(\d+)", res.stdout)
+    if res.returncode != 0 or ok is None:
+        raise NcclHookError(f"net_harness failed (exit {res.returncode}): {(res.stdout + res.stderr).strip()[-500:]}",
+                            source=str(bdir / "net_harness"))
+    marks: dict[str, list[dict[str, int]]] = {"sender": [], "receiver": []}
+    for m in re.finditer(r"MARK (\w+) fd=\d+ tos=(\d+) prio=(\d+) pacing=(\d+)", res.stdout):
+        marks[m.group(1)].append({"tos": int(m.group(2)), "prio": int(m.group(3)), "pacing": int(m.group(4))})
+    return {"version": int(ok.group(2)), "bytes": int(ok.group(1)), "expected_bytes": sum(sizes) * window, "marks": marks}
 
 
 # ---------------------------------------------------------------------- CLI --

@@ -175,3 +175,13 @@ def test_plan_change_remarks_a_live_connection(build_dir, tmp_path):
     assert all((s["tos"], s["prio"]) == (10 << 2, 1) for s in before)
     assert all((s["tos"], s["prio"]) == (34 << 2, 4) for s in after)
     assert sorted(s["pacing"] for s in after) == [25_000_000, 25_000_000, 2**64 - 1]  # control socket unpaced
+
+
+def test_loopback_transfer_carries_the_plans_marks(build_dir, tmp_path):
+    plan = ncclhook.write_plan(ncclhook.FlowPlan(classes={7: ncclhook.ClassMark(dscp=46, prio=6)}), tmp_path / "p.plan")
+    t = ncclhook.loopback_transfer(7, plan=plan, sizes=(1, 65537), window=2, build_dir=build_dir)
+    assert t["version"] == 12 and t["bytes"] == t["expected_bytes"] == 2 * (1 + 65537)
+    sockets = t["marks"]["sender"] + t["marks"]["receiver"]
+    assert len(sockets) == 6 and {(m["tos"], m["prio"]) for m in sockets} == {(46 << 2, 6)}
+    with pytest.raises(ncclhook.NcclHookError, match="net_harness"):
+        ncclhook.loopback_transfer(7, build_dir=tmp_path)

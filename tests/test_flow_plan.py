@@ -269,6 +269,14 @@ def test_demo_writes_plans_and_orders_policies_against_bounds(tmp_path, cluster)
     host = report["cross_job"]["tc_host"]
     assert ncclhook.read_plan(tmp_path / f"{host}.nccl.plan") == to_nccl_plan(plan, host)
     assert "Sincronia order" in text and "tc qdisc replace" in text
+    # the host's plan loaded into the plugin: every socket of its most urgent job carries that class's marks
+    hook = report["nccl_hook"]
+    t = hook["transfer"]
+    assert t["bytes"] == t["expected_bytes"] > 0
+    urgent = min(plan.rules(host), key=lambda r: r.priority)
+    assert hook["traffic_class"] == 7 - urgent.priority
+    assert {(m["tos"] >> 2, m["prio"]) for m in t["marks"]["sender"] + t["marks"]["receiver"]} == {(urgent.dscp, 0x10010 + urgent.priority)}
+    assert "NCCL hook" in text
 
 
 def test_documented_example_is_a_valid_plan():
