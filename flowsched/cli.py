@@ -82,6 +82,31 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_json_flag(p)
     p.set_defaults(func=cmd_agent)
 
+    p = fsub.add_parser("nccl", help="the NCCL plugin library of csrc/: build it, load it, read its plan and profiler ring")
+    nsub = p.add_subparsers(dest="nccl_command", metavar="ACTION", required=True)
+    q = nsub.add_parser("build", help="build csrc/ (make) and print the plugin library's path")
+    q.add_argument("--sanitize", action="store_true", help="the ASan/UBSan build")
+    add_json_flag(q)
+    q.set_defaults(func=cmd_nccl_build)
+    q = nsub.add_parser("env", help="print the environment that makes NCCL load the plugins (for launch scripts)")
+    q.add_argument("--plan", default=None, help="plugin plan file (netweave flow plan --nccl-plan)")
+    q.add_argument("--ring", default=None, help="profiler ring file (%%p = pid)")
+    add_json_flag(q)
+    q.set_defaults(func=cmd_nccl_env)
+    q = nsub.add_parser("check-plan", help="parse a plugin plan file and print it normalised")
+    q.add_argument("path")
+    add_json_flag(q)
+    q.set_defaults(func=cmd_nccl_check_plan)
+    q = nsub.add_parser("ring", help="print the events of a profiler ring")
+    q.add_argument("path")
+    add_json_flag(q)
+    q.set_defaults(func=cmd_nccl_ring)
+    q = nsub.add_parser("loopback", help="load the net plugin as NCCL does and move messages over lo, showing the sockets' marks")
+    q.add_argument("--class", dest="traffic_class", type=int, default=None, help="the communicator's NCCL trafficClass (0..7)")
+    q.add_argument("--plan", default=None, help="plugin plan file")
+    add_json_flag(q)
+    q.set_defaults(func=cmd_nccl_loopback)
+
 
 def cmd_keys(args: argparse.Namespace) -> int:
     from .control import generate_keys
@@ -129,6 +154,63 @@ def cmd_apply(args: argparse.Namespace) -> int:
         apply_tc(lines, args.dev, netns=args.netns)
     emit(args, {"host": args.host, "dev": args.dev, "applied": not args.dry_run, "commands": lines},
          "\n".join(f"tc {x}" for x in lines) if args.dry_run else f"installed {len(lines)} tc lines on {args.dev}")
+    return 0
+
+
+def cmd_nccl_build(args: argparse.Namespace) -> int:
+    from . import ncclhook
+
+    build_dir = ncclhook.build(sanitize=args.sanitize)
+    emit(args, {"build_dir": str(build_dir), "library": str(build_dir / ncclhook.PLUGIN_LIB)}, str(build_dir / ncclhook.PLUGIN_LIB))
+    return 0
+
+
+def cmd_nccl_env(args: argparse.Namespace) -> int:
+    import shlex
+
+    from . import ncclhook
+
+    if args.plan is not None:
+        ncclhook.read_plan(args.plan)  # a bad plan fails here, not inside NCCL
+    env = ncclhook.plugin_env(plan=Path(args.plan).resolve() if args.plan else None, ring=args.ring, build_dir=ncclhook.build())
+    emit(args, env, "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
+    return 0
+
+
+def cmd_nccl_check_plan(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from . import ncclhook
+
+    plan = ncclhook.read_plan(args.path)
+    emit(args, dataclasses.asdict(plan), ncclhook.format_plan(plan).rstrip("\n"))
+    return 0
+
+
+def cmd_nccl_ring(args: argparse.Namespace) -> int:
+    from . import ncclhook
+
+    with ncclhook.ProfilerRing(args.path) as ring:
+        events = ncclhook.events_to_dicts(ring.read())
+        dropped = ring.dropped
+    emit(args, {"events": events, "dropped": dropped}, "\n".join([str(e) for e in events] + [f"dropped={dropped}"]))
+    return 0
+
+
+def cmd_nccl_loopback(args: argparse.Namespace) -> int:
+    from . import ncclhook
+
+    if args.traffic_class is not None and not 0 <= args.traffic_class <= 7:
+        raise InputError(f"--class must be 0..7, got {args.traffic_class}")
+    if args.plan is not None:
+        ncclhook.read_plan(args.plan)
+    t = ncclhook.loopback_transfer(args.traffic_class, plan=args.plan)
+    sockets = t["marks"]["sender"] + t["marks"]["receiver"]
+    marks = sorted({(m["tos"] >> 2, m["prio"], m["pacing"]) for m in sockets})
+    text = [f"ncclNetPlugin_v{t['version']}: {t['bytes']} of {t['expected_bytes']} bytes received intact over lo",
+            f"{len(sockets)} sockets: " + "; ".join(f"DSCP {d}, SO_PRIORITY {p:#x}" + (f", pacing {r} B/s" if r < 2**63 else "")
+                                                      for d, p, r in marks)]
+    emit(args, t, "\n".join(text))
     return 0
 
 
