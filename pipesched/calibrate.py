@@ -712,3 +712,95 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
         report["speedup_predicted"] = uni.sim.makespan / best.sim.makespan
     report["_plan"], report["_run"] = first["ours"]
     return report
+
+
+GPU_SHARING = ("mps", "time-slice")
+
+
+def gpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, iterations: int = 10, warmup: int = 3,
+                   rounds: int = 2, repeats: int = 15, schedule: str = "auto", tie_margin: float = AUTO_TIE_MARGIN,
+                   sharing: str = "time-slice") -> dict[str, Any]:
+    """Profile, plan and run the MLP chain on the one CUDA GPU of this machine with NCCL; predicted against measured.
+
+    1. The profile: :func:`pipesched.profile.measure_profile` of the chain on the GPU, one process alone on it,
+       every clock reading after ``torch.cuda.synchronize`` (kernels and launches), medians of ``repeats`` over 3 passes.
+    2. The plan, from that profile alone: every exportable family (or ``schedule``), picked by
+       :func:`pipesched.plan.choose_robust`; the uniform split with torch's ``Schedule1F1B`` as the baseline. How the
+       ranks share the GPU is ``sharing``: ``"mps"`` (the CUDA MPS daemon runs and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``
+       gives every process, the profiling one included, the same share of the SMs) models each rank as a device of
+       its own at the profile's speed; ``"time-slice"`` (no MPS: the GPU time-slices between the ranks' contexts) as
+       processes sharing one device (the simulator's processor sharing with ``cores=1``). Both predictions are recorded
+       for every run (``predicted_dedicated_s``, ``predicted_processor_shared_s``); ``predicted_s`` is the one ``sharing`` names.
+    3. The runs: ``rounds`` rounds of both, alternating which goes first, with :func:`run_pipeline` (``device="cuda"``:
+       NCCL, every rank on GPU 0 with its own ``NCCL_HOSTID``). Each run is predicted from the profile and the link
+       its ranks measured before their steps (ping-pong latency and bandwidth of NCCL's transport between two ranks);
+       nothing is taken from the steps.
+    """
+    import torch
+
+    from .models import mlp_chain
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("gpu_validation needs a CUDA GPU")
+    if rounds < 1:
+        raise ValueError(f"need at least one round, got {rounds}")
+    if sharing not in GPU_SHARING:
+        raise ValueError(f"sharing must be one of {', '.join(GPU_SHARING)}, got {sharing!r}")
+    mb = batch // microbatches
+    dev = torch.device("cuda", 0)
+    layers = [layer.to(dev) for layer in mlp_chain(widths, dim)]
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(mb, dim, generator=gen).to(dev)
+    target = torch.randn(mb, dim, generator=gen).to(dev)
+    profile = measure_profile(layers, x, loss_fn=lambda out: torch.nn.functional.mse_loss(out, target), repeats=repeats, warmup=3,
+                              name="gpu", statistic="median", clock="wall", passes=3)
+    del layers, x
+    torch.cuda.empty_cache()
+    shared = SharedCpu(1.0) if sharing == "time-slice" else None
+    devices = [Device(f"gpu0-rank{r}") for r in range(stages)]
+    no_link = LinkModel.uniform(stages, math.inf, 0.0)
+    candidates, alternatives = [], []
+    for fam in [f for f in EXPORTABLE if schedule in ("auto", f)]:
+        try:
+            cand = plan(profile, devices, no_link, microbatches=microbatches, schedule=fam, cores=shared)
+        except Exception as exc:   # a family that does not apply to this shape
+            alternatives.append({"schedule": fam, "error": str(exc)})
+            continue
+        candidates.append(cand)
+        alternatives.append({"schedule": fam, "predicted_s": cand.sim.makespan, "spans": [list(s.layers) for s in cand.partition.stages]})
+    best = choose_robust(candidates, tie_margin)
+    uni = uniform_plan(profile, devices, no_link, microbatches=microbatches, family="1f1b", cores=shared)
+    common = {"microbatches": microbatches, "batch": batch, "dim": dim, "model_kwargs": {"widths": list(widths), "dim": dim},
+              "iterations": iterations, "warmup": warmup, "device": "cuda"}
+    arms = [("ours", best, {"spans": spans_for_schedule(best.schedule, best.partition), "stage_rank": list(best.schedule.stage_rank),
+                            "csv_text": schedule_csv(best.schedule)}),
+            ("uniform_torch_1f1b", uni, {"spans": [s.layers for s in uni.partition.stages], "stage_rank": list(range(stages)),
+                                         "builtin": "1F1B"})]
+    round_reports = []
+    for r in range(rounds):
+        rec: dict[str, Any] = {"round": r}
+        order = arms if r % 2 == 0 else arms[::-1]
+        rec["order"] = [name for name, _, _ in order]
+        for name, chosen, how in order:
+            run = run_pipeline(**how, **common)
+            link = LinkModel.uniform(chosen.schedule.ranks, run.link_bandwidth_bps, run.link_latency_s)
+            variants = {model: plan_partition(profile, chosen.partition, chosen.devices, link, family=chosen.family,
+                                              microbatches=microbatches, chunks=chosen.chunks, cores=cores)
+                        for model, cores in (("dedicated", None), ("processor_shared", SharedCpu(1.0)))}
+            c = compare(variants["dedicated" if sharing == "mps" else "processor_shared"], run)
+            for model, v in variants.items():
+                c |= {f"predicted_{model}_s": v.sim.makespan, f"error_{model}": v.sim.makespan / run.median_s - 1.0}
+            c |= {"sharing": sharing,
+                  "link_latency_s": run.link_latency_s, "link_bandwidth_bytes_per_s": run.link_bandwidth_bps,
+                  "device_peak_bytes": run.device_peak_bytes, "spans": [list(s.layers) for s in chosen.partition.stages]}
+            rec[name] = c
+        rec["speedup_measured"] = rec["uniform_torch_1f1b"]["measured_s"] / rec["ours"]["measured_s"]
+        round_reports.append(rec)
+    return {
+        "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        "sharing": sharing, "mps_active_thread_percentage": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+        "model": {"widths": list(widths), "dim": dim, "batch": batch, "microbatches": microbatches, "stages": stages},
+        "profile": profile.to_dict(), "profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in profile.layers),
+        "plan": {"schedule": best.family, "spans": [list(s.layers) for s in best.partition.stages], "candidates": alternatives},
+        "rounds": round_reports, "summary": summarize_rounds(round_reports),
+    }

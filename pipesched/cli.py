@@ -83,6 +83,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="what each run is predicted from: the profile passes its ranks take between its steps (default), "
                         "the profile they take right before its first step, the median of the profiles taken so far, "
                         "or that rescaled by a CPU speed probe")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="cpu: gloo processes on this CPU (default); cuda: NCCL, every rank on GPU 0 (see docs/pipesched.md)")
+    p.add_argument("--sharing", choices=["mps", "time-slice"], default=None,
+                   help="with --device cuda: how the ranks share the GPU (default: mps when CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set)")
     p.add_argument("--out", help="write the report JSON here")
     p.add_argument("--trace", help="write predicted and measured timelines into one Chrome trace")
     add_json_flag(p)
@@ -253,6 +257,35 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_on_gpu(args: argparse.Namespace, widths: list[int]) -> int:
+    import os
+
+    import torch
+
+    from .calibrate import gpu_validation
+
+    if not torch.cuda.is_available():
+        raise InputError("no CUDA GPU is visible to torch on this machine", where="--device")
+    sharing = args.sharing or ("mps" if os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") else "time-slice")
+    progress(f"profiling on the GPU, planning and running {args.stages} NCCL processes on GPU 0 ({sharing}) ...")
+    rep = gpu_validation(widths, dim=args.dim, batch=args.batch, microbatches=args.microbatches, stages=args.stages,
+                         iterations=args.iterations, rounds=args.rounds, schedule=args.schedule, sharing=sharing)
+    if args.out:
+        from topology.io import atomic_write_text
+
+        atomic_write_text(args.out, json.dumps(rep, indent=1, default=str) + "\n")
+    lines = [f"{rep['device']}, NCCL {rep['nccl']}, ranks sharing the GPU by {sharing}; plan: {rep['plan']['schedule']}, "
+             f"spans {rep['plan']['spans']}"]
+    for rnd in rep["rounds"]:
+        for arm in rnd["order"]:
+            c = rnd[arm]
+            lines.append(f"round {rnd['round']} {arm}: predicted {c['predicted_s'] * 1e3:.4g} ms, measured {c['measured_s'] * 1e3:.4g} ms "
+                         f"(error {c['error']:+.1%}), per-action error {c['per_action_mape']:.1%} mean abs")
+    lines.append(f"ours vs uniform + torch 1F1B: {rep['summary']['speedup_median']:.3f}x measured (median of rounds)")
+    emit(args, rep, "\n".join(lines))
+    return 0
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .calibrate import cpu_validation
     from .runner import measured_timeline
@@ -268,6 +301,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise InputError(f"{args.stages} stages but the model has only {len(widths)} layers", where="--stages")
     if args.rounds < 1:
         raise InputError(f"expected at least 1 round, got {args.rounds}", where="--rounds")
+    if args.device == "cuda":
+        return _run_on_gpu(args, widths)
     progress(f"profiling, planning and running {args.stages} gloo processes ...")
     rep = cpu_validation(widths, dim=args.dim, batch=args.batch, microbatches=args.microbatches, stages=args.stages, threads=args.threads,
                          iterations=args.iterations, schedule=args.schedule, baseline=not args.no_baseline, rounds=args.rounds,

@@ -417,7 +417,7 @@ def _tensor_bytes(t) -> int:
 def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Callable[[Any], Any] | None = None,
                     repeats: int = 5, warmup: int = 1, threads: int | None = None, name: str = "measured",
                     state_factor: float = 4.0, statistic: str = "median", clock: str = "wall", passes: int = 1) -> ModelProfile:
-    """Run a chain of ``torch.nn.Module`` layers on CPU and time and size every layer for one micro-batch.
+    """Run a chain of ``torch.nn.Module`` layers (CPU, or a CUDA GPU) and time and size every layer for one micro-batch.
 
     For each layer (fed the previous layer's real output): the forward time; the input-gradient time
     (``torch.autograd.grad(out, inputs)`` with the graph retained) and then the weight-gradient time
@@ -442,6 +442,9 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
     not in one burst of a fraction of a second, so a momentary slowdown of the machine (on this virtual machine
     the same work's CPU time swings by 20-30 % within seconds) is spread over all layers instead of landing on a few.
     ``state_factor`` 4 is FP32 weights + grads + Adam's two moments.
+    On a GPU (``example_input`` and the layers on a CUDA device) every clock reading waits for the device first
+    (``torch.cuda.synchronize``), so a time is the layer's kernels plus their launches; ``clock="cpu"`` is
+    refused there (the host thread's CPU time says nothing about the device's work).
 
     >>> import torch
     >>> layers = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU()), torch.nn.Linear(16, 4)]
@@ -453,6 +456,10 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
 
     if passes < 1:
         raise ValueError(f"passes must be >= 1, got {passes}")
+    on_gpu = bool(torch.is_tensor(example_input) and example_input.is_cuda)
+    if on_gpu and clock != "wall":
+        raise ValueError(f"clock={clock!r} cannot time GPU work: use clock='wall' (it waits for the device)")
+    layer_clock = "cuda" if on_gpu else clock
     stat = {"median": statistics.median, "min": min}[statistic]
     per_pass = -(-repeats // passes)
     old_threads = torch.get_num_threads()
@@ -466,7 +473,7 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
             for index, layer in enumerate(layers):
                 is_last = index == len(layers) - 1
                 lay = _measure_layer(torch, layer, x, loss_fn if is_last else None, per_pass if passes > 1 else repeats,
-                                     warmup if k == 0 else min(warmup, 1), f"layer{index}", statistic, clock, samples=pooled[index])
+                                     warmup if k == 0 else min(warmup, 1), f"layer{index}", statistic, layer_clock, samples=pooled[index])
                 if k == 0:
                     results.append(lay)
                 with torch.no_grad():
@@ -477,7 +484,8 @@ def measure_profile(layers: Sequence[Any], example_input: Any, *, loss_fn: Calla
         results = [_from_samples(lay, smp, stat) for lay, smp in zip(results, pooled, strict=True)]
     batch = example_input.shape[0] if hasattr(example_input, "shape") and example_input.dim() else 1
     return ModelProfile(name=name, layers=tuple(results), source="measured", microbatch_size=int(batch), state_factor=state_factor,
-                        reference={"name": "cpu", "threads": threads or old_threads, "statistic": statistic, "clock": clock,
+                        reference={"name": torch.cuda.get_device_name(example_input.device) if on_gpu else "cpu",
+                                   "threads": threads or old_threads, "statistic": statistic, "clock": clock,
                                    "repeats": per_pass * passes, "passes": passes})
 
 
@@ -491,7 +499,11 @@ def _from_samples(lay: LayerProfile, samples: dict[str, list[float]], stat) -> L
 def _measure_layer(torch, layer, x, loss_fn, repeats: int, warmup: int, name: str, statistic: str = "median",
                    clock: str = "wall", samples: dict[str, list[float]] | None = None) -> LayerProfile:
     stat = {"median": statistics.median, "min": min}[statistic]
-    now = {"wall": time.perf_counter, "cpu": time.thread_time}[clock]
+    def synced() -> float:   # the device's queued work is part of what is being timed
+        torch.cuda.synchronize()
+        return time.perf_counter()
+
+    now = {"wall": time.perf_counter, "cpu": time.thread_time, "cuda": synced}[clock]
     params = [p for p in layer.parameters() if p.requires_grad]
     old_grads = [p.grad for p in params]      # restored on return; the fused backward accumulates into zeroed ones
     for p in params:

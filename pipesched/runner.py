@@ -1,4 +1,4 @@
-"""Run a plan on a real model with real processes: torch.distributed.pipelining over gloo on CPU.
+"""Run a plan on a real model with real processes: torch.distributed.pipelining over gloo on CPU, or NCCL on a GPU.
 
 :func:`run_pipeline` spawns one process per pipeline rank (``torch.multiprocessing``, start method
 "spawn", a TCP rendezvous on localhost). Each process builds the same model from a factory
@@ -20,6 +20,14 @@ baseline. It measures:
 - on request (``interleave_profile``), one more such profile pass before every timed step, all ranks at once
   between two barriers, so that the profile samples the machine over the same seconds as the steps it
   predicts (on a shared virtual machine the same work's CPU time drifts by tens of percent within a run).
+
+With ``device="cuda"`` every rank runs on GPU 0 over NCCL. The ranks share the one GPU: each gets its own
+``NCCL_HOSTID``, so NCCL takes them for separate nodes (it refuses two ranks of one node on one GPU) and moves
+the activations over its network transport on the loopback interface. Every clock reading of an action, a step
+and the ping-pong waits for the GPU first (an action: its compute stream; a step and the ping-pong: the whole
+device), so the times are the GPU's work, not its queueing; per rank, the peak of GPU memory allocated during
+the memory step is recorded too. Several ranks on one GPU either time-slice it (one context at a time) or, with
+the CUDA MPS daemon and ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``, each get a share of its SMs.
 """
 
 from __future__ import annotations
@@ -54,6 +62,8 @@ class RunResult:
     pre_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: its profile taken right before the run (JSON form)
     interleaved_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: median of its passes between the steps
     interleaved_totals_s: list[list[float]] = field(default_factory=list)      # per rank: each pass's F + B total, step by step
+    device: str = "cpu"
+    device_peak_bytes: list[int] = field(default_factory=list)   # per rank, GPU runs: peak allocated memory during the memory step
 
     @property
     def median_s(self) -> float:
@@ -65,7 +75,7 @@ class RunResult:
                 "link_latency_s": self.link_latency_s, "link_bandwidth_bps": self.link_bandwidth_bps, "losses": self.losses,
                 "action_cpu_medians": self.action_cpu_medians, "rank_cpu_s": self.rank_cpu_s, "foreign_cores": self.foreign_cores,
                 "pre_profiles": self.pre_profiles, "interleaved_profiles": self.interleaved_profiles,
-                "interleaved_totals_s": self.interleaved_totals_s}
+                "interleaved_totals_s": self.interleaved_totals_s, "device": self.device, "device_peak_bytes": self.device_peak_bytes}
 
 
 def machine_busy_s() -> float:
@@ -148,17 +158,19 @@ def _rss(field_name: str) -> int:
     return 0
 
 
-def _ping_pong(torch, dist, rank: int, world: int) -> tuple[float, float]:
-    """Latency and bandwidth between ranks 0 and 1 from round trips at two message sizes."""
+def _ping_pong(torch, dist, rank: int, world: int, device: Any = "cpu", sync: Any = None) -> tuple[float, float]:
+    """Latency and bandwidth between ranks 0 and 1 from round trips at two message sizes (``sync`` waits for a GPU)."""
     if world < 2:
         return 0.0, float("inf")
     if rank > 1:
         return 0.0, 0.0
     times = {}
     for nbytes, rounds in ((4, 30), (4 << 20, 10)):
-        buf = torch.zeros(max(1, nbytes // 4))
+        buf = torch.zeros(max(1, nbytes // 4), device=device)
         samples = []
         for _ in range(rounds):
+            if sync:
+                sync()
             t0 = time.perf_counter()
             if rank == 0:
                 dist.send(buf, 1)
@@ -166,6 +178,8 @@ def _ping_pong(torch, dist, rank: int, world: int) -> tuple[float, float]:
             else:
                 dist.recv(buf, 0)
                 dist.send(buf, 0)
+            if sync:
+                sync()
             samples.append((time.perf_counter() - t0) / 2)
         times[nbytes] = statistics.median(samples[1:])
     small, large = times[4], times[4 << 20]
@@ -175,6 +189,10 @@ def _ping_pong(torch, dist, rank: int, world: int) -> tuple[float, float]:
 
 def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cuda = job.get("device") == "cuda"
+    if cuda:   # all ranks on the one GPU: distinct host ids make NCCL treat them as nodes joined by its network transport
+        os.environ["NCCL_HOSTID"] = f"pipesched-rank{rank}"
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage
@@ -182,8 +200,18 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
 
     torch.set_num_threads(job["threads"])
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        layers = _factory(job["model"])(**job["model_kwargs"])
+        dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        sync = stream_sync = None
+        if cuda:
+            torch.cuda.set_device(dev)
+            sync = torch.cuda.synchronize
+
+            def stream_sync() -> None:
+                # Only the compute stream: a device-wide sync would also wait for this rank's NCCL sends, which
+                # finish only when the peer posts its receive, and so would chain the ranks' actions together.
+                torch.cuda.current_stream().synchronize()
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        layers = [layer.to(dev) for layer in _factory(job["model"])(**job["model_kwargs"])]
         spans = job["spans"]
         stage_rank = job["stage_rank"]
         num_stages = len(spans)
@@ -193,8 +221,8 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             if stage_rank[sid] != rank:
                 continue
             i, j = spans[sid]
-            stage = PipelineStage(torch.nn.Sequential(*layers[i:j]), sid, num_stages, torch.device("cpu"))
-            _instrument(stage, sid, records)
+            stage = PipelineStage(torch.nn.Sequential(*layers[i:j]), sid, num_stages, dev)
+            _instrument(stage, sid, records, stream_sync)
             stages.append(stage)
         loss_fn = torch.nn.functional.mse_loss
         m = job["microbatches"]
@@ -206,10 +234,10 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             sched._load_csv(job["csv"], format="compute_only")
         # After every rank has built its model, so that the ping-pong does not compete with model construction.
         dist.barrier()
-        latency, bandwidth = _ping_pong(torch, dist, rank, world)
+        latency, bandwidth = _ping_pong(torch, dist, rank, world, dev, sync)
         gen = torch.Generator().manual_seed(1)
-        x = torch.randn(job["batch"], job["dim"], generator=gen)
-        y = torch.randn(job["batch"], job["dim"], generator=gen)
+        x = torch.randn(job["batch"], job["dim"], generator=gen).to(dev)
+        y = torch.randn(job["batch"], job["dim"], generator=gen).to(dev)
         pre_profile = None
         if job.get("pre_profile"):
             opts = job["pre_profile"]
@@ -219,6 +247,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         interleaved = []
         first = any(s.is_first for s in stages)
         last = any(s.is_last for s in stages)
+        inputs = (x,) if first else ()   # no positional input at all on other ranks (torch 2.11's schedules assert on a None)
         opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
         durations, cpu_s, losses = [], [], []
         last_records: list[tuple[int, str, int, float, float, float]] = []
@@ -235,7 +264,9 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             records.clear()
             t0, c0 = time.perf_counter(), time.process_time()
             step_losses: list = []
-            sched.step(x if first else None, target=y if last else None, losses=step_losses if last else None)
+            sched.step(*inputs, target=y if last else None, losses=step_losses if last else None)
+            if sync:
+                sync()
             t1, c1 = time.perf_counter(), time.process_time()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -258,9 +289,13 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         with contextlib.suppress(OSError):
             Path("/proc/self/clear_refs").write_text("5")
         rss0 = _rss("VmRSS")
+        if cuda:
+            sync()
+            torch.cuda.reset_peak_memory_stats(dev)
         with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
-            sched.step(x if first else None, target=y if last else None, losses=[] if last else None)
+            sched.step(*inputs, target=y if last else None, losses=[] if last else None)
         rss_growth = max(0, _rss("VmHWM") - rss0)
+        device_peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else 0
         opt.zero_grad(set_to_none=True)
         inter = None
         if interleaved:
@@ -270,7 +305,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "actions": last_records, "per_action": per_action,
                    "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
                    "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses, "pre_profile": pre_profile,
-                   "interleaved": inter})
+                   "interleaved": inter, "device_peak": device_peak})
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:   # report, do not hang the parent
@@ -293,15 +328,22 @@ def _profile_chain(torch, dist, layers, x, y, job: dict[str, Any], *, repeats: i
     target = y[:mb]
     dist.barrier()
     prof = measure_profile(layers, x[:mb], loss_fn=lambda out: torch.nn.functional.mse_loss(out, target), repeats=repeats,
-                           warmup=warmup, threads=job["threads"], name=name, statistic="median", clock="cpu", passes=passes)
+                           warmup=warmup, threads=job["threads"], name=name, statistic="median",
+                           clock="wall" if x.is_cuda else "cpu", passes=passes)
     dist.barrier()
     return prof
 
 
-def _instrument(stage, sid: int, records: list) -> None:
+def _instrument(stage, sid: int, records: list, sync: Any = None) -> None:
     forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
-    clock, cpu = time.perf_counter, time.thread_time
+    cpu = time.thread_time
+    if sync is None:
+        clock = time.perf_counter
+    else:
+        def clock() -> float:   # a GPU action ends when its kernels have run, not when they are queued
+            sync()
+            return time.perf_counter()
 
     def fwd(chunk_id, *args, **kwargs):
         t, c = clock(), cpu()
@@ -357,8 +399,10 @@ def gather_results(procs: list, queue: Any, world: int, timeout_s: float, *, wha
 def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microbatches: int, batch: int, dim: int,
                  model: str = "pipesched.models:mlp_chain", model_kwargs: dict[str, Any] | None = None, csv_text: str | None = None,
                  builtin: str | None = None, iterations: int = 3, warmup: int = 1, threads: int = 1, timeout_s: float = 300,
-                 pre_profile: dict[str, int] | None = None, interleave_profile: dict[str, int] | None = None) -> RunResult:
-    """Run a pipeline in ``max(stage_rank) + 1`` gloo processes and measure it (see the module docstring).
+                 pre_profile: dict[str, int] | None = None, interleave_profile: dict[str, int] | None = None,
+                 device: str = "cpu") -> RunResult:
+    """Run a pipeline in ``max(stage_rank) + 1`` processes (gloo on the CPU, or NCCL on GPU 0 with ``device="cuda"``)
+    and measure it (see the module docstring).
 
     Exactly one of ``csv_text`` (our schedule, compute_only CSV) and ``builtin`` (torch's schedule name)
     is given. ``batch`` is the whole batch; torch splits it into ``microbatches`` along dimension 0.
@@ -374,6 +418,8 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
 
     if (csv_text is None) == (builtin is None):
         raise ValueError("give exactly one of csv_text and builtin")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     world = max(stage_rank) + 1
     with tempfile.TemporaryDirectory(prefix="pipesched-run-") as tmp:
         csv_path = None
@@ -383,7 +429,7 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
         job = {"spans": [list(s) for s in spans], "stage_rank": list(stage_rank), "microbatches": microbatches, "batch": batch, "dim": dim,
                "model": model, "model_kwargs": dict(model_kwargs or {}), "csv": csv_path, "builtin": builtin, "iterations": iterations,
                "warmup": warmup, "threads": threads, "pre_profile": dict(pre_profile) if pre_profile else None,
-               "interleave_profile": dict(interleave_profile) if interleave_profile else None}
+               "interleave_profile": dict(interleave_profile) if interleave_profile else None, "device": device}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         port = _free_port()
@@ -405,7 +451,8 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
                      rank_cpu_s=[statistics.median(results[r]["cpu_s"]) for r in range(world)], foreign_cores=foreign,
                      pre_profiles=[results[r]["pre_profile"] for r in range(world) if results[r]["pre_profile"] is not None],
                      interleaved_profiles=[results[r]["interleaved"]["median"] for r in range(world) if results[r]["interleaved"]],
-                     interleaved_totals_s=[results[r]["interleaved"]["totals"] for r in range(world) if results[r]["interleaved"]])
+                     interleaved_totals_s=[results[r]["interleaved"]["totals"] for r in range(world) if results[r]["interleaved"]],
+                     device=device, device_peak_bytes=[results[r]["device_peak"] for r in range(world)] if device == "cuda" else [])
 
 
 def measured_timeline(run: RunResult, ranks: int):

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from pipesched.devices import Device, LinkModel
@@ -75,3 +79,26 @@ def test_zero_bubble_plan_runs_in_real_processes_and_trains_like_one_process():
     assert run.link_bandwidth_bps > 0 and run.link_latency_s > 0
     timeline = measured_timeline(run, p)
     assert timeline.makespan <= max(run.iteration_s) + 1e-9
+
+
+def test_gpu_paths_refuse_clearly_without_a_gpu():
+    import torch
+
+    from pipesched.calibrate import gpu_validation
+    from pipesched.profile import measure_profile
+
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        run_pipeline([(0, 1)], [0], microbatches=1, batch=2, dim=4, builtin="1F1B", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA GPU"):
+            gpu_validation([8, 8], dim=4, batch=4, microbatches=2, stages=2)
+        res = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "bench_pipesched_gpu.py")],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and "no CUDA GPU" in res.stderr
+        from netweave.cli import main
+
+        assert main(["pipe", "run", "--device", "cuda"]) == 2
+    else:   # on a GPU the CPU clock is refused for GPU work
+        layer = torch.nn.Linear(4, 4).cuda()
+        with pytest.raises(ValueError, match="clock='wall'"):
+            measure_profile([layer], torch.randn(2, 4, device="cuda"), clock="cpu")
