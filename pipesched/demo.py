@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -16,6 +17,8 @@ from .partition import PlanError
 from .plan import plan, uniform_plan
 from .profile import GPTConfig, analytic_profile
 from .simulate import gantt_png, write_chrome_trace
+
+RESULTS = pathlib.Path(__file__).resolve().parent.parent / "bench" / "results"
 
 # A GPT-3 2.7B-class model (Brown et al. 2020, Table 2.1: 32 layers, d_model 2560, 32 heads, 2048 tokens).
 DEMO_MODEL = GPTConfig(layers=32, hidden=2560, heads=32, seq_len=2048, vocab=50257, microbatch_size=2, name="gpt3-2.7b")
@@ -48,4 +51,33 @@ def demo(topo: Any, out: pathlib.Path, *, stages: int = 8, microbatches: int = 3
     }
     text = best.text() + (f"\nuniform split + 1F1B: {base.sim.makespan * 1e3:.4g} ms -> planned {best.sim.makespan * 1e3:.4g} ms "
                           f"({base.sim.makespan / best.sim.makespan:.2f}x)\nGantt chart: {png}\nChrome trace: {trace}")
+    recorded = recorded_runs()
+    report["recorded_runs"] = recorded
+    for r in recorded:
+        text += (f"\nrecorded real run ({r['file']}, {r['where']}): our plan {r['speedup']} faster than uniform + torch 1F1B, "
+                 f"prediction error {r['errors']}")
     return report, text
+
+
+def recorded_runs() -> list[dict[str, str]]:
+    """One line per committed real-run benchmark (CPU with gloo, GPU with NCCL): where, speed-up, prediction errors."""
+    out = []
+    for name in ("pipesched_cpu_validation", "pipesched_gpu_validation"):
+        path = RESULTS / f"{name}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        reports = data.get("reports") or [data.get("report", {})]
+        if isinstance(reports, dict):   # the CPU benchmark keys its cases ("4-auto", "2-auto", ...)
+            reports = list(reports.values())
+        errors = [rnd[arm]["error"] for rep in reports for rnd in rep.get("rounds", []) for arm in rnd.get("order", [])]
+        speedups = [x for rep in reports for x in rep.get("summary", {}).get("speedups", [])]
+        if not errors or not speedups:
+            continue
+        where = f"{reports[0]['device']}, NCCL" if "device" in reports[0] else f"{data['machine']['cpus']} CPUs, gloo"
+        where += f", {data['machine']['date']}"
+        within = sum(abs(e) <= 0.10 for e in errors)
+        out.append({"file": f"bench/results/{name}.md", "where": where,
+                    "speedup": f"{min(speedups):.2f}-{max(speedups):.2f}x",
+                    "errors": f"{100 * min(errors):+.1f}..{100 * max(errors):+.1f} % ({within} of {len(errors)} within 10 %)"})
+    return out

@@ -94,3 +94,10 @@ def test_demo(tmp_path, cluster):
     assert report["predicted_s"] >= report["lower_bound_s"] * (1 - 1e-9)
     assert pathlib.Path(report["files"]["gantt"]).read_bytes()[:4] == b"\x89PNG"
     assert "lower bound" in text and json.dumps(report)
+    # the committed real runs are summarised from their result files, numbers and all
+    for rec in report["recorded_runs"]:
+        data = json.loads((pathlib.Path(__file__).resolve().parent.parent / rec["file"]).with_suffix(".json").read_text())
+        reports = data.get("reports") or [data.get("report")]
+        reports = list(reports.values()) if isinstance(reports, dict) else reports
+        n = sum(len(rnd["order"]) for rep in reports for rnd in rep["rounds"])
+        assert f"of {n} within 10 %" in rec["errors"] and rec["file"] in text
