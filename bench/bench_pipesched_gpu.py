@@ -58,6 +58,8 @@ def main() -> int:
                          "per_action_mape": f"{100 * c['per_action_mape']:.1f} %" if c["per_action_mape"] is not None else "-",
                          "peak_gpu_mib": max(c["device_peak_bytes"]) // 2**20 if c["device_peak_bytes"] else "-"})
     s = rep["summary"]
+    # time-sliced ranks take turns on the whole GPU, so how the layers are split matters less than with MPS shares
+    time_slice_remark = " (time-sliced: the ranks take turns on the whole GPU, so the split matters less)" if sharing == "time-slice" else ""
     notes = f"""
 Device: {rep['device']}, torch {rep['torch']}, NCCL {rep['nccl']}. Model: {len(widths)} MLP blocks of width
 {widths} on dim {args.dim}, batch {args.batch} in {args.microbatches} micro-batches, {args.stages} pipeline ranks, all on
@@ -69,8 +71,7 @@ steps: "dedicated" = each rank a device of its own at the profile's speed (the m
 the ranks sharing one device (processor sharing, cores = 1: the model for time-slicing); "predicted" and "error"
 are the one the sharing names. Our plan: {rep['plan']['schedule']} with spans {rep['plan']['spans']}.
 Within 10 %: {s['within']} of {s['runs']} runs; our plan / uniform + torch 1F1B measured speed-up, median
-{s.get('speedup_median', float('nan')):.3f} (the ranks share one GPU, so balancing stages changes less than on
-separate devices).
+{s.get('speedup_median', float('nan')):.3f}{time_slice_remark}.
 """
     write_results(args.name, rows, title="Pipeline planner on a GPU: predicted vs measured (NCCL)",
                   notes=notes, extra={"report": rep}, out_dir=Path(args.out_dir) if args.out_dir else None)
