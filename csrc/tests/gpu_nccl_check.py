@@ -224,7 +224,7 @@ def scenario_netns(tmp: Path, build_dir: Path, keep: Path | None, rate_mbit: flo
         checks[f"class{k}_sockets_marked"] = len(ok) == 2 and all(any(m["tos"] == tos and m["prio"] == k for m in r["marks"]) for r in ok)
         # exact: the kernel's u32 filters classified the group's bytes by their DSCP into the class's leaf, both ways
         checks[f"class{k}_htb_leaf_bytes_both_ways"] = min(delta[0].get(leaf, 0), delta[1].get(leaf, 0)) >= group_bytes
-        # sampled: scapy misses packets when it falls behind (it saw 69-88 % of them on the GPU machine at 20 Mbit/s)
+        # sampled: scapy misses packets when it falls behind (it saw 69-90 % of the payload on the GPU machine at 20 Mbit/s)
         checks[f"class{k}_packets_on_wire"] = per_class[k]["connections"] > 0 and payload_by_tos.get(tos, 0) >= 0.5 * 2 * group_bytes
     report.update(checks=checks, exit_codes=codes, ranks=ranks_rep, per_class=per_class, payload_by_tos=payload_by_tos,
                   htb_bytes_a_egress=delta[0], htb_bytes_b_egress=delta[1])
