@@ -1,4 +1,4 @@
-"""``netweave flow``: flow plans (cross-job), their enforcement, gradient profiles and in-job schedules, the control plane."""
+"""``netweave flow``: flow plans (cross-job), their enforcement, gradient profiles and in-job schedules, the control plane, the NCCL hook."""
 
 from __future__ import annotations
 

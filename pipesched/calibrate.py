@@ -554,6 +554,34 @@ def summarize_rounds(rounds: list[dict[str, Any]], arms: tuple[str, ...] = ("our
     return out
 
 
+def _plan_candidates(profile: ModelProfile, devices: list[Device], link: LinkModel, *, microbatches: int, schedule: str,
+                     cores: SharedCpu | None, tie_margin: float) -> tuple[Plan, list[dict[str, Any]]]:
+    """Every exportable family (or just ``schedule``) planned on ``profile``; the robust pick and a record of each try."""
+    candidates, alternatives = [], []
+    for fam in [f for f in EXPORTABLE if schedule in ("auto", f)]:
+        try:
+            cand = plan(profile, devices, link, microbatches=microbatches, schedule=fam, cores=cores)
+        except Exception as exc:   # a family that does not apply to this shape (e.g. interleaving with too few layers)
+            alternatives.append({"schedule": fam, "error": str(exc)})
+            continue
+        candidates.append(cand)
+        alternatives.append({"schedule": fam, "predicted_s": cand.sim.makespan, "in_flight": cand.in_flight,
+                             "spans": [list(s.layers) for s in cand.partition.stages]})
+    return choose_robust(candidates, tie_margin), alternatives
+
+
+def _ours_arm(best: Plan) -> tuple[str, Plan, dict[str, Any]]:
+    """``run_pipeline`` arguments of our plan (its CSV through torch's schedule runtime)."""
+    return ("ours", best, {"spans": spans_for_schedule(best.schedule, best.partition), "stage_rank": list(best.schedule.stage_rank),
+                           "csv_text": schedule_csv(best.schedule)})
+
+
+def _uniform_arm(uni: Plan) -> tuple[str, Plan, dict[str, Any]]:
+    """``run_pipeline`` arguments of the baseline: the uniform split with torch's own ``Schedule1F1B``."""
+    return ("uniform_torch_1f1b", uni, {"spans": [s.layers for s in uni.partition.stages], "stage_rank": list(range(len(uni.partition.stages))),
+                                        "builtin": "1F1B"})
+
+
 def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, threads: int = 1,
                    iterations: int = 3, warmup: int = 1, schedule: str = "auto", baseline: bool = True,
                    cores: float | None = None, repeats: int = 15, rounds: int = 1, probe: bool = True,
@@ -620,29 +648,16 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     profiles = [first_profile]
     devices = [Device(f"cpu-rank{r}") for r in range(stages)]
     link = cal.link()
-    families = [f for f in EXPORTABLE if schedule in ("auto", f)]
-    candidates, alternatives = [], []
-    for fam in families:
-        try:
-            cand = plan(first_profile, devices, link, microbatches=microbatches, schedule=fam, cores=shared)
-        except Exception as exc:   # a family that does not apply to this shape (e.g. interleaving with too few layers)
-            alternatives.append({"schedule": fam, "error": str(exc)})
-            continue
-        candidates.append(cand)
-        alternatives.append({"schedule": fam, "predicted_s": cand.sim.makespan, "in_flight": cand.in_flight,
-                             "spans": [list(s.layers) for s in cand.partition.stages]})
-    best = choose_robust(candidates, tie_margin)
+    best, alternatives = _plan_candidates(first_profile, devices, link, microbatches=microbatches, schedule=schedule, cores=shared,
+                                          tie_margin=tie_margin)
     kwargs = {"widths": list(widths), "dim": dim}
     common = {"microbatches": microbatches, "batch": batch, "dim": dim, "model_kwargs": kwargs, "iterations": iterations, "warmup": warmup,
               "threads": threads}
-    arms: list[tuple[str, Plan, dict[str, Any]]] = [
-        ("ours", best, {"spans": spans_for_schedule(best.schedule, best.partition), "stage_rank": list(best.schedule.stage_rank),
-                        "csv_text": schedule_csv(best.schedule)})]
+    arms = [_ours_arm(best)]
     uni = None
     if baseline:
         uni = uniform_plan(first_profile, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
-        arms.append(("uniform_torch_1f1b", uni, {"spans": [s.layers for s in uni.partition.stages], "stage_rank": list(range(stages)),
-                                                 "builtin": "1F1B"}))
+        arms.append(_uniform_arm(uni))
     round_reports: list[dict[str, Any]] = []
     first: dict[str, Any] = {}
     for r in range(rounds):
@@ -759,23 +774,12 @@ def gpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     shared = SharedCpu(1.0) if sharing == "time-slice" else None
     devices = [Device(f"gpu0-rank{r}") for r in range(stages)]
     no_link = LinkModel.uniform(stages, math.inf, 0.0)
-    candidates, alternatives = [], []
-    for fam in [f for f in EXPORTABLE if schedule in ("auto", f)]:
-        try:
-            cand = plan(profile, devices, no_link, microbatches=microbatches, schedule=fam, cores=shared)
-        except Exception as exc:   # a family that does not apply to this shape
-            alternatives.append({"schedule": fam, "error": str(exc)})
-            continue
-        candidates.append(cand)
-        alternatives.append({"schedule": fam, "predicted_s": cand.sim.makespan, "spans": [list(s.layers) for s in cand.partition.stages]})
-    best = choose_robust(candidates, tie_margin)
+    best, alternatives = _plan_candidates(profile, devices, no_link, microbatches=microbatches, schedule=schedule, cores=shared,
+                                          tie_margin=tie_margin)
     uni = uniform_plan(profile, devices, no_link, microbatches=microbatches, family="1f1b", cores=shared)
     common = {"microbatches": microbatches, "batch": batch, "dim": dim, "model_kwargs": {"widths": list(widths), "dim": dim},
               "iterations": iterations, "warmup": warmup, "device": "cuda"}
-    arms = [("ours", best, {"spans": spans_for_schedule(best.schedule, best.partition), "stage_rank": list(best.schedule.stage_rank),
-                            "csv_text": schedule_csv(best.schedule)}),
-            ("uniform_torch_1f1b", uni, {"spans": [s.layers for s in uni.partition.stages], "stage_rank": list(range(stages)),
-                                         "builtin": "1F1B"})]
+    arms = [_ours_arm(best), _uniform_arm(uni)]
     round_reports = []
     for r in range(rounds):
         rec: dict[str, Any] = {"round": r}

@@ -315,7 +315,8 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
 
 
 def _profile_chain(torch, dist, layers, x, y, job: dict[str, Any], *, repeats: int, passes: int, warmup: int, name: str):
-    """This rank's CPU-time profile of the whole chain on one micro-batch, every rank profiling at once.
+    """This rank's profile of the whole chain on one micro-batch (CPU time; on a GPU, synchronised wall time), every
+    rank profiling at once.
 
     Taken in the run's own processes, with the run's thread count and every rank busy (barriers on both sides):
     the layers are timed in the memory layout and under the process count they run with, seconds (or, between
