@@ -110,8 +110,9 @@ def keep_logs(logs: list[Path], keep: Path | None, scenario: str) -> None:
         return
     keep.mkdir(parents=True, exist_ok=True)
     for log in logs:
-        if log.exists():
-            (keep / f"{scenario}.{log.name}").write_text(log.read_text(errors="replace"))
+        if log.exists():   # logs a scenario names after itself keep their name; the others get it as a prefix
+            name = log.name if log.name.startswith(f"{scenario}.") else f"{scenario}.{log.name}"
+            (keep / name).write_text(log.read_text(errors="replace"))
 
 
 # ------------------------------------------------------------------------------------------ loopback --
