@@ -130,12 +130,13 @@ CPU_CASES = ((4, "1f1b"), (4, "auto"), (2, "auto"))
 
 
 def bench_cpu_validation(quick: bool, max_foreign: float = 0.15, quiet_timeout_s: float = 90.0, lock: str | None = None,
-                         rounds: int = 3) -> tuple[list, dict]:
+                         rounds: int = 3, replay: bool = False) -> tuple[list, dict]:
     from pipesched.calibrate import cpu_validation
     from pipesched.models import tail_heavy_widths
 
     widths = tail_heavy_widths(12, 384, 3072)
     base_cfg = {"dim": 384, "batch": 384, "microbatches": 8, "iterations": 3 if quick else 10}
+    predict_from = "replay" if replay else "interleaved"
     rounds = 1 if quick else rounds
     rows, reports = [], {}
     # 4 ranks on this machine's cores (the required setting), and as many ranks as cores (where balance can show).
@@ -146,7 +147,8 @@ def bench_cpu_validation(quick: bool, max_foreign: float = 0.15, quiet_timeout_s
         foreign_before, waited = wait_for_quiet(max_foreign, quiet_timeout_s)
         with measurement_lock(lock):
             load0 = os.getloadavg()[0]
-            rep = cpu_validation(widths, schedule=schedule, threads=1, baseline=True, rounds=rounds, **cfg)
+            rep = cpu_validation(widths, schedule=schedule, threads=1, baseline=True, rounds=rounds, replay=replay, predict_from=predict_from,
+                                 **cfg)
             load1 = os.getloadavg()[0]
         for key in ("_plan", "_run"):
             rep.pop(key)
@@ -154,7 +156,7 @@ def bench_cpu_validation(quick: bool, max_foreign: float = 0.15, quiet_timeout_s
         rep["quiet_wait"] = {"foreign_cores_before": foreign_before, "waited_s": waited}
         rep["loadavg"] = [load0, load1]
         reports[f"{stages}-{schedule}"] = rep
-    return rows, {"config": {"widths": widths, "rounds": rounds, **base_cfg}, "reports": reports}
+    return rows, {"config": {"widths": widths, "rounds": rounds, "predict_from": predict_from, **base_cfg}, "reports": reports}
 
 
 def case_rows(case: str, rep: dict) -> list[dict]:
@@ -176,6 +178,8 @@ def case_rows(case: str, rep: dict) -> list[dict]:
                    "cpu_work_error": sum(r["rank_work_predicted_s"]) / sum(r["rank_cpu_measured_s"]) - 1,
                    "foreign_cores_run": r["foreign_cores"], "posthoc_error": r["posthoc_error"],
                    "error_run_action_costs": r.get("run_costs_error")}
+            if r.get("error_replay") is not None:   # a run with replays: both action-cost sources side by side
+                row |= {"error_interleaved_profile": r["error_interleaved"], "error_replay": r["error_replay"]}
             if arm == "ours" and "speedup_measured" in rec:
                 row["speedup_round"] = rec["speedup_measured"]
             rows.append(row)
@@ -336,6 +340,9 @@ def main() -> None:
                                                      "after the quiet wait; without it, run the script under flock yourself")
     ap.add_argument("--rounds", type=int, default=3,
                     help="CPU validation: rounds of (ours, uniform) runs per case, alternating the order (default 3)")
+    ap.add_argument("--replay", action="store_true",
+                    help="CPU validation: every rank also replays its own compute actions before each timed step and each run is "
+                         "predicted from those (pipesched_cpu_validation.replay.{md,json})")
     ap.add_argument("--drift", type=float, metavar="S",
                     help="only the drift diagnosis: S seconds of speed probes, profiles and uniform runs (under --lock or flock)")
     args = ap.parse_args()
@@ -345,8 +352,8 @@ def main() -> None:
                       notes=DRIFT_NOTES, extra=extra)
         return
     if args.cpu_only:
-        cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds)
-        write_cpu_results(cpu_rows, extra)
+        cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds, args.replay)
+        write_cpu_results(cpu_rows, extra, name="pipesched_cpu_validation.replay" if args.replay else "pipesched_cpu_validation")
         return
     speed_rows: list = []
     bench_plan_speed(speed_rows, args.quick)
@@ -371,6 +378,17 @@ pair, the summary (spreads, correlations) and the 30 s of back-to-back probes.
 """
 
 
+PREDICTED_FROM = {
+    "interleaved": """'predicted_ms' is the plan simulated on the per-layer median of the profile passes the run's ranks took, all at
+once in their own processes, one before each timed step and outside its timing ('interleaved_profile_ms': its F + B total):
+the profile samples the same seconds of this drifting machine as the steps, and nothing of the steps enters it.""",
+    "replay": """'predicted_ms' is the plan simulated on the CPU times of each rank's own compute actions of a step (its stages' F and
+B in the schedule's order, no messages), replayed by all ranks at once before each timed step and outside its timing, after
+the per-layer profile pass ('interleaved_profile_ms': that pass's F + B total; 'error_interleaved_profile': the prediction
+from it, the default protocol's); nothing of the steps enters either.""",
+}
+
+
 def write_cpu_results(cpu_rows: list, extra: dict, name: str = "pipesched_cpu_validation", note: str = "") -> None:
     """Write the CPU validation's rows and reports (``note``: a line added after the summary, e.g. for a re-rendered older run)."""
     write_results(name, cpu_rows, title="Pipeline planner: predicted vs measured (gloo processes, this CPU)",
@@ -382,9 +400,7 @@ a first CPU-time profile (15 repetitions per layer spread over 5 passes of the c
 exportable schedule planned, simulated times within 5 % count as tied and the one with the fewest micro-batches in flight wins),
 then {extra["config"]["rounds"]} rounds; each round takes one more such profile (from the second round on), then runs our plan
 and the uniform split with torch's Schedule1F1B ({extra["config"]["iterations"]} timed iterations each), ours first in even
-rounds. 'predicted_ms' is the plan simulated on the per-layer median of the profile passes the run's ranks took, all at
-once in their own processes, one before each timed step and outside its timing ('interleaved_profile_ms': its F + B total):
-the profile samples the same seconds of this drifting machine as the steps, and nothing of the steps enters it.
+rounds. {PREDICTED_FROM[extra["config"].get("predict_from", "interleaved")]}
 'error' = predicted / measured median - 1. Diagnostics, not the prediction: 'error_pre_run_profile' (from the ranks'
 profiles taken together right before the first step, total 'pre_run_profile_ms'), 'error_pooled_profiles' (the same run predicted
 from the per-layer median of the case's profiles so far, 'profiles' of them, total 'pooled_profile_ms': the earlier

@@ -56,7 +56,7 @@ from .models import mlp_chain
 from .plan import Plan, choose_robust, plan, plan_partition, uniform_plan
 from .profile import ModelProfile, measure_profile, median_profile, profile_from_dict
 from .runner import RunResult, foreign_cores, gather_results, machine_busy_s, run_pipeline
-from .simulate import SharedCpu, StageCost, simulate
+from .simulate import SharedCpu, StageCost, lower_bound, simulate
 
 EXPORTABLE = ("1f1b", "zbh1", "gpipe", "interleaved")
 
@@ -451,9 +451,13 @@ def run_action_costs(p: Plan, run: RunResult) -> dict[int, StageCost]:
     CPU cost, which the simulator adds to every action, is taken off the measured time.
     """
     extra = p.shared_cpu.action_cpu_s if p.shared_cpu is not None else 0.0
+    return measured_costs(p, run.action_cpu_medians, extra)
 
+
+def measured_costs(p: Plan, medians: dict[str, float], extra: float = 0.0) -> dict[int, StageCost]:
+    """``p``'s stage costs with each action found in ``medians`` ("stage kind" -> CPU seconds) set to that time less ``extra``."""
     def measured(sid: int, kind: str) -> float | None:
-        v = run.action_cpu_medians.get(f"{sid} {kind}")
+        v = medians.get(f"{sid} {kind}")
         return None if v is None else max(0.0, v - extra)
 
     out = {}
@@ -463,6 +467,19 @@ def run_action_costs(p: Plan, run: RunResult) -> dict[int, StageCost]:
             b = i + w if i is not None and w is not None else cost.b
         out[sid] = replace(cost, f=cost.f if f is None else f, b=b, i=cost.i if i is None else i, w=cost.w if w is None else w)
     return out
+
+
+def replayed_plan(p: Plan, run: RunResult) -> Plan | None:
+    """``p`` predicted from the CPU times of the run's replays (``run_pipeline(interleave_replay=...)``); ``None`` without them.
+
+    Every compute action costs what its replay between the steps measured (each rank's own actions of a step,
+    in the schedule's order, without messages); the simulator adds the runtime's per-action and per-message
+    CPU work, the links and the processor sharing as for any other prediction.
+    """
+    if not run.replay_cpu_medians:
+        return None
+    costs = measured_costs(p, run.replay_cpu_medians)
+    return replace(p, costs=costs, sim=simulate(p.schedule, costs, p.links, cores=p.shared_cpu), bound=lower_bound(p.schedule, costs, p.links))
 
 
 def _ranks_prediction(chosen: Plan, profiles: list[dict[str, Any]], source: str) -> tuple[ModelProfile | None, Plan | None]:
@@ -498,7 +515,7 @@ INTERLEAVE_REPEATS = 1
 """Repetitions per layer of the profile pass each rank takes before every timed step of a validation run: with
 4 ranks and 10 steps, 40 samples per layer over the run's own seconds, at about one step's cost per pass."""
 
-PREDICTION_SOURCES = ("interleaved", "pre-run", "pooled", "probe-scaled")
+PREDICTION_SOURCES = ("interleaved", "replay", "pre-run", "pooled", "probe-scaled")
 
 AUTO_TIE_MARGIN = 0.05
 """Simulated iteration times closer than this (a fraction) count as tied when ``cpu_validation`` picks a schedule
@@ -586,7 +603,8 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
                    iterations: int = 3, warmup: int = 1, schedule: str = "auto", baseline: bool = True,
                    cores: float | None = None, repeats: int = 15, rounds: int = 1, probe: bool = True,
                    tie_margin: float = AUTO_TIE_MARGIN, passes: int = PROFILE_PASSES, predict_from: str = "interleaved",
-                   pre_run_repeats: int = PRE_RUN_REPEATS, interleave_repeats: int = INTERLEAVE_REPEATS) -> dict[str, Any]:
+                   pre_run_repeats: int = PRE_RUN_REPEATS, interleave_repeats: int = INTERLEAVE_REPEATS,
+                   replay: bool = False) -> dict[str, Any]:
     """Calibrate, profile, plan, then ``rounds`` rounds of predicted runs; returns a JSON-able report.
 
     Before the runs (module docstring, steps 1-4): the CPU and runtime calibrations, a first profile (spread over
@@ -600,8 +618,11 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     per-layer median of the profiles the ranks take together right before the first step (``pre_run_repeats``
     repetitions per layer over :data:`PRE_RUN_PASSES` passes); ``"pooled"`` the per-layer median of this case's
     profiles so far (:func:`pipesched.profile.median_profile`); ``"probe-scaled"`` that pooled prediction rescaled
-    by the :func:`speed_probe` read before the run over the probes read around the profiles. All are recorded for
-    every run (``error_interleaved``, ``error_pre_run``, ``error_pooled``, ``error_probe_scaled``), with the
+    by the :func:`speed_probe` read before the run over the probes read around the profiles; ``"replay"`` (needs
+    ``replay=True``) the CPU times of each rank's own compute actions of a step, replayed without messages by all
+    ranks at once before each timed step (``run_pipeline(interleave_replay=...)``, :func:`replayed_plan`). All
+    are recorded for every run (``error_interleaved``, ``error_replay`` with ``replay=True``, ``error_pre_run``,
+    ``error_pooled``, ``error_probe_scaled``), with the
     prediction from the first profile alone and ``posthoc_s`` (the plan simulated with the CPU share less what
     other users took during the run: uses the run's load, so not a prediction). Every input of a prediction is a
     measurement of the layers alone (profiles) or of the machine (calibrations); none is taken from the
@@ -620,6 +641,8 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
         raise ValueError("predict_from='probe-scaled' needs probe=True")
     if predict_from == "pre-run" and pre_run_repeats < 1:
         raise ValueError(f"predict_from='pre-run' needs pre_run_repeats >= 1, got {pre_run_repeats}")
+    if predict_from == "replay" and not replay:
+        raise ValueError("predict_from='replay' needs replay=True")
     if predict_from == "interleaved" and interleave_repeats < 1:
         raise ValueError(f"predict_from='interleaved' needs interleave_repeats >= 1, got {interleave_repeats}")
     pre_run = {"repeats": pre_run_repeats, "passes": PRE_RUN_PASSES} if pre_run_repeats > 0 else None
@@ -677,13 +700,15 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
             before = read_probe()
             scale = probe_scale(reference, before) if before is not None and reference else 1.0
             scaled = rescaled_plan(chosen, prof, scale)
-            run = run_pipeline(**how, **common, pre_profile=pre_run, interleave_profile=interleave)
+            run = run_pipeline(**how, **common, pre_profile=pre_run, interleave_profile=interleave,
+                               interleave_replay=chosen.schedule.actions if replay else None)
             after = read_probe()
             # The ranks' own profiles, taken in the run's processes: right before its first step, and between its
             # steps (per layer, the median over ranks of each rank's median over its passes).
             pre, p_pre = _ranks_prediction(chosen, run.pre_profiles, "pre-run profile")
             inter, p_inter = _ranks_prediction(chosen, run.interleaved_profiles, "interleaved profile")
-            predicted = {"interleaved": p_inter, "pre-run": p_pre, "pooled": p, "probe-scaled": scaled}[predict_from]
+            p_replay = replayed_plan(p_inter or p, run)
+            predicted = {"interleaved": p_inter, "replay": p_replay, "pre-run": p_pre, "pooled": p, "probe-scaled": scaled}[predict_from]
             c = compare(predicted, run)
             posthoc_cores = min(float(machine_cores), max(0.5, shared.cores + cal.foreign_cores - run.foreign_cores))
             posthoc = simulate(predicted.schedule, predicted.costs, predicted.links,
@@ -693,6 +718,8 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
                   "predicted_from": predict_from,
                   "predicted_pooled_s": p.sim.makespan, "error_pooled": p.sim.makespan / run.median_s - 1.0,
                   **_source_fields("pre_run", pre, p_pre, run), **_source_fields("interleaved", inter, p_inter, run),
+                  "predicted_replay_s": p_replay.sim.makespan if p_replay else None,
+                  "error_replay": p_replay.sim.makespan / run.median_s - 1.0 if p_replay else None,
                   # per step: the median over ranks of the F + B total of the pass taken right before it
                   "interleaved_totals_s": ([statistics.median(col) for col in zip(*run.interleaved_totals_s, strict=True)]
                                            if run.interleaved_totals_s else None),

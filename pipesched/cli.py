@@ -28,6 +28,7 @@ def parse_bytes(text: str, *, where: str = "--memory") -> float:
 
 
 SOURCE_LABELS = {"interleaved": ("ranks' profile between steps", "error_interleaved"),
+                 "replay": ("ranks' replay of their actions", "error_replay"),
                  "pre-run": ("ranks' pre-run profile", "error_pre_run"),
                  "pooled": ("pooled profiles", "error_pooled"),
                  "probe-scaled": ("probe-scaled", "error_probe_scaled")}
@@ -81,8 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=1, help="rounds of (ours, uniform) runs, alternating which goes first (default 1)")
     p.add_argument("--predict-from", default="interleaved", choices=list(SOURCE_LABELS),
                    help="what each run is predicted from: the profile passes its ranks take between its steps (default), "
+                        "their replay of their own compute actions between its steps (implies --replay), "
                         "the profile they take right before its first step, the median of the profiles taken so far, "
                         "or that rescaled by a CPU speed probe")
+    p.add_argument("--replay", action="store_true",
+                   help="before each timed step every rank also replays its own compute actions of a step without messages "
+                        "(records the 'replay' prediction; the runs take about twice as long)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: gloo processes on this CPU (default); cuda: NCCL, every rank on GPU 0 (see docs/pipesched.md)")
     p.add_argument("--sharing", choices=["mps", "time-slice"], default=None,
@@ -306,7 +311,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     progress(f"profiling, planning and running {args.stages} gloo processes ...")
     rep = cpu_validation(widths, dim=args.dim, batch=args.batch, microbatches=args.microbatches, stages=args.stages, threads=args.threads,
                          iterations=args.iterations, schedule=args.schedule, baseline=not args.no_baseline, rounds=args.rounds,
-                         predict_from=args.predict_from)
+                         predict_from=args.predict_from, replay=args.replay or args.predict_from == "replay")
     plan_obj, run = rep.pop("_plan"), rep.pop("_run")
     if args.trace:
         write_chrome_trace(args.trace, ("predicted", plan_obj.sim), ("measured", measured_timeline(run, args.stages)))

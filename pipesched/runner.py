@@ -62,6 +62,7 @@ class RunResult:
     pre_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: its profile taken right before the run (JSON form)
     interleaved_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: median of its passes between the steps
     interleaved_totals_s: list[list[float]] = field(default_factory=list)      # per rank: each pass's F + B total, step by step
+    replay_cpu_medians: dict[str, float] = field(default_factory=dict)   # "stage kind" -> median CPU time in the replays between steps
     device: str = "cpu"
     device_peak_bytes: list[int] = field(default_factory=list)   # per rank, GPU runs: peak allocated memory during the memory step
 
@@ -75,7 +76,8 @@ class RunResult:
                 "link_latency_s": self.link_latency_s, "link_bandwidth_bps": self.link_bandwidth_bps, "losses": self.losses,
                 "action_cpu_medians": self.action_cpu_medians, "rank_cpu_s": self.rank_cpu_s, "foreign_cores": self.foreign_cores,
                 "pre_profiles": self.pre_profiles, "interleaved_profiles": self.interleaved_profiles,
-                "interleaved_totals_s": self.interleaved_totals_s, "device": self.device, "device_peak_bytes": self.device_peak_bytes}
+                "interleaved_totals_s": self.interleaved_totals_s, "replay_cpu_medians": self.replay_cpu_medians,
+                "device": self.device, "device_peak_bytes": self.device_peak_bytes}
 
 
 def machine_busy_s() -> float:
@@ -245,6 +247,8 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
                                          warmup=2, name="pre-run").to_dict()
         interleave = job.get("interleave_profile")
         interleaved = []
+        replay_actions = (job.get("interleave_replay") or {}).get(str(rank))
+        replayed: dict[str, list[float]] = {}
         first = any(s.is_first for s in stages)
         last = any(s.is_last for s in stages)
         inputs = (x,) if first else ()   # no positional input at all on other ranks (torch 2.11's schedules assert on a None)
@@ -258,6 +262,11 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             if interleave and it >= job["warmup"]:
                 interleaved.append(_profile_chain(torch, dist, layers, x, y, job, repeats=interleave.get("repeats", 1), passes=1,
                                                   warmup=0, name=f"between steps {it - job['warmup']}"))
+            if replay_actions is not None and it >= job["warmup"]:
+                dist.barrier()
+                for key, c in _replay(torch, stages, replay_actions, x, y, job).items():
+                    replayed.setdefault(key, []).append(c)
+                dist.barrier()
             dist.barrier()
             if it == job["warmup"]:
                 window = {"cpu0": time.process_time(), "busy0": machine_busy_s(), "t0": time.perf_counter()}
@@ -305,7 +314,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "actions": last_records, "per_action": per_action,
                    "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
                    "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses, "pre_profile": pre_profile,
-                   "interleaved": inter, "device_peak": device_peak})
+                   "interleaved": inter, "device_peak": device_peak, "replayed": replayed})
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:   # report, do not hang the parent
@@ -333,6 +342,59 @@ def _profile_chain(torch, dist, layers, x, y, job: dict[str, Any], *, repeats: i
                            clock="wall" if x.is_cuda else "cpu", passes=passes)
     dist.barrier()
     return prof
+
+
+def _replay(torch, stages, actions: list[list[Any]], x, y, job: dict[str, Any]) -> dict[str, float]:
+    """This rank's compute actions of one step, in the schedule's order and without messages: CPU time per action.
+
+    Each stage runs its own layers (``stage.submod``) on the micro-batch it would get: the first stage a
+    slice of the batch, the others a fresh tensor of the boundary's shape (as a receive would give); a
+    backward gets a constant output gradient, the last stage's comes from its loss. The backwards are
+    torch's own (``torch.distributed.pipelining._backward``: ``stage_backward`` for B, ``stage_backward_input``
+    and ``stage_backward_weight`` for I and W, and for W on the first stage a full backward, as its runtime
+    does), and each micro-batch's activations stay saved from its F to its backward, as in the step. The
+    gradients they accumulate are dropped afterwards (a step starts from ``None``: the runner zeroes with
+    ``set_to_none``), so training is untouched. Per "stage kind" the median over the step's micro-batches is
+    returned (:data:`time.thread_time`, the clock the actions are timed with in the steps).
+    """
+    from torch.distributed.pipelining._backward import stage_backward, stage_backward_input, stage_backward_weight
+
+    mb = job["batch"] // job["microbatches"]
+    by_id = {s.stage_index: s for s in stages}
+    held: dict[tuple[int, int], list[Any]] = {}
+    times: dict[str, list[float]] = {}
+    for sid, kind, k in actions:
+        stage = by_id[sid]
+        module = stage.submod
+        if kind == "F":
+            inp = x[k * mb:(k + 1) * mb] if stage.is_first else torch.randn(mb, job["dim"]).requires_grad_(True)
+            t = time.thread_time()
+            out = module(inp)
+            if stage.is_last:
+                out = torch.nn.functional.mse_loss(out, y[k * mb:(k + 1) * mb])
+            held[(sid, k)] = [inp, out, None]
+        else:
+            inp, out, groups = held[(sid, k)]
+            grads = None if stage.is_last else [torch.full_like(out, 1e-3)]
+            inputs = [inp] if inp.requires_grad else []
+            t = time.thread_time()
+            if kind == "B":
+                stage_backward([out], grads, inputs)
+                del held[(sid, k)]
+            elif kind == "I":
+                if inputs:   # the first stage has no input gradient: its W does the whole backward
+                    held[(sid, k)][2] = stage_backward_input([out], grads, inputs, module.parameters())[1]
+            else:
+                if groups is None:
+                    stage_backward([out], grads, inputs)
+                else:
+                    stage_backward_weight(module.parameters(), groups)
+                del held[(sid, k)]
+        times.setdefault(f"{sid} {kind}", []).append(time.thread_time() - t)
+    for s in stages:
+        for prm in s.submod.parameters():
+            prm.grad = None
+    return {key: statistics.median(v) for key, v in times.items()}
 
 
 def _instrument(stage, sid: int, records: list, sync: Any = None) -> None:
@@ -401,7 +463,7 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
                  model: str = "pipesched.models:mlp_chain", model_kwargs: dict[str, Any] | None = None, csv_text: str | None = None,
                  builtin: str | None = None, iterations: int = 3, warmup: int = 1, threads: int = 1, timeout_s: float = 300,
                  pre_profile: dict[str, int] | None = None, interleave_profile: dict[str, int] | None = None,
-                 device: str = "cpu") -> RunResult:
+                 interleave_replay: dict[int, list[Action]] | None = None, device: str = "cpu") -> RunResult:
     """Run a pipeline in ``max(stage_rank) + 1`` processes (gloo on the CPU, or NCCL on GPU 0 with ``device="cuda"``)
     and measure it (see the module docstring).
 
@@ -414,6 +476,10 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
     per layer, no warm-up) before each timed step, all at once between barriers, outside the step's timing:
     ``RunResult.interleaved_profiles`` holds each rank's per-layer median over those passes and
     ``interleaved_totals_s`` each pass's F + B total, so the profile and the steps sample the same seconds.
+    ``interleave_replay`` (rank -> its schedule's actions, e.g. ``Schedule.actions``) has every rank, before each
+    timed step (after the profile pass, if any), run its own compute actions of one step in that order, without
+    messages, all ranks at once between barriers and outside the step's timing (:func:`_replay`):
+    ``RunResult.replay_cpu_medians`` holds the median CPU time per "stage kind".
     """
     import torch.multiprocessing as mp
 
@@ -422,6 +488,13 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
     if device not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     world = max(stage_rank) + 1
+    if interleave_replay is not None:
+        known = {(s, k) for s in range(len(spans)) for k in ("F", "B", "I", "W")}
+        for r in range(world):
+            acts = interleave_replay.get(r)
+            if acts is None or any((a.stage, a.kind) not in known or stage_rank[a.stage] != r for a in acts):
+                own = [s for s in range(len(spans)) if stage_rank[s] == r]
+                raise ValueError(f"interleave_replay must give rank {r} its own F/B/I/W actions (of stages {own})")
     with tempfile.TemporaryDirectory(prefix="pipesched-run-") as tmp:
         csv_path = None
         if csv_text is not None:
@@ -430,7 +503,9 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
         job = {"spans": [list(s) for s in spans], "stage_rank": list(stage_rank), "microbatches": microbatches, "batch": batch, "dim": dim,
                "model": model, "model_kwargs": dict(model_kwargs or {}), "csv": csv_path, "builtin": builtin, "iterations": iterations,
                "warmup": warmup, "threads": threads, "pre_profile": dict(pre_profile) if pre_profile else None,
-               "interleave_profile": dict(interleave_profile) if interleave_profile else None, "device": device}
+               "interleave_profile": dict(interleave_profile) if interleave_profile else None, "device": device,
+               "interleave_replay": ({str(r): [[a.stage, a.kind, a.mb] for a in acts] for r, acts in interleave_replay.items()}
+                                     if interleave_replay else None)}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         port = _free_port()
@@ -453,6 +528,7 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
                      pre_profiles=[results[r]["pre_profile"] for r in range(world) if results[r]["pre_profile"] is not None],
                      interleaved_profiles=[results[r]["interleaved"]["median"] for r in range(world) if results[r]["interleaved"]],
                      interleaved_totals_s=[results[r]["interleaved"]["totals"] for r in range(world) if results[r]["interleaved"]],
+                     replay_cpu_medians={k: statistics.median(v) for r in range(world) for k, v in results[r]["replayed"].items()},
                      device=device, device_peak_bytes=[results[r]["device_peak"] for r in range(world)] if device == "cuda" else [])
 
 

@@ -47,9 +47,10 @@ def test_zero_bubble_plan_runs_in_real_processes_and_trains_like_one_process():
     plan = plan_partition(prof, part, devices, links, family="zbh1", microbatches=m)
     run = run_pipeline(spans_for_schedule(plan.schedule, part), list(plan.schedule.stage_rank), microbatches=m, batch=batch, dim=dim,
                        model_kwargs={"widths": widths, "dim": dim}, csv_text=schedule_csv(plan.schedule), iterations=2, warmup=1,
-                       pre_profile={"repeats": 2, "passes": 1}, interleave_profile={"repeats": 1})
+                       pre_profile={"repeats": 2, "passes": 1}, interleave_profile={"repeats": 1}, interleave_replay=plan.schedule.actions)
     # Same numbers as one process doing the same steps: the exported schedule computes the right gradients (and the
-    # ranks' profiling right before the run and between its steps left their parameters and gradients as they were).
+    # ranks' profiling right before the run and between its steps, and their replays of their own actions, left their
+    # parameters and gradients as they were).
     assert run.losses == pytest.approx(reference_losses(widths, dim, batch, m, 3)[1:], rel=1e-5)
     # Every rank profiled the whole chain: same sizes as the profile taken here, positive CPU times.
     from pipesched.profile import profile_from_dict
@@ -66,6 +67,10 @@ def test_zero_bubble_plan_runs_in_real_processes_and_trains_like_one_process():
         between = profile_from_dict(d)
         assert [q.saved_bytes for q in between.layers] == [q.saved_bytes for q in prof.layers]
         assert between.reference["median_of"] == 2 and all(q.fwd_s > 0 and q.bwd_s > 0 for q in between.layers)
+    # Every rank replayed each of its F, I and W kinds (ZB-H1 splits the backward), with positive CPU times.
+    kinds = {f"{a.stage} {a.kind}" for acts in plan.schedule.actions.values() for a in acts}
+    assert set(run.replay_cpu_medians) == kinds and {k.split()[1] for k in kinds} == {"F", "I", "W"}
+    assert all(v > 0 for k, v in run.replay_cpu_medians.items() if k != "0 I")   # stage 0 has no input gradient
     # Each rank ran exactly our actions, in our order.
     for r in range(p):
         done = [(a["stage"], a["kind"], a["mb"]) for a in sorted(run.actions, key=lambda a: a["start"]) if a["rank"] == r]
@@ -79,6 +84,18 @@ def test_zero_bubble_plan_runs_in_real_processes_and_trains_like_one_process():
     assert run.link_bandwidth_bps > 0 and run.link_latency_s > 0
     timeline = measured_timeline(run, p)
     assert timeline.makespan <= max(run.iteration_s) + 1e-9
+
+
+def test_replay_must_give_each_rank_its_own_actions():
+    from pipesched.schedules import Action, one_f_one_b
+
+    sched = one_f_one_b(2, 2)
+    kw = {"microbatches": 2, "batch": 4, "dim": 4, "model_kwargs": {"widths": [4, 4], "dim": 4}, "builtin": "1F1B"}
+    wrong = {0: sched.actions[1], 1: sched.actions[0]}
+    with pytest.raises(ValueError, match="rank 0 its own"):
+        run_pipeline([(0, 1), (1, 2)], [0, 1], interleave_replay=wrong, **kw)
+    with pytest.raises(ValueError, match="rank 1 its own"):
+        run_pipeline([(0, 1), (1, 2)], [0, 1], interleave_replay={0: [Action(0, "F", 0)]}, **kw)
 
 
 def test_gpu_paths_refuse_clearly_without_a_gpu():
