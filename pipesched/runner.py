@@ -375,18 +375,18 @@ def _replay(torch, stages, actions: list[list[Any]], x, y, job: dict[str, Any]) 
             held[(sid, k)] = [inp, out, None]
         else:
             inp, out, groups = held[(sid, k)]
-            grads = None if stage.is_last else [torch.full_like(out, 1e-3)]
+            grad = None if stage.is_last else torch.full_like(out, 1e-3)
             inputs = [inp] if inp.requires_grad else []
             t = time.thread_time()
-            if kind == "B":
-                stage_backward([out], grads, inputs)
+            if kind == "B":   # the output as torch's runtime passes it: a bare tensor (a list with no gradients is skipped)
+                stage_backward(out, grad, inputs)
                 del held[(sid, k)]
             elif kind == "I":
                 if inputs:   # the first stage has no input gradient: its W does the whole backward
-                    held[(sid, k)][2] = stage_backward_input([out], grads, inputs, module.parameters())[1]
+                    held[(sid, k)][2] = stage_backward_input([out], None if grad is None else [grad], inputs, module.parameters())[1]
             else:
                 if groups is None:
-                    stage_backward([out], grads, inputs)
+                    stage_backward(out, grad, inputs)
                 else:
                     stage_backward_weight(module.parameters(), groups)
                 del held[(sid, k)]
