@@ -130,7 +130,7 @@ CPU_CASES = ((4, "1f1b"), (4, "auto"), (2, "auto"))
 
 
 def bench_cpu_validation(quick: bool, max_foreign: float = 0.15, quiet_timeout_s: float = 90.0, lock: str | None = None,
-                         rounds: int = 3, replay: bool = False) -> tuple[list, dict]:
+                         rounds: int = 3, replay: bool = True) -> tuple[list, dict]:
     from pipesched.calibrate import cpu_validation
     from pipesched.models import tail_heavy_widths
 
@@ -340,9 +340,9 @@ def main() -> None:
                                                      "after the quiet wait; without it, run the script under flock yourself")
     ap.add_argument("--rounds", type=int, default=3,
                     help="CPU validation: rounds of (ours, uniform) runs per case, alternating the order (default 3)")
-    ap.add_argument("--replay", action="store_true",
-                    help="CPU validation: every rank also replays its own compute actions before each timed step and each run is "
-                         "predicted from those (pipesched_cpu_validation.replay.{md,json})")
+    ap.add_argument("--interleaved", action="store_true",
+                    help="CPU validation: predict each run from the ranks' profile passes between its steps, without the action "
+                         "replay (the earlier protocol; pipesched_cpu_validation.interleaved.{md,json})")
     ap.add_argument("--drift", type=float, metavar="S",
                     help="only the drift diagnosis: S seconds of speed probes, profiles and uniform runs (under --lock or flock)")
     args = ap.parse_args()
@@ -352,8 +352,8 @@ def main() -> None:
                       notes=DRIFT_NOTES, extra=extra)
         return
     if args.cpu_only:
-        cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds, args.replay)
-        write_cpu_results(cpu_rows, extra, name="pipesched_cpu_validation.replay" if args.replay else "pipesched_cpu_validation")
+        cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds, not args.interleaved)
+        write_cpu_results(cpu_rows, extra, name="pipesched_cpu_validation.interleaved" if args.interleaved else "pipesched_cpu_validation")
         return
     speed_rows: list = []
     bench_plan_speed(speed_rows, args.quick)
@@ -363,8 +363,8 @@ def main() -> None:
     gpt_rows = bench_gpt_cluster()
     write_results("pipesched_gpt_cluster", gpt_rows, title="Pipeline planner: planned vs uniform split + 1F1B (simulated, default cluster)",
                   notes="Analytic GPT-3 2.7B-class profile (H100 roofline at 50% FLOP/s, 80% HBM); links from topology.paths.gpu_path.")
-    cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds)
-    write_cpu_results(cpu_rows, extra)
+    cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds, not args.interleaved)
+    write_cpu_results(cpu_rows, extra, name="pipesched_cpu_validation.interleaved" if args.interleaved else "pipesched_cpu_validation")
 
 
 DRIFT_NOTES = """

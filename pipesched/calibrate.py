@@ -1,8 +1,8 @@
 """Predicted versus measured: profile a real model on this machine, plan it, run it with gloo, compare.
 
 :func:`cpu_validation` is the validation protocol on a CPU. Every input of the prediction is a separate
-micro-measurement: of the machine and the runtime before the run, and of the layers alone, in passes between
-the run's steps (step 5); none is taken from the pipelined steps it predicts:
+micro-measurement: of the machine and the runtime before the run, and of the layers and the ranks' own actions
+alone, between the run's steps (step 5); none is taken from the pipelined steps it predicts:
 
 1. the per-layer profile (:func:`profile_mlp`): the run's thread count, CPU time of the measuring thread
    (``clock="cpu"``: what a rank must compute, independent of who else runs), medians of 15, the fused
@@ -30,8 +30,13 @@ the run's steps (step 5); none is taken from the pipelined steps it predicts:
    percent within seconds, also within one run (10 steps of one run ranged over 352-414 ms), so a profile taken
    earlier, even seconds before the first step (``pre_profile``, kept as ``error_pre_run``), predicts a run only
    as well as the machine held still; the interleaved passes sample the same seconds as the steps and see the
-   processes' memory layout and contention. The plan itself is chosen from the earlier profile (as a user would
-   plan), and the earlier profiles, pooled by median, give another prediction kept for comparison (``error_pooled``).
+   processes' memory layout and contention. By default each rank then also *replays its own compute actions of a
+   step* (``run_pipeline(interleave_replay=...)``: its stages' forwards and backwards in the schedule's order,
+   without messages, all ranks at once), and the run is predicted from those CPU times (:func:`replayed_plan`),
+   which see what the per-layer passes miss: a backward inside a step costs more than the same layers timed one
+   by one next to other ranks doing the same (the per-layer prediction is kept as ``error_interleaved``). The
+   plan itself is chosen from the earlier profile (as a user would plan), and the earlier profiles, pooled by
+   median, give another prediction kept for comparison (``error_pooled``).
    Compared on iteration time, per-action durations and CPU times, per-rank CPU time and activation memory; the
    plan's gain is the baseline's measured time over ours within each round (:func:`summarize_rounds`). A CPU
    speed probe (:func:`speed_probe`, the model's own chain) is read around every profile and run and recorded
@@ -602,9 +607,9 @@ def _uniform_arm(uni: Plan) -> tuple[str, Plan, dict[str, Any]]:
 def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, threads: int = 1,
                    iterations: int = 3, warmup: int = 1, schedule: str = "auto", baseline: bool = True,
                    cores: float | None = None, repeats: int = 15, rounds: int = 1, probe: bool = True,
-                   tie_margin: float = AUTO_TIE_MARGIN, passes: int = PROFILE_PASSES, predict_from: str = "interleaved",
+                   tie_margin: float = AUTO_TIE_MARGIN, passes: int = PROFILE_PASSES, predict_from: str = "replay",
                    pre_run_repeats: int = PRE_RUN_REPEATS, interleave_repeats: int = INTERLEAVE_REPEATS,
-                   replay: bool = False) -> dict[str, Any]:
+                   replay: bool | None = None) -> dict[str, Any]:
     """Calibrate, profile, plan, then ``rounds`` rounds of predicted runs; returns a JSON-able report.
 
     Before the runs (module docstring, steps 1-4): the CPU and runtime calibrations, a first profile (spread over
@@ -612,16 +617,17 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     and :func:`pipesched.plan.choose_robust` picks among them with ``tie_margin``. Each round then takes one more
     profile (from the second round on) and runs our plan and (``baseline``) the uniform split with torch's
     ``Schedule1F1B``, alternating which goes first (ours first in even rounds). ``predict_from`` says what a run
-    is predicted from: ``"interleaved"`` (default) the per-layer median of the profile passes the run's ranks take
+    is predicted from: ``"replay"`` (default; see below), ``"interleaved"`` the per-layer median of the profile passes the run's ranks take
     together before each of its timed steps (``interleave_repeats`` repetitions per layer and pass, outside the
     steps' timing: the profile samples the same seconds of this drifting machine as the steps); ``"pre-run"`` the
     per-layer median of the profiles the ranks take together right before the first step (``pre_run_repeats``
     repetitions per layer over :data:`PRE_RUN_PASSES` passes); ``"pooled"`` the per-layer median of this case's
     profiles so far (:func:`pipesched.profile.median_profile`); ``"probe-scaled"`` that pooled prediction rescaled
-    by the :func:`speed_probe` read before the run over the probes read around the profiles; ``"replay"`` (needs
-    ``replay=True``) the CPU times of each rank's own compute actions of a step, replayed without messages by all
-    ranks at once before each timed step (``run_pipeline(interleave_replay=...)``, :func:`replayed_plan`). All
-    are recorded for every run (``error_interleaved``, ``error_replay`` with ``replay=True``, ``error_pre_run``,
+    by the :func:`speed_probe` read before the run over the probes read around the profiles; ``"replay"`` the CPU
+    times of each rank's own compute actions of a step, replayed without messages by all ranks at once before each
+    timed step, after the interleaved pass (``run_pipeline(interleave_replay=...)``, :func:`replayed_plan`; the
+    replays run when ``replay`` is true, by default when it is the source). All are recorded for every run
+    (``error_interleaved``, ``error_replay`` when replayed, ``error_pre_run``,
     ``error_pooled``, ``error_probe_scaled``), with the
     prediction from the first profile alone and ``posthoc_s`` (the plan simulated with the CPU share less what
     other users took during the run: uses the run's load, so not a prediction). Every input of a prediction is a
@@ -641,6 +647,7 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
         raise ValueError("predict_from='probe-scaled' needs probe=True")
     if predict_from == "pre-run" and pre_run_repeats < 1:
         raise ValueError(f"predict_from='pre-run' needs pre_run_repeats >= 1, got {pre_run_repeats}")
+    replay = predict_from == "replay" if replay is None else replay
     if predict_from == "replay" and not replay:
         raise ValueError("predict_from='replay' needs replay=True")
     if predict_from == "interleaved" and interleave_repeats < 1:

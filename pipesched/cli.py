@@ -80,14 +80,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--no-baseline", action="store_true", help="skip the uniform torch Schedule1F1B run")
     p.add_argument("--rounds", type=int, default=1, help="rounds of (ours, uniform) runs, alternating which goes first (default 1)")
-    p.add_argument("--predict-from", default="interleaved", choices=list(SOURCE_LABELS),
-                   help="what each run is predicted from: the profile passes its ranks take between its steps (default), "
-                        "their replay of their own compute actions between its steps (implies --replay), "
+    p.add_argument("--predict-from", default="replay", choices=list(SOURCE_LABELS),
+                   help="what each run is predicted from: the ranks' replay of their own compute actions between its steps "
+                        "(default), the profile passes they take between its steps, "
                         "the profile they take right before its first step, the median of the profiles taken so far, "
                         "or that rescaled by a CPU speed probe")
     p.add_argument("--replay", action="store_true",
-                   help="before each timed step every rank also replays its own compute actions of a step without messages "
-                        "(records the 'replay' prediction; the runs take about twice as long)")
+                   help="with another --predict-from: still replay the ranks' actions before each timed step and record "
+                        "that prediction too (the runs take about half as long again)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="cpu: gloo processes on this CPU (default); cuda: NCCL, every rank on GPU 0 (see docs/pipesched.md)")
     p.add_argument("--sharing", choices=["mps", "time-slice"], default=None,

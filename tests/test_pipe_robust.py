@@ -236,26 +236,26 @@ def test_pipe_run_rejects_zero_rounds_before_starting_anything(capsys):
 
 
 @pytest.mark.slow
-def test_pipe_run_end_to_end_predicts_each_run_from_the_profile_passes_between_its_steps(capsys, tmp_path):
+def test_pipe_run_end_to_end_predicts_each_run_from_the_ranks_replay_of_their_actions(capsys, tmp_path):
     """The whole CPU validation on a tiny model (2 gloo processes): calibrations, profile, plan, our run and the
-    uniform baseline; every run carries the prediction from each source, the interleaved one being the prediction."""
+    uniform baseline; every run carries the prediction from each source, the replay's being the prediction."""
     import json
 
     from netweave.cli import main
 
     out = tmp_path / "report.json"
     code = main(["pipe", "run", "--mlp", "16,16,64,64", "--dim", "16", "--batch", "16", "--microbatches", "4", "--stages", "2",
-                 "--iterations", "2", "--schedule", "1f1b", "--replay", "--out", str(out), "--json"])
+                 "--iterations", "2", "--schedule", "1f1b", "--out", str(out), "--json"])
     assert code == 0
     rep = json.loads(capsys.readouterr().out)
     assert json.loads(out.read_text())["plan"] == rep["plan"]
     assert rep["runtime_calibration"]["idle_message_cpu_s"] is not None       # message cost taken among computing ranks
     for arm in ("ours", "uniform_torch_1f1b"):
         o = rep[arm]
-        assert o["predicted_from"] == "interleaved" and o["predicted_s"] == o["predicted_interleaved_s"]
+        assert o["predicted_from"] == "replay" and o["predicted_s"] == o["predicted_replay_s"]
         assert o["error"] == pytest.approx(o["predicted_s"] / o["measured_s"] - 1)
         assert len(o["interleaved_totals_s"]) == 2 and all(t > 0 for t in o["interleaved_totals_s"])
-        for key in ("error_pre_run", "error_pooled", "error_probe_scaled", "error_replay", "run_costs_error", "posthoc_error"):
+        for key in ("error_interleaved", "error_pre_run", "error_pooled", "error_probe_scaled", "run_costs_error", "posthoc_error"):
             assert math.isfinite(o[key])
 
 
@@ -268,9 +268,9 @@ def test_cpu_validation_needs_a_round():
 
 @pytest.mark.parametrize("kwargs, match", [({"predict_from": "run"}, "predict_from"),
                                            ({"predict_from": "pre-run", "pre_run_repeats": 0}, "pre_run_repeats"),
-                                           ({"interleave_repeats": 0}, "interleave_repeats"),
+                                           ({"predict_from": "interleaved", "interleave_repeats": 0}, "interleave_repeats"),
                                            ({"predict_from": "probe-scaled", "probe": False}, "probe"),
-                                           ({"predict_from": "replay"}, "replay=True")])
+                                           ({"predict_from": "replay", "replay": False}, "replay=True")])
 def test_cpu_validation_rejects_an_unknown_prediction_source_before_measuring(kwargs, match):
     from pipesched.calibrate import cpu_validation
 
