@@ -489,6 +489,8 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
         raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     world = max(stage_rank) + 1
     if interleave_replay is not None:
+        if device != "cpu":   # the replay's clock is the thread's CPU time: it says nothing about GPU kernels
+            raise ValueError("interleave_replay times CPU work; it is not available with device='cuda'")
         known = {(s, k) for s in range(len(spans)) for k in ("F", "B", "I", "W")}
         for r in range(world):
             acts = interleave_replay.get(r)

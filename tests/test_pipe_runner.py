@@ -96,6 +96,8 @@ def test_replay_must_give_each_rank_its_own_actions():
         run_pipeline([(0, 1), (1, 2)], [0, 1], interleave_replay=wrong, **kw)
     with pytest.raises(ValueError, match="rank 1 its own"):
         run_pipeline([(0, 1), (1, 2)], [0, 1], interleave_replay={0: [Action(0, "F", 0)]}, **kw)
+    with pytest.raises(ValueError, match="not available with device='cuda'"):
+        run_pipeline([(0, 1), (1, 2)], [0, 1], interleave_replay=sched.actions, device="cuda", **kw)
 
 
 def test_gpu_paths_refuse_clearly_without_a_gpu():
