@@ -346,6 +346,7 @@ def main() -> None:
     ap.add_argument("--drift", type=float, metavar="S",
                     help="only the drift diagnosis: S seconds of speed probes, profiles and uniform runs (under --lock or flock)")
     args = ap.parse_args()
+    cpu_name = "pipesched_cpu_validation.interleaved" if args.interleaved else "pipesched_cpu_validation"
     if args.drift:
         rows, extra = bench_drift(args.drift, args.max_foreign, args.quiet_timeout, args.lock)
         write_results("pipesched_cpu_validation.drift", rows, title="Pipeline planner: CPU speed drift on this machine (diagnosis)",
@@ -353,7 +354,7 @@ def main() -> None:
         return
     if args.cpu_only:
         cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds, not args.interleaved)
-        write_cpu_results(cpu_rows, extra, name="pipesched_cpu_validation.interleaved" if args.interleaved else "pipesched_cpu_validation")
+        write_cpu_results(cpu_rows, extra, name=cpu_name)
         return
     speed_rows: list = []
     bench_plan_speed(speed_rows, args.quick)
@@ -364,7 +365,7 @@ def main() -> None:
     write_results("pipesched_gpt_cluster", gpt_rows, title="Pipeline planner: planned vs uniform split + 1F1B (simulated, default cluster)",
                   notes="Analytic GPT-3 2.7B-class profile (H100 roofline at 50% FLOP/s, 80% HBM); links from topology.paths.gpu_path.")
     cpu_rows, extra = bench_cpu_validation(args.quick, args.max_foreign, args.quiet_timeout, args.lock, args.rounds, not args.interleaved)
-    write_cpu_results(cpu_rows, extra, name="pipesched_cpu_validation.interleaved" if args.interleaved else "pipesched_cpu_validation")
+    write_cpu_results(cpu_rows, extra, name=cpu_name)
 
 
 DRIFT_NOTES = """
@@ -385,7 +386,7 @@ the profile samples the same seconds of this drifting machine as the steps, and 
     "replay": """'predicted_ms' is the plan simulated on the CPU times of each rank's own compute actions of a step (its stages' F and
 B in the schedule's order, no messages), replayed by all ranks at once before each timed step and outside its timing, after
 the per-layer profile pass ('interleaved_profile_ms': that pass's F + B total; 'error_interleaved_profile': the prediction
-from it, the default protocol's); nothing of the steps enters either.""",
+from it, the earlier protocol's); nothing of the steps enters either.""",
 }
 
 

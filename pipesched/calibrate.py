@@ -617,21 +617,21 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     and :func:`pipesched.plan.choose_robust` picks among them with ``tie_margin``. Each round then takes one more
     profile (from the second round on) and runs our plan and (``baseline``) the uniform split with torch's
     ``Schedule1F1B``, alternating which goes first (ours first in even rounds). ``predict_from`` says what a run
-    is predicted from: ``"replay"`` (default; see below), ``"interleaved"`` the per-layer median of the profile passes the run's ranks take
+    is predicted from: ``"replay"`` (default) the CPU times of each rank's own compute actions of a step, replayed
+    without messages by all ranks at once before each timed step, after the interleaved pass
+    (``run_pipeline(interleave_replay=...)``, :func:`replayed_plan`; the replays run when ``replay`` is true, by
+    default when it is the source); ``"interleaved"`` the per-layer median of the profile passes the run's ranks take
     together before each of its timed steps (``interleave_repeats`` repetitions per layer and pass, outside the
     steps' timing: the profile samples the same seconds of this drifting machine as the steps); ``"pre-run"`` the
     per-layer median of the profiles the ranks take together right before the first step (``pre_run_repeats``
     repetitions per layer over :data:`PRE_RUN_PASSES` passes); ``"pooled"`` the per-layer median of this case's
     profiles so far (:func:`pipesched.profile.median_profile`); ``"probe-scaled"`` that pooled prediction rescaled
-    by the :func:`speed_probe` read before the run over the probes read around the profiles; ``"replay"`` the CPU
-    times of each rank's own compute actions of a step, replayed without messages by all ranks at once before each
-    timed step, after the interleaved pass (``run_pipeline(interleave_replay=...)``, :func:`replayed_plan`; the
-    replays run when ``replay`` is true, by default when it is the source). All are recorded for every run
-    (``error_interleaved``, ``error_replay`` when replayed, ``error_pre_run``,
-    ``error_pooled``, ``error_probe_scaled``), with the
+    by the :func:`speed_probe` read before the run over the probes read around the profiles. All are recorded for
+    every run (``error_replay`` when replayed, ``error_interleaved``, ``error_pre_run``, ``error_pooled``,
+    ``error_probe_scaled``), with the
     prediction from the first profile alone and ``posthoc_s`` (the plan simulated with the CPU share less what
     other users took during the run: uses the run's load, so not a prediction). Every input of a prediction is a
-    measurement of the layers alone (profiles) or of the machine (calibrations); none is taken from the
+    measurement of the layers or the ranks' actions alone (profiles, replays) or of the machine (calibrations); none is taken from the
     pipelined steps, and nothing is adjusted afterwards. ``probe=False`` skips the probe readings;
     ``pre_run_repeats=0`` and ``interleave_repeats=0`` skip the ranks' profiles (then ``predict_from`` must be
     another source). ``cores`` overrides the measured compute share.

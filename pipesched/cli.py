@@ -321,7 +321,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         atomic_write_text(args.out, json.dumps(rep, indent=1, default=str) + "\n")
     o = rep["ours"]
     lines = [f"plan: {o['schedule']}, spans {rep['plan']['spans']}",
-             f"ours: predicted {o['predicted_s'] * 1e3:.4g} ms (from the {args.predict_from} profile), "
+             f"ours: predicted {o['predicted_s'] * 1e3:.4g} ms (from the {SOURCE_LABELS[args.predict_from][0]}), "
              f"measured {o['measured_s'] * 1e3:.4g} ms (error {o['error']:+.1%}), per-action error {o['per_action_mape']:.1%} mean abs",
              "other predictions: " + ", ".join(f"{label} {o[key]:+.1%}" for source, (label, key) in SOURCE_LABELS.items()
                                                  if source != args.predict_from and o[key] is not None)
