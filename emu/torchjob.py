@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import time
@@ -130,6 +131,10 @@ def run_ddp(args: argparse.Namespace) -> dict:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     t = torch.tensor(times, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    # DDP's reducer holds the process group: drop it first, or its destructor may run against a destroyed group at
+    # exit and abort the process ("terminate called without an active exception", seen once in CI).
+    del opt, ddp
+    gc.collect()
     dist.destroy_process_group()
     return {"mode": "ddp", "world": args.world, "grad_bytes": grad_bytes, "iteration_s": t.tolist(), "loss": losses,
             "window": [window_start, window_end]}
