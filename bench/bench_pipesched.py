@@ -178,6 +178,8 @@ def case_rows(case: str, rep: dict) -> list[dict]:
                    "cpu_work_error": sum(r["rank_work_predicted_s"]) / sum(r["rank_cpu_measured_s"]) - 1,
                    "foreign_cores_run": r["foreign_cores"], "posthoc_error": r["posthoc_error"],
                    "error_run_action_costs": r.get("run_costs_error")}
+            if r.get("error_ideal_sharing") is not None:   # runs predicted with the calibrated sharing efficiency
+                row |= {"cpu_efficiency": rep["shared_cpu"].get("efficiency", 1.0), "error_ideal_sharing": r["error_ideal_sharing"]}
             if r.get("error_replay") is not None:   # a run with replays: both action-cost sources side by side
                 row |= {"error_interleaved_profile": r["error_interleaved"], "error_replay": r["error_replay"]}
             if arm == "ours" and "speedup_measured" in rec:
@@ -396,8 +398,10 @@ def write_cpu_results(cpu_rows: list, extra: dict, name: str = "pipesched_cpu_va
                   notes=summary_lines(extra) + (f"\n\n{note}" if note else "") + f"""
 
 {os.cpu_count()} CPUs shared with other engineers' jobs. Protocol per case (pipesched.calibrate.cpu_validation, under the
-measurement lock after a quiet wait): CPU share and gloo message calibration, the runtime's per-action and per-message CPU cost,
-a first CPU-time profile (15 repetitions per layer spread over 5 passes of the chain, one co-runner), the plan ("auto": every
+measurement lock after a quiet wait): CPU share and gloo message calibration, the runtime's per-action and per-message CPU cost
+and the CPU's sharing efficiency ('cpu_efficiency': the share of the cores a balanced chain of equal blocks got while its ranks
+outnumbered them, pipesched.calibrate.calibrate_runtime; 1 = ideal processor sharing), a first CPU-time profile (15
+repetitions per layer spread over 5 passes of the chain, one co-runner), the plan ("auto": every
 exportable schedule planned, simulated times within 5 % count as tied and the one with the fewest micro-batches in flight wins),
 then {extra["config"]["rounds"]} rounds; each round takes one more such profile (from the second round on), then runs our plan
 and the uniform split with torch's Schedule1F1B ({extra["config"]["iterations"]} timed iterations each), ours first in even
@@ -411,7 +415,7 @@ prediction rescaled by a CPU speed probe read right before the run over the prob
 'foreign_cores_run' (cores other users' processes kept busy during the timed iterations: /proc/stat less our ranks' CPU time),
 'posthoc_error' (the plan re-simulated with the calibrated CPU share less other users' load during the run; uses the run),
 'error_run_action_costs' (the plan simulated on the CPU time each action measured in the run: uses the run; what is left is
-the error of the rest of the model, sharing, messages and waits).
+the error of the rest of the model, sharing, messages and waits), 'error_ideal_sharing' (the prediction with efficiency 1).
 'speedup_round': uniform + torch Schedule1F1B / our plan, the two runs of the round, back to back.""",
                   extra=extra)
 

@@ -52,6 +52,7 @@ import os
 import socket
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -61,6 +62,7 @@ from .models import mlp_chain
 from .plan import Plan, choose_robust, plan, plan_partition, uniform_plan
 from .profile import ModelProfile, measure_profile, median_profile, profile_from_dict
 from .runner import RunResult, foreign_cores, gather_results, machine_busy_s, run_pipeline
+from .schedules import Schedule
 from .simulate import SharedCpu, StageCost, lower_bound, simulate
 
 EXPORTABLE = ("1f1b", "zbh1", "gpipe", "interleaved")
@@ -348,14 +350,58 @@ class RuntimeCalibration:
     tiny_iteration_s: float    # iteration time of the near-empty pipeline (for the record)
     idle_message_cpu_s: float | None = None   # the same per message in the near-empty pipeline (when message_cpu_s is the loaded one)
     loaded_iteration_s: float | None = None   # iteration time of the loaded pipeline (for the record)
+    efficiency: float = 1.0    # SharedCpu.efficiency that reproduces the loaded pipeline's iteration time (1 when not measured)
+    loaded_fluid_s: float | None = None       # the loaded pipeline simulated with efficiency 1 on its own action CPU times
 
     def to_dict(self) -> dict[str, float | None]:
         return {"action_cpu_s": self.action_cpu_s, "message_cpu_s": self.message_cpu_s, "tiny_iteration_s": self.tiny_iteration_s,
-                "idle_message_cpu_s": self.idle_message_cpu_s, "loaded_iteration_s": self.loaded_iteration_s}
+                "idle_message_cpu_s": self.idle_message_cpu_s, "loaded_iteration_s": self.loaded_iteration_s,
+                "efficiency": self.efficiency, "loaded_fluid_s": self.loaded_fluid_s}
+
+
+def solve_efficiency(schedule: Schedule, costs: Mapping[int, StageCost], links: LinkModel | None, shared: SharedCpu,
+                     measured_s: float, *, low: float = 0.5, tolerance: float = 1e-4) -> float:
+    """The ``efficiency`` of ``shared`` at which ``schedule`` simulated on ``costs`` over ``links`` takes ``measured_s``.
+
+    The simulated iteration time only grows as the efficiency falls, so a bisection on ``[low, 1]`` finds it.
+    The result is clamped to that range: 1 when even ideal sharing is slower than the measurement (or the
+    ranks never outnumber the cores, where the efficiency changes nothing), ``low`` when the measurement is
+    slower than any efficiency down to ``low`` explains.
+
+    >>> from pipesched.schedules import one_f_one_b
+    >>> sched, costs = one_f_one_b(4, 8), {s: StageCost(f=1.0, b=2.0) for s in range(4)}
+    >>> measured = simulate(sched, costs, cores=SharedCpu(2.0, efficiency=0.8)).makespan
+    >>> round(solve_efficiency(sched, costs, None, SharedCpu(2.0), measured), 3)
+    0.8
+    """
+    def makespan(eff: float) -> float:
+        return simulate(schedule, costs, links, cores=replace(shared, efficiency=eff)).makespan
+
+    if makespan(1.0) >= measured_s:
+        return 1.0
+    if makespan(low) <= measured_s:
+        return low
+    lo, hi = low, 1.0
+    while hi - lo > tolerance:
+        mid = (lo + hi) / 2
+        if makespan(mid) > measured_s:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
+class _RuntimeRun:
+    action_cpu_s: float
+    message_cpu_s: float
+    iteration_s: float
+    profile: ModelProfile
+    run: RunResult
 
 
 def _runtime_costs(stages: int, width: int, *, dim: int, batch: int, microbatches: int, threads: int,
-                   iterations: int) -> tuple[float, float, float]:
+                   iterations: int) -> _RuntimeRun:
     """Per-action extra CPU (median), per-message CPU and iteration time of torch's ``Schedule1F1B`` on ``stages``
     equal blocks of ``width`` (one per rank), against their profile taken here the validation's way."""
     widths = [width] * stages
@@ -373,11 +419,12 @@ def _runtime_costs(stages: int, width: int, *, dim: int, batch: int, microbatche
         inside = microbatches * (run.action_cpu_medians.get(f"{r} F", 0.0) + run.action_cpu_medians.get(f"{r} B", 0.0))
         outside += max(0.0, run.rank_cpu_s[r] - inside)
         messages += 2 * microbatches * ((r > 0) + (r < stages - 1))
-    return (max(0.0, statistics.median(extra)) if extra else 0.0, outside / messages if messages else 0.0, run.median_s)
+    return _RuntimeRun(max(0.0, statistics.median(extra)) if extra else 0.0, outside / messages if messages else 0.0, run.median_s,
+                       prof, run)
 
 
 def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, threads: int = 1, iterations: int = 5,
-                      load_width: int | None = None) -> RuntimeCalibration:
+                      load_width: int | None = None, cores: float | None = None, link: LinkModel | None = None) -> RuntimeCalibration:
     """The runtime's own CPU cost per action and per message, measured on pipelines of equal one-block stages.
 
     A chain of ``stages`` blocks of hidden width 8 (same ``dim``, so the same activation bytes cross the same
@@ -393,13 +440,30 @@ def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, t
     in the three committed validation runs a message cost 0.44-0.82 ms of CPU among computing ranks against
     0.30-0.48 ms among near-idle ones (the near-empty pipeline's figure stays in ``idle_message_cpu_s``). ``cpu_validation`` uses ``4 * dim``, a
     transformer MLP's ratio, not the validated model's widths.
+
+    With ``load_width`` and ``cores`` (the CPU share of :func:`calibrate_cpu`) it also measures the
+    :class:`~pipesched.simulate.SharedCpu` ``efficiency``: the loaded chain is a balanced pipeline, every rank
+    computing between its messages, so its ranks outnumber the cores most of the time. Simulated on the CPU
+    time each of its actions measured inside the steps, with these per-action and per-message costs, over
+    ``link`` (default: free transfers), it comes out faster than measured; the efficiency is the value at
+    which it takes the measured iteration time (:func:`solve_efficiency`). It is measured on this synthetic
+    chain, never on the model being validated.
     """
     common = {"dim": dim, "batch": batch, "microbatches": microbatches, "threads": threads, "iterations": iterations}
-    action, message, tiny = _runtime_costs(stages, 8, **common)
+    tiny = _runtime_costs(stages, 8, **common)
     if load_width is None:
-        return RuntimeCalibration(action, message, tiny)
-    _, loaded, loaded_s = _runtime_costs(stages, load_width, **common)
-    return RuntimeCalibration(action, loaded, tiny, idle_message_cpu_s=message, loaded_iteration_s=loaded_s)
+        return RuntimeCalibration(tiny.action_cpu_s, tiny.message_cpu_s, tiny.iteration_s)
+    loaded = _runtime_costs(stages, load_width, **{**common, "iterations": 2 * iterations})
+    efficiency, fluid_s = 1.0, None
+    if cores is not None:
+        shared = SharedCpu(cores, loaded.message_cpu_s, tiny.action_cpu_s)
+        devices = [Device(f"cpu-rank{r}") for r in range(stages)]
+        chain = uniform_plan(loaded.profile, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
+        costs = measured_costs(chain, loaded.run.action_cpu_medians, tiny.action_cpu_s)
+        fluid_s = simulate(chain.schedule, costs, link, cores=shared).makespan
+        efficiency = solve_efficiency(chain.schedule, costs, link, shared, loaded.iteration_s)
+    return RuntimeCalibration(tiny.action_cpu_s, loaded.message_cpu_s, tiny.iteration_s, idle_message_cpu_s=tiny.message_cpu_s,
+                              loaded_iteration_s=loaded.iteration_s, efficiency=efficiency, loaded_fluid_s=fluid_s)
 
 
 def compare(p: Plan, run: RunResult) -> dict[str, Any]:
@@ -656,12 +720,13 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     interleave = {"repeats": interleave_repeats} if interleave_repeats > 0 else None
     mb = batch // microbatches
     cal = calibrate_cpu(stages, mb * dim * 4, threads=threads)
-    rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=microbatches, threads=threads, load_width=4 * dim)
+    rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=microbatches, threads=threads, load_width=4 * dim,
+                           cores=cores or cal.cpu_share, link=cal.link())
     # The profile is taken while the other cores are busy with the same model (min(ranks, cores) - 1 co-runners: in
     # the run the other cores are mostly busy with other ranks), in CPU time; the time-slicing among more ranks than
     # cores is the simulator's processor sharing over cal.cpu_share, the CPU our processes got when all ran.
     machine_cores = os.cpu_count() or 1
-    shared = SharedCpu(cores or cal.cpu_share, rt.message_cpu_s, rt.action_cpu_s)
+    shared = SharedCpu(cores or cal.cpu_share, rt.message_cpu_s, rt.action_cpu_s, rt.efficiency)
 
     def read_probe() -> SpeedProbe | None:
         return speed_probe(widths, dim, mb, threads=threads) if probe else None
@@ -721,6 +786,8 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
             posthoc = simulate(predicted.schedule, predicted.costs, predicted.links,
                                cores=replace(predicted.shared_cpu, cores=posthoc_cores)).makespan
             replay = simulate(predicted.schedule, run_action_costs(predicted, run), predicted.links, cores=predicted.shared_cpu).makespan
+            ideal = simulate(predicted.schedule, predicted.costs, predicted.links,
+                             cores=replace(predicted.shared_cpu, efficiency=1.0)).makespan
             c |= {"probe_scale": scale,
                   "predicted_from": predict_from,
                   "predicted_pooled_s": p.sim.makespan, "error_pooled": p.sim.makespan / run.median_s - 1.0,
@@ -736,6 +803,7 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
                   "probe_after_scale": probe_scale(reference, after) if after is not None and reference else None,
                   "posthoc_s": posthoc, "posthoc_error": posthoc / run.median_s - 1.0,
                   "run_costs_s": replay, "run_costs_error": replay / run.median_s - 1.0,
+                  "predicted_ideal_sharing_s": ideal, "error_ideal_sharing": ideal / run.median_s - 1.0,
                   "spans": [list(s.layers) for s in chosen.partition.stages]}
             c["error_first_profile"] = c["predicted_first_profile_s"] / run.median_s - 1.0
             rec[name] = c

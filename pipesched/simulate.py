@@ -8,7 +8,8 @@ bytes / bandwidth), one message at a time per direction, overlapped with compute
 with asynchronous sends. With ``cores=c`` the ranks share ``c`` processors (processor sharing: with more
 than ``c`` ranks computing, each runs at ``c / active`` speed), which is how a CPU run with more processes
 than cores behaves. ``cores`` may also be a :class:`SharedCpu`, which adds the CPU cost of every
-point-to-point message on both of its ranks (see there).
+point-to-point message on both of its ranks (see there) and may say that an oversubscribed CPU delivers less
+than its cores (``efficiency``).
 
 Memory per rank: model states of its stages, plus per micro-batch the saved activations from F until the
 backward frees them (all at B; at I except what W still needs, the rest at W), plus, during a backward,
@@ -72,14 +73,29 @@ class SharedCpu:
     message also slows the other ranks. The link's latency stays the wait for the message (the one-way
     time of the ping-pong less this CPU work). ``action_cpu_s`` is the runtime's fixed CPU work per compute
     action (its Python bookkeeping around the layer calls), added to every F, B, I and W.
+
+    ``efficiency`` is the share of ``cores`` that the ranks get while more of them are computing than there are
+    cores: each then runs at ``cores * efficiency / active`` speed. Ideal processor sharing has 1. A real
+    kernel falls short with pipeline ranks that block and wake every few milliseconds: each core has its own
+    run queue, so a core whose rank blocks can stay idle while the other still holds two runnable ranks, and
+    a rank alone on a core races ahead while its neighbours share the other. Measured timelines on this
+    machine look like that: the busiest rank ran at full speed, then waited for neighbours that got a third
+    of a core. :func:`pipesched.calibrate.calibrate_runtime` measures the value on a balanced pipeline of
+    equal blocks; the model stays fluid, only its total rate is scaled.
     """
 
     cores: float
     message_cpu_s: float = 0.0
     action_cpu_s: float = 0.0     # the runtime's own CPU work per compute action (F, B, I, W), on top of the profile
+    efficiency: float = 1.0       # share of the cores delivered while more ranks compute than there are cores
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.efficiency <= 1.0:
+            raise ValueError(f"SharedCpu.efficiency must be in (0, 1], got {self.efficiency}")
 
     def to_dict(self) -> dict[str, float]:
-        return {"cores": self.cores, "message_cpu_s": self.message_cpu_s, "action_cpu_s": self.action_cpu_s}
+        return {"cores": self.cores, "message_cpu_s": self.message_cpu_s, "action_cpu_s": self.action_cpu_s,
+                "efficiency": self.efficiency}
 
 
 @dataclass(frozen=True)
@@ -134,8 +150,9 @@ def _partner_stages(schedule: Schedule) -> dict[int, list[int]]:
 def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = None, *, cores: float | SharedCpu | None = None) -> SimResult:
     """Run ``schedule`` with per-stage ``costs`` over ``links`` (a ``LinkModel``; None = free transfers)."""
     message_cpu = action_cpu = 0.0
+    efficiency = 1.0
     if isinstance(cores, SharedCpu):
-        message_cpu, action_cpu, cores = cores.message_cpu_s, cores.action_cpu_s, cores.cores
+        message_cpu, action_cpu, efficiency, cores = cores.message_cpu_s, cores.action_cpu_s, cores.efficiency, cores.cores
     R = schedule.ranks
     acts = schedule.actions
     neighbours = {s: schedule.neighbours(s) for s in range(schedule.num_stages)}
@@ -258,7 +275,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         if not running and not future:
             waiting = [f"rank {r} at {acts[r][ptr[r]]}" for r in range(R) if ptr[r] < len(acts[r])]
             raise ScheduleError("deadlock: " + ", ".join(waiting))
-        rate = 1.0 if cores is None or len(running) <= cores else cores / len(running)
+        rate = 1.0 if cores is None or len(running) <= cores else cores * efficiency / len(running)
         ends = {r: (v[2] + v[3] if cores is None else now + v[1] / rate) for r, v in running.items()}
         t_next = min(list(ends.values()) + future)
         for v in running.values():

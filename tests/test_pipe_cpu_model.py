@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 import statistics
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pipesched.devices import Device, LinkModel
 from pipesched.schedules import make_schedule
@@ -122,3 +125,64 @@ def test_calibrate_cpu_measures_share_and_messages():
     assert 0 < cal.cpu_share <= (os.cpu_count() or 1) + 0.2
     assert cal.one_way_s > 0 and cal.message_cpu_s >= 0 and cal.foreign_cores >= 0
     assert cal.solo_rate > 0 and cal.all_rate > 0 and cal.slowdown > 0
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Efficiency of an oversubscribed CPU
+# --------------------------------------------------------------------------------------------------------------
+
+def test_efficiency_changes_nothing_while_ranks_fit_on_the_cores():
+    sched = make_schedule("1f1b", 4, 8)
+    costs = {s: StageCost(f=1.0 + 0.3 * s, b=2.0, out_bytes=1.0) for s in range(4)}
+    links = LinkModel.uniform(4, 1e3, 0.01)
+    ideal = simulate(sched, costs, links, cores=SharedCpu(4, 0.05, 0.01))
+    lossy = simulate(sched, costs, links, cores=SharedCpu(4, 0.05, 0.01, efficiency=0.6))
+    assert lossy.makespan == ideal.makespan
+
+
+def test_efficiency_scales_the_shared_rate():
+    """Two ranks on one core: GPipe's forwards of stage 1 trail stage 0's by one, so apart from the first and the
+    last forward both compute at once, each at ``efficiency / 2`` (free backwards, no messages)."""
+    m, f = 6, 1.0
+    sched = make_schedule("gpipe", 2, m)
+    costs = {s: StageCost(f=f, b=0.0) for s in range(2)}
+    for eff in (1.0, 0.8, 0.5):
+        res = simulate(sched, costs, cores=SharedCpu(1.0, efficiency=eff))
+        # first forward alone (rate 1), then 2(m-1) forwards' work at total rate eff, then the last one alone
+        assert res.makespan == pytest.approx(f + 2 * (m - 1) * f / eff + f, rel=1e-12)
+
+
+def test_bad_efficiency_is_refused():
+    for bad in (0.0, -0.1, 1.2):
+        with pytest.raises(ValueError, match="efficiency"):
+            SharedCpu(2.0, efficiency=bad)
+
+
+@settings(max_examples=40, deadline=None)
+@given(p=st.integers(2, 4), extra=st.integers(0, 4), cores=st.sampled_from([1.0, 1.5, 2.0]),
+       eff=st.floats(0.55, 1.0), seed=st.integers(0, 10_000), family=st.sampled_from(["1f1b", "gpipe", "zbh1"]))
+def test_solve_efficiency_recovers_the_efficiency_of_a_simulated_run(p, extra, cores, eff, seed, family):
+    from pipesched.calibrate import solve_efficiency
+
+    rng = random.Random(seed)
+    sched = make_schedule(family, p, p + extra)
+    costs = {s: StageCost(f=rng.uniform(0.5, 2.0), b=rng.uniform(1.0, 4.0), out_bytes=1.0) for s in range(p)}
+    links = LinkModel.uniform(p, 1e3, 0.01)
+    shared = SharedCpu(cores, 0.02, 0.005)
+    measured = simulate(sched, costs, links, cores=dataclasses.replace(shared, efficiency=eff)).makespan
+    found = solve_efficiency(sched, costs, links, shared, measured)
+    again = simulate(sched, costs, links, cores=dataclasses.replace(shared, efficiency=found)).makespan
+    assert again == pytest.approx(measured, rel=1e-3)
+    # the simulated time never shrinks as the efficiency falls
+    assert simulate(sched, costs, links, cores=dataclasses.replace(shared, efficiency=min(1.0, found + 0.1))).makespan <= again + 1e-9
+
+
+def test_solve_efficiency_clamps_to_its_range():
+    from pipesched.calibrate import solve_efficiency
+
+    sched = make_schedule("1f1b", 4, 8)
+    costs = {s: StageCost(f=1.0, b=2.0) for s in range(4)}
+    shared = SharedCpu(2.0)
+    ideal = simulate(sched, costs, cores=shared).makespan
+    assert solve_efficiency(sched, costs, None, shared, 0.9 * ideal) == 1.0      # faster than ideal sharing: nothing lost
+    assert solve_efficiency(sched, costs, None, shared, 10 * ideal, low=0.5) == 0.5
