@@ -327,7 +327,9 @@ def cmd_run(args: argparse.Namespace) -> int:
                                                  if source != args.predict_from and o[key] is not None)
              + f" (CPU speed probe x{o['probe_scale']:.3f} since the profiles)",
              f"CPU work: modelled {sum(o['rank_work_predicted_s']) * 1e3:.4g} ms, measured {sum(o['rank_cpu_measured_s']) * 1e3:.4g} ms "
-             f"(all ranks); CPU share calibrated {rep['shared_cpu']['cores']:.2f} cores, other users took {o['foreign_cores']:.2f} during the run",
+             f"(all ranks); CPU share calibrated {rep['shared_cpu']['cores']:.2f} cores at sharing efficiency "
+             f"{rep['shared_cpu']['efficiency']:.2f} (ideal sharing: {o['error_ideal_sharing']:+.1%}), "
+             f"other users took {o['foreign_cores']:.2f} during the run",
              f"diagnostic (uses the run): the plan simulated on its actions' measured CPU times {o['run_costs_error']:+.1%}"]
     if "uniform_torch_1f1b" in rep:
         u = rep["uniform_torch_1f1b"]
