@@ -12,14 +12,15 @@ alone, between the run's steps (step 5); none is taken from the pipelined steps 
 2. the runtime's own costs (:func:`calibrate_runtime`): a pipeline of near-empty blocks with the same
    activation size run by torch's runtime in ``ranks`` processes gives the CPU time per compute action beyond
    the layers, and a pipeline of equal ``4 * dim`` blocks (ranks that compute between their messages, as a
-   real pipeline's do) the CPU time per point-to-point message (posting, copying, waking gloo's threads);
+   real pipeline's do) the CPU time per point-to-point message (posting, copying, waking gloo's threads) and
+   the share of step 3's cores its ranks really got while they outnumbered them (``efficiency``);
 3. the shared CPU (:func:`calibrate_cpu`), with as many processes as the run has ranks: the CPU share they
    get together while all compute (``cpu_share``: less than the cores when other users' processes run), and
    the one-way time of a gloo message of the run's activation size between two processes while the other
    ``ranks - 2`` compute (its wait part is the link latency);
 4. the plan (for ``schedule="auto"``: every exportable family, chosen by :func:`pipesched.plan.choose_robust`, which
    treats simulated times within :data:`AUTO_TIE_MARGIN` as tied and then prefers fewer micro-batches in flight)
-   and its prediction (simulator with processor sharing over ``cpu_share``, the per-action and per-message CPU
+   and its prediction (simulator with processor sharing over ``cpu_share`` at that efficiency, the per-action and per-message CPU
    costs, :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less its CPU work);
 5. the runs (torch's ``_PipelineScheduleRuntime`` in gloo processes), in ``rounds`` rounds of our plan and the
    usual default, a uniform split with torch's ``Schedule1F1B``, alternating which goes first. The prediction of
@@ -447,7 +448,7 @@ def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, t
     time each of its actions measured inside the steps, with these per-action and per-message costs, over
     ``link`` (default: free transfers), it comes out faster than measured; the efficiency is the value at
     which it takes the measured iteration time (:func:`solve_efficiency`). It is measured on this synthetic
-    chain, never on the model being validated.
+    chain, never on the model being validated. The loaded chain runs twice ``iterations`` timed steps.
     """
     common = {"dim": dim, "batch": batch, "microbatches": microbatches, "threads": threads, "iterations": iterations}
     tiny = _runtime_costs(stages, 8, **common)
@@ -676,7 +677,8 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
                    replay: bool | None = None) -> dict[str, Any]:
     """Calibrate, profile, plan, then ``rounds`` rounds of predicted runs; returns a JSON-able report.
 
-    Before the runs (module docstring, steps 1-4): the CPU and runtime calibrations, a first profile (spread over
+    Before the runs (module docstring, steps 1-4): the CPU and runtime calibrations (the latter with the CPU's
+    sharing efficiency, :func:`calibrate_runtime`; ``error_ideal_sharing`` records each prediction without it), a first profile (spread over
     ``passes`` passes of the chain) and the plan: for ``schedule="auto"`` every exportable family is planned on it
     and :func:`pipesched.plan.choose_robust` picks among them with ``tie_margin``. Each round then takes one more
     profile (from the second round on) and runs our plan and (``baseline``) the uniform split with torch's
