@@ -58,6 +58,7 @@ class RunResult:
     losses: list[float] = field(default_factory=list)
     action_cpu_medians: dict[str, float] = field(default_factory=dict)   # "stage kind" -> median CPU time of the action's thread
     rank_cpu_s: list[float] = field(default_factory=list)                # per rank: median CPU time of all its threads per step
+    rank_main_cpu_s: list[float] = field(default_factory=list)           # per rank: the same for the thread running the schedule alone
     foreign_cores: float = 0.0    # cores other processes used during the timed iterations (machine busy - our ranks' CPU)
     pre_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: its profile taken right before the run (JSON form)
     interleaved_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: median of its passes between the steps
@@ -74,7 +75,8 @@ class RunResult:
         return {"iteration_s": self.iteration_s, "median_s": self.median_s, "action_medians": self.action_medians,
                 "peak_saved_bytes": self.peak_saved_bytes, "peak_rss_growth_bytes": self.peak_rss_growth_bytes,
                 "link_latency_s": self.link_latency_s, "link_bandwidth_bps": self.link_bandwidth_bps, "losses": self.losses,
-                "action_cpu_medians": self.action_cpu_medians, "rank_cpu_s": self.rank_cpu_s, "foreign_cores": self.foreign_cores,
+                "action_cpu_medians": self.action_cpu_medians, "rank_cpu_s": self.rank_cpu_s,
+                "rank_main_cpu_s": self.rank_main_cpu_s, "foreign_cores": self.foreign_cores,
                 "pre_profiles": self.pre_profiles, "interleaved_profiles": self.interleaved_profiles,
                 "interleaved_totals_s": self.interleaved_totals_s, "replay_cpu_medians": self.replay_cpu_medians,
                 "device": self.device, "device_peak_bytes": self.device_peak_bytes}
@@ -253,7 +255,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         last = any(s.is_last for s in stages)
         inputs = (x,) if first else ()   # no positional input at all on other ranks (torch 2.11's schedules assert on a None)
         opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
-        durations, cpu_s, losses = [], [], []
+        durations, cpu_s, main_cpu_s, losses = [], [], [], []
         last_records: list[tuple[int, str, int, float, float, float]] = []
         per_action: dict[str, list[float]] = {}
         per_action_cpu: dict[str, list[float]] = {}
@@ -271,17 +273,18 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             if it == job["warmup"]:
                 window = {"cpu0": time.process_time(), "busy0": machine_busy_s(), "t0": time.perf_counter()}
             records.clear()
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
             step_losses: list = []
             sched.step(*inputs, target=y if last else None, losses=step_losses if last else None)
             if sync:
                 sync()
-            t1, c1 = time.perf_counter(), time.process_time()
+            t1, c1, m1 = time.perf_counter(), time.process_time(), time.thread_time()
             opt.step()
             opt.zero_grad(set_to_none=True)
             if it >= job["warmup"]:
                 durations.append(t1 - t0)
                 cpu_s.append(c1 - c0)       # all of the rank's threads (gloo's included) during the step
+                main_cpu_s.append(m1 - m0)  # the schedule's own thread: actions, the runtime's loop, posting and waiting
                 last_records = [(s, k, mb, a - t0, b - t0, c) for s, k, mb, a, b, c in records]
                 for s, k, _, a, b, c in records:
                     per_action.setdefault(f"{s} {k}", []).append(b - a)
@@ -311,7 +314,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             from .profile import median_profile
 
             inter = {"median": median_profile(interleaved).to_dict(), "totals": [sum(lay.fwd_s + lay.bwd_s for lay in q.layers) for q in interleaved]}
-        queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "actions": last_records, "per_action": per_action,
+        queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "main_cpu_s": main_cpu_s, "actions": last_records, "per_action": per_action,
                    "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
                    "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses, "pre_profile": pre_profile,
                    "interleaved": inter, "device_peak": device_peak, "replayed": replayed})
@@ -526,7 +529,8 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
     return RunResult(iters, actions, medians, [results[r]["peak_saved"] for r in range(world)],
                      [results[r]["rss_growth"] for r in range(world)], results[0]["latency"], results[0]["bandwidth"],
                      losses=results[last_rank]["losses"], action_cpu_medians=cpu_medians,
-                     rank_cpu_s=[statistics.median(results[r]["cpu_s"]) for r in range(world)], foreign_cores=foreign,
+                     rank_cpu_s=[statistics.median(results[r]["cpu_s"]) for r in range(world)],
+                     rank_main_cpu_s=[statistics.median(results[r]["main_cpu_s"]) for r in range(world)], foreign_cores=foreign,
                      pre_profiles=[results[r]["pre_profile"] for r in range(world) if results[r]["pre_profile"] is not None],
                      interleaved_profiles=[results[r]["interleaved"]["median"] for r in range(world) if results[r]["interleaved"]],
                      interleaved_totals_s=[results[r]["interleaved"]["totals"] for r in range(world) if results[r]["interleaved"]],
