@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .devices import Device, LinkModel, devices_from_topology
 from .partition import Partition, PlanError, evaluate_partition, partition
 from .profile import RECOMPUTE_OPTIONS, ModelProfile
+from .runtimes import rendezvous_for
 from .schedules import Schedule, ScheduleError, make_schedule, validate
 from .simulate import SharedCpu, SimResult, StageCost, lower_bound, simulate
 
-__all__ = ["Plan", "check_plan", "choose_robust", "devices_from_topology", "plan", "plan_partition", "stage_costs", "uniform_plan"]
+__all__ = ["Plan", "check_plan", "choose_robust", "devices_from_topology", "plan", "plan_partition", "resimulate", "stage_costs",
+           "uniform_plan", "with_runtime"]
 
 AUTO_FAMILIES = ("1f1b", "zbh1", "interleaved", "gpipe", "chimera")
 # Above this many (layers x stages) the planner uses the faster bottleneck objective instead of the flush bound.
@@ -47,6 +49,8 @@ class Plan:
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     links: LinkModel | None = None
     shared_cpu: SharedCpu | None = None     # the CPU model the simulation used (CPU runs), if any
+    runtime: str = "ideal"                  # whose message posting the simulation followed (pipesched.runtimes.RUNTIMES)
+    handshake_s: float | None = None        # a late receive's cost in that simulation (None: one link latency)
 
     @property
     def in_flight(self) -> int:
@@ -137,14 +141,19 @@ def _schedule_for(family: str, ranks: int, microbatches: int, chunks: int) -> Sc
 
 
 def plan_partition(profile: ModelProfile, part: Partition, devices: Sequence[Device], links: LinkModel | None, *, family: str,
-                   microbatches: int, chunks: int = 1, cores: float | SharedCpu | None = None) -> Plan:
-    """Schedule, simulate and bound a given partition (e.g. a uniform split, for comparison)."""
+                   microbatches: int, chunks: int = 1, cores: float | SharedCpu | None = None, runtime: str = "ideal",
+                   handshake_s: float | None = None) -> Plan:
+    """Schedule, simulate and bound a given partition (e.g. a uniform split, for comparison).
+
+    ``runtime`` names the executor whose message posting the simulation follows, with ``handshake_s`` the cost of a
+    late receive (:func:`pipesched.runtimes.rendezvous_for`).
+    """
     ranks = len(devices) if family in ("interleaved", "chimera") else len(part.stages)
     if family == "chimera" and len(part.stages) != ranks:
         raise PlanError("Chimera needs one partition stage per device", where="--schedule")
     sched = _schedule_for(family, ranks, microbatches, chunks)
     costs = stage_costs(profile, part, sched, devices, links)
-    sim = simulate(sched, costs, links, cores=cores)
+    sim = simulate(sched, costs, links, cores=cores, rendezvous=rendezvous_for(runtime, sched, handshake_s))
     if not sim.names:
         sim.names = [devices[r].name for r in range(ranks)]
     bound = lower_bound(sched, costs, links)
@@ -152,7 +161,21 @@ def plan_partition(profile: ModelProfile, part: Partition, devices: Sequence[Dev
     problems = [f"rank {r} ({devices[r].name}): peak {peak / 2**30:.2f} GiB over {limits[r] / 2**30:.2f} GiB"
                 for r, peak in enumerate(sim.peak_memory) if peak > limits[r] * (1 + 1e-9)]
     return Plan(family, part, sched, costs, sim, bound, list(devices), profile.name, chunks=chunks if family == "interleaved" else 1,
-                memory_ok=not problems, problems=problems, links=links, shared_cpu=cores if isinstance(cores, SharedCpu) else None)
+                memory_ok=not problems, problems=problems, links=links, shared_cpu=cores if isinstance(cores, SharedCpu) else None,
+                runtime=runtime, handshake_s=handshake_s)
+
+
+def with_runtime(p: Plan, runtime: str, handshake_s: float | None = None) -> Plan:
+    """``p`` simulated again as executed by ``runtime`` (:data:`pipesched.runtimes.RUNTIMES`) with that late-receive cost."""
+    q = replace(p, runtime=runtime, handshake_s=handshake_s)
+    return replace(q, sim=resimulate(q))
+
+
+def resimulate(p: Plan, costs: dict[int, StageCost] | None = None, *, cores: float | SharedCpu | None = None) -> SimResult:
+    """``p``'s schedule simulated again over its links and runtime, on ``costs`` (default its own) and ``cores``
+    (default its own :class:`~pipesched.simulate.SharedCpu`)."""
+    return simulate(p.schedule, p.costs if costs is None else costs, p.links, cores=p.shared_cpu if cores is None else cores,
+                    rendezvous=rendezvous_for(p.runtime, p.schedule, p.handshake_s))
 
 
 def choose_robust(candidates: Sequence[Plan], margin: float = 0.0) -> Plan:
@@ -297,14 +320,16 @@ def _group_links(links: LinkModel, part: Partition) -> LinkModel:
 
 
 def uniform_plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | None, *, microbatches: int,
-                 family: str = "1f1b", cores: float | SharedCpu | None = None) -> Plan:
+                 family: str = "1f1b", cores: float | SharedCpu | None = None, runtime: str = "ideal",
+                 handshake_s: float | None = None) -> Plan:
     """Equal layer counts per stage with ``family``'s schedule: the usual hand-made default, as a baseline."""
     from .partition import uniform_partition
 
     spans = uniform_partition(profile, len(devices))
     links = links if links is not None else LinkModel.uniform(len(devices), math.inf, 0.0)
     part = evaluate_partition(profile, spans, devices, links, microbatches=microbatches, family=family)
-    return plan_partition(profile, part, devices, links, family=family, microbatches=microbatches, cores=cores)
+    return plan_partition(profile, part, devices, links, family=family, microbatches=microbatches, cores=cores, runtime=runtime,
+                          handshake_s=handshake_s)
 
 
 def check_plan(p: Plan) -> list[str]:

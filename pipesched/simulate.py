@@ -11,6 +11,11 @@ than cores behaves. ``cores`` may also be a :class:`SharedCpu`, which adds the C
 point-to-point message on both of its ranks (see there) and may say that an oversubscribed CPU delivers less
 than its cores (``efficiency``).
 
+A ``rendezvous`` (:class:`Rendezvous`, from :mod:`pipesched.runtimes`) describes a transport whose messages move
+only once both sides have posted them (gloo's and NCCL's send/recv) and the runtime's program around the
+computations: where each receive is posted and which of its own sends a rank waits for. Without it every
+receive counts as posted in advance, the ideal an asynchronous runtime approaches.
+
 Memory per rank: model states of its stages, plus per micro-batch the saved activations from F until the
 backward frees them (all at B; at I except what W still needs, the rest at W), plus, during a backward,
 the activations recomputation re-materialises.
@@ -98,6 +103,44 @@ class SharedCpu:
                 "efficiency": self.efficiency}
 
 
+MessageKey = tuple[int, str, "int | None"]
+"""A cross-rank tensor by where it goes: (receiving stage, "act" or "grad", micro-batch)."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """When a runtime posts each receive and which sends it waits for, for a transport that moves a message only
+    once both its send and its receive are posted (gloo's TCP pairs wait for the receiver's ready notice; a send
+    completes when the data has gone).
+
+    ``recv_before[key] = (rank, i)``: the rank posts that receive right before its ``i``-th action (index into
+    ``Schedule.actions[rank]``), i.e. when its action ``i - 1`` ends (at 0 for ``i = 0``). ``send_waits[(rank, i)]``:
+    messages this rank sent that must have been delivered before its ``i``-th action may start (torch's built-in
+    schedules wait on their sends). A message then moves at ``max(send posted, receive posted)``; a receive
+    posted after its send costs one more link latency (the ready notice travelling to the sender). Messages
+    missing from ``recv_before`` count as posted in advance.
+
+    ``handshake_s`` replaces that latency for a late receive whose sender is blocked waiting for that very send
+    (a message in ``send_waits``): the exchange releases the sender, whose compute thread resumes on the core
+    where the loopback delivery has just woken the receiver's communication thread, and the receiver gets its
+    data only once that thread is scheduled. On this machine that cost ~4 ms per message under torch's
+    ``Schedule1F1B`` (the sender's next action ran 8.7 ms for 4.8 ms of CPU meanwhile), while a late receive
+    whose sender was idle cost ~0.5 ms (``pipesched.calibrate.calibrate_runtime`` measures ``handshake_s``).
+    """
+
+    recv_before: Mapping[MessageKey, tuple[int, int]] = field(default_factory=dict)
+    send_waits: Mapping[tuple[int, int], tuple[MessageKey, ...]] = field(default_factory=dict)
+    runtime: str = ""
+    handshake_s: float | None = None   # a late receive's extra delay before the data moves (default: the link's latency)
+
+    def posts_at(self) -> dict[tuple[int, int], list[MessageKey]]:
+        """(rank, action index) -> the receives posted right before that action."""
+        out: dict[tuple[int, int], list[MessageKey]] = {}
+        for key, where in self.recv_before.items():
+            out.setdefault(where, []).append(key)
+        return out
+
+
 @dataclass(frozen=True)
 class Span:
     rank: int
@@ -147,8 +190,10 @@ def _partner_stages(schedule: Schedule) -> dict[int, list[int]]:
     return {sid: [o for o in groups[schedule.stage_layers[sid]] if o != sid] for sid in range(schedule.num_stages)}
 
 
-def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = None, *, cores: float | SharedCpu | None = None) -> SimResult:
-    """Run ``schedule`` with per-stage ``costs`` over ``links`` (a ``LinkModel``; None = free transfers)."""
+def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = None, *, cores: float | SharedCpu | None = None,
+             rendezvous: Rendezvous | None = None) -> SimResult:
+    """Run ``schedule`` with per-stage ``costs`` over ``links`` (a ``LinkModel``; None = free transfers), optionally
+    with a ``rendezvous`` transport and the runtime's receive posts and send waits (module docstring)."""
     message_cpu = action_cpu = 0.0
     efficiency = 1.0
     if isinstance(cores, SharedCpu):
@@ -171,6 +216,11 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     ptr = [0] * R
     running: dict[int, list[Any]] = {}     # rank -> [action, remaining work, start, duration]
     now = 0.0
+    posts_at = rendezvous.posts_at() if rendezvous is not None else {}
+    send_waits = rendezvous.send_waits if rendezvous is not None else {}
+    waited = {k for keys in send_waits.values() for k in keys}
+    sent: dict[MessageKey, tuple[float, int, int, float, str]] = {}   # posted sends: key -> (time, src, dst, bytes, label)
+    recv_posted: dict[MessageKey, float] = {}
 
     def cost(stage: int) -> StageCost:
         try:
@@ -180,18 +230,48 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
 
     def send(src_stage: int, dst_stage: int, kind: str, mb: int | None, t: float, nbytes: float, label: str) -> None:
         a, b = schedule.stage_rank[src_stage], schedule.stage_rank[dst_stage]
-        if a == b or links is None:
-            arrive[(dst_stage, kind, mb)] = t
+        key = (dst_stage, kind, mb)
+        if a == b or (links is None and rendezvous is None):   # free transfers; a rendezvous still waits for its receive
+            arrive[key] = t
             return
-        bw, lat = links.link(a, b)
-        start = max(t, link_free.get((a, b), 0.0))
+        sent[key] = (t, a, b, nbytes, label)
+        move(key)
+
+    def move(key: MessageKey) -> None:
+        """Deliver a posted send once its receive is posted too (at once without a rendezvous)."""
+        if key not in sent or key in arrive:
+            return
+        t, a, b, nbytes, label = sent[key]
+        posted = recv_posted.get(key, 0.0) if rendezvous is None or key not in rendezvous.recv_before else recv_posted.get(key)
+        if posted is None:
+            return
+        bw, lat = links.link(a, b) if links is not None else (float("inf"), 0.0)
+        start = max(t, posted, link_free.get((a, b), 0.0))
+        if posted > t:      # the sender learns of the receive one latency later (a blocked sender: the handshake)
+            late = rendezvous.handshake_s if rendezvous.handshake_s is not None and key in waited else lat
+            start = max(start, posted + late)
         serial = nbytes / bw if nbytes > 0 else 0.0
         link_free[(a, b)] = start + serial
         end = start + serial + lat
-        arrive[(dst_stage, kind, mb)] = end
+        arrive[key] = end
         transfers.append(Transfer(a, b, label, nbytes, start, end))
 
-    def ready_at(a: Action) -> float | None:
+    def reach(r: int, t: float) -> None:
+        """Rank ``r`` is now at action ``ptr[r]``: post the receives its runtime posts there."""
+        for key in posts_at.get((r, ptr[r]), ()):
+            recv_posted[key] = t
+            move(key)
+
+    def ready_at(a: Action, r: int) -> float | None:
+        waits = send_waits.get((r, ptr[r]))
+        if waits:
+            if any(k not in arrive for k in waits):
+                return None
+            data = ready_data(a)
+            return None if data is None else max([data, *(arrive[k] for k in waits)])
+        return ready_data(a)
+
+    def ready_data(a: Action) -> float | None:
         prev, nxt = neighbours[a.stage]
         if a.kind == "F":
             return 0.0 if prev is None else arrive.get((a.stage, "act", a.mb))
@@ -238,6 +318,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         a, _, t0, _ = running.pop(r)
         c = cost(a.stage)
         ptr[r] += 1
+        reach(r, t)
         finish[(a.stage, a.kind, a.mb)] = t
         busy[r] += t - t0
         timeline.append(Span(r, a, t0, t))
@@ -259,13 +340,15 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
 
     total = sum(len(v) for v in acts.values())
     done = 0
+    for r in range(R):
+        reach(r, 0.0)
     while done < total:
         # Start every idle rank whose next action is ready now.
         future: list[float] = []
         for r in range(R):
             if r in running or ptr[r] >= len(acts[r]):
                 continue
-            t = ready_at(acts[r][ptr[r]])
+            t = ready_at(acts[r][ptr[r]], r)
             if t is None:
                 continue
             if t <= now:
