@@ -180,6 +180,9 @@ def case_rows(case: str, rep: dict) -> list[dict]:
                    "error_run_action_costs": r.get("run_costs_error")}
             if r.get("error_ideal_sharing") is not None:   # runs predicted with the calibrated sharing efficiency
                 row |= {"cpu_efficiency": rep["shared_cpu"].get("efficiency", 1.0), "error_ideal_sharing": r["error_ideal_sharing"]}
+            if r.get("runtime"):   # runs simulated with their executor's message posting (pipesched.runtimes)
+                row |= {"runtime": r["runtime"], "handshake_ms": (r.get("handshake_s") or 0.0) * 1e3,
+                        "error_ideal_posting": r["error_ideal_posting"]}
             if r.get("error_replay") is not None:   # a run with replays: both action-cost sources side by side
                 row |= {"error_interleaved_profile": r["error_interleaved"], "error_replay": r["error_replay"]}
             if arm == "ours" and "speedup_measured" in rec:
@@ -400,7 +403,7 @@ def write_cpu_results(cpu_rows: list, extra: dict, name: str = "pipesched_cpu_va
 {os.cpu_count()} CPUs shared with other engineers' jobs. Protocol per case (pipesched.calibrate.cpu_validation, under the
 measurement lock after a quiet wait): CPU share and gloo message calibration, the runtime's per-action and per-message CPU cost
 and the CPU's sharing efficiency ('cpu_efficiency': the share of the cores a balanced chain of equal blocks got while its ranks
-outnumbered them, pipesched.calibrate.calibrate_runtime; 1 = ideal processor sharing), a first CPU-time profile (15
+outnumbered them, pipesched.calibrate.calibrate_runtime; 1 = ideal processor sharing) and late-receive cost, a first CPU-time profile (15
 repetitions per layer spread over 5 passes of the chain, one co-runner), the plan ("auto": every
 exportable schedule planned, simulated times within 5 % count as tied and the one with the fewest micro-batches in flight wins),
 then {extra["config"]["rounds"]} rounds; each round takes one more such profile (from the second round on), then runs our plan
@@ -415,7 +418,12 @@ prediction rescaled by a CPU speed probe read right before the run over the prob
 'foreign_cores_run' (cores other users' processes kept busy during the timed iterations: /proc/stat less our ranks' CPU time),
 'posthoc_error' (the plan re-simulated with the calibrated CPU share less other users' load during the run; uses the run),
 'error_run_action_costs' (the plan simulated on the CPU time each action measured in the run: uses the run; what is left is
-the error of the rest of the model, sharing, messages and waits), 'error_ideal_sharing' (the prediction with efficiency 1).
+the error of the rest of the model, sharing, messages and waits), 'error_ideal_sharing' (the prediction with efficiency 1),
+'runtime' (whose message posting the run was simulated with: 'torch-runtime', our plan through torch's
+_PipelineScheduleRuntime, receives posted early; 'torch-1f1b', torch's Schedule1F1B, each receive posted right before its
+consumer and sends waited for; pipesched.runtimes), 'handshake_ms' (the calibrated cost of a late receive whose sender waits for
+it, measured on a chain whose last block is 4x wider run by Schedule1F1B), 'error_ideal_posting' (the prediction with every
+receive posted in advance, the simulator's default).
 'speedup_round': uniform + torch Schedule1F1B / our plan, the two runs of the round, back to back.""",
                   extra=extra)
 

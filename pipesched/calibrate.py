@@ -13,7 +13,9 @@ alone, between the run's steps (step 5); none is taken from the pipelined steps 
    activation size run by torch's runtime in ``ranks`` processes gives the CPU time per compute action beyond
    the layers, and a pipeline of equal ``4 * dim`` blocks (ranks that compute between their messages, as a
    real pipeline's do) the CPU time per point-to-point message (posting, copying, waking gloo's threads) and
-   the share of step 3's cores its ranks really got while they outnumbered them (``efficiency``);
+   the share of step 3's cores its ranks really got while they outnumbered them (``efficiency``), and the same
+   blocks with a 4x wider last one, run by torch's ``Schedule1F1B``, the cost of a receive posted late to a
+   sender blocked on it (``handshake_s``, :mod:`pipesched.runtimes`);
 3. the shared CPU (:func:`calibrate_cpu`), with as many processes as the run has ranks: the CPU share they
    get together while all compute (``cpu_share``: less than the cores when other users' processes run), and
    the one-way time of a gloo message of the run's activation size between two processes while the other
@@ -21,7 +23,8 @@ alone, between the run's steps (step 5); none is taken from the pipelined steps 
 4. the plan (for ``schedule="auto"``: every exportable family, chosen by :func:`pipesched.plan.choose_robust`, which
    treats simulated times within :data:`AUTO_TIE_MARGIN` as tied and then prefers fewer micro-batches in flight)
    and its prediction (simulator with processor sharing over ``cpu_share`` at that efficiency, the per-action and per-message CPU
-   costs, :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less its CPU work);
+   costs, :class:`pipesched.simulate.SharedCpu`; link latency = the measured one-way time less its CPU work; each arm's
+   executor's message posting, :func:`pipesched.runtimes.rendezvous_for`, with that handshake);
 5. the runs (torch's ``_PipelineScheduleRuntime`` in gloo processes), in ``rounds`` rounds of our plan and the
    usual default, a uniform split with torch's ``Schedule1F1B``, alternating which goes first. The prediction of
    a run comes from profiles taken *in the run's own processes, interleaved with its steps*
@@ -60,11 +63,12 @@ from typing import Any
 from .devices import Device, LinkModel
 from .export import schedule_csv, spans_for_schedule
 from .models import mlp_chain
-from .plan import Plan, choose_robust, plan, plan_partition, uniform_plan
+from .plan import Plan, choose_robust, plan, plan_partition, resimulate, uniform_plan, with_runtime
 from .profile import ModelProfile, measure_profile, median_profile, profile_from_dict
 from .runner import RunResult, foreign_cores, gather_results, machine_busy_s, run_pipeline
-from .schedules import Schedule
-from .simulate import SharedCpu, StageCost, lower_bound, simulate
+from .runtimes import rendezvous_for
+from .schedules import Schedule, make_schedule
+from .simulate import Rendezvous, SharedCpu, StageCost, lower_bound, simulate
 
 EXPORTABLE = ("1f1b", "zbh1", "gpipe", "interleaved")
 
@@ -353,15 +357,19 @@ class RuntimeCalibration:
     loaded_iteration_s: float | None = None   # iteration time of the loaded pipeline (for the record)
     efficiency: float = 1.0    # SharedCpu.efficiency that reproduces the loaded pipeline's iteration time (1 when not measured)
     loaded_fluid_s: float | None = None       # the loaded pipeline simulated with efficiency 1 on its own action CPU times
+    handshake_s: float | None = None          # a late receive's cost (Rendezvous.handshake_s) that reproduces the late-receive chain
+    late_iteration_s: float | None = None     # the late-receive chain's measured iteration time (torch's Schedule1F1B)
+    late_latency_s: float | None = None       # the same simulated with one link latency per late receive
 
     def to_dict(self) -> dict[str, float | None]:
         return {"action_cpu_s": self.action_cpu_s, "message_cpu_s": self.message_cpu_s, "tiny_iteration_s": self.tiny_iteration_s,
                 "idle_message_cpu_s": self.idle_message_cpu_s, "loaded_iteration_s": self.loaded_iteration_s,
-                "efficiency": self.efficiency, "loaded_fluid_s": self.loaded_fluid_s}
+                "efficiency": self.efficiency, "loaded_fluid_s": self.loaded_fluid_s, "handshake_s": self.handshake_s,
+                "late_iteration_s": self.late_iteration_s, "late_latency_s": self.late_latency_s}
 
 
 def solve_efficiency(schedule: Schedule, costs: Mapping[int, StageCost], links: LinkModel | None, shared: SharedCpu,
-                     measured_s: float, *, low: float = 0.5, tolerance: float = 1e-4) -> float:
+                     measured_s: float, *, low: float = 0.5, tolerance: float = 1e-4, rendezvous: Rendezvous | None = None) -> float:
     """The ``efficiency`` of ``shared`` at which ``schedule`` simulated on ``costs`` over ``links`` takes ``measured_s``.
 
     The simulated iteration time only grows as the efficiency falls, so a bisection on ``[low, 1]`` finds it.
@@ -376,7 +384,7 @@ def solve_efficiency(schedule: Schedule, costs: Mapping[int, StageCost], links: 
     0.8
     """
     def makespan(eff: float) -> float:
-        return simulate(schedule, costs, links, cores=replace(shared, efficiency=eff)).makespan
+        return simulate(schedule, costs, links, cores=replace(shared, efficiency=eff), rendezvous=rendezvous).makespan
 
     if makespan(1.0) >= measured_s:
         return 1.0
@@ -402,14 +410,18 @@ class _RuntimeRun:
 
 
 def _runtime_costs(stages: int, width: int, *, dim: int, batch: int, microbatches: int, threads: int,
-                   iterations: int) -> _RuntimeRun:
-    """Per-action extra CPU (median), per-message CPU and iteration time of torch's ``Schedule1F1B`` on ``stages``
-    equal blocks of ``width`` (one per rank), against their profile taken here the validation's way."""
-    widths = [width] * stages
+                   iterations: int, runtime: str = "torch-1f1b", last_width: int | None = None) -> _RuntimeRun:
+    """Per-action extra CPU (median), per-message CPU and iteration time of a 1F1B pipeline of ``stages`` blocks of
+    ``width`` (one per rank; the last one ``last_width`` wide if given), against their profile taken here the
+    validation's way. ``runtime``: torch's built-in ``Schedule1F1B`` (``"torch-1f1b"``) or our exported 1F1B
+    through ``_PipelineScheduleRuntime`` (``"torch-runtime"``)."""
+    widths = [width] * (stages - 1) + [last_width or width]
     mb = batch // microbatches
     prof = profile_mlp(widths, dim, mb, threads=threads, repeats=15, statistic="median", clock="cpu", warmup=2, passes=PROFILE_PASSES)
+    how: dict[str, Any] = ({"builtin": "1F1B"} if runtime == "torch-1f1b" else
+                           {"csv_text": schedule_csv(make_schedule("1f1b", stages, microbatches))})
     run = run_pipeline([(s, s + 1) for s in range(stages)], list(range(stages)), microbatches=microbatches, batch=batch, dim=dim,
-                       model_kwargs={"widths": widths, "dim": dim}, builtin="1F1B", iterations=iterations, warmup=1, threads=threads)
+                       model_kwargs={"widths": widths, "dim": dim}, iterations=iterations, warmup=1, threads=threads, **how)
     extra = []
     for key, cpu in run.action_cpu_medians.items():
         stage, kind = key.split()
@@ -422,6 +434,45 @@ def _runtime_costs(stages: int, width: int, *, dim: int, batch: int, microbatche
         messages += 2 * microbatches * ((r > 0) + (r < stages - 1))
     return _RuntimeRun(max(0.0, statistics.median(extra)) if extra else 0.0, outside / messages if messages else 0.0, run.median_s,
                        prof, run)
+
+
+LATE_RECEIVE_FACTOR = 4
+"""How much wider the last block of :func:`calibrate_runtime`'s late-receive chain is than the others: a busy last
+rank whose forward inputs torch's ``Schedule1F1B`` asks for only once its previous backward is done."""
+
+
+def solve_handshake(schedule: Schedule, costs: Mapping[int, StageCost], links: LinkModel | None, shared: SharedCpu,
+                    rendezvous: Rendezvous, measured_s: float, *, high: float = 0.05, tolerance: float = 1e-6) -> float:
+    """The late-receive cost (``Rendezvous.handshake_s``) at which ``schedule`` takes ``measured_s``.
+
+    Simulated on ``costs`` over ``links`` and ``shared``, with the runtime's receive posts and send waits of
+    ``rendezvous``; a later handshake delays every receive posted after its send, so the iteration time only
+    grows with it and a bisection on ``[0, high]`` finds it (clamped to that range).
+
+    >>> from pipesched.runtimes import builtin_1f1b_rendezvous
+    >>> from pipesched.schedules import one_f_one_b
+    >>> sched = one_f_one_b(2, 6)
+    >>> costs = {0: StageCost(f=0.1, b=0.2, out_bytes=1.0), 1: StageCost(f=1.0, b=2.0, out_bytes=1.0)}
+    >>> rv = builtin_1f1b_rendezvous(sched)
+    >>> measured = simulate(sched, costs, None, cores=SharedCpu(2.0), rendezvous=replace(rv, handshake_s=0.3)).makespan
+    >>> round(solve_handshake(sched, costs, None, SharedCpu(2.0), rv, measured, high=1.0), 4)
+    0.3
+    """
+    def makespan(h: float) -> float:
+        return simulate(schedule, costs, links, cores=shared, rendezvous=replace(rendezvous, handshake_s=h)).makespan
+
+    if makespan(0.0) >= measured_s:
+        return 0.0
+    if makespan(high) <= measured_s:
+        return high
+    lo, hi = 0.0, high
+    while hi - lo > tolerance:
+        mid = (lo + hi) / 2
+        if makespan(mid) > measured_s:
+            hi = mid
+        else:
+            lo = mid
+    return (lo + hi) / 2
 
 
 def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, threads: int = 1, iterations: int = 5,
@@ -437,34 +488,56 @@ def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, t
     loop; summed over ranks and divided by the messages they handle = the per-message cost.
 
     With ``load_width`` the per-message cost (``message_cpu_s``) is taken instead from a second chain whose
-    blocks have that hidden width, so that the ranks compute between their messages as a real pipeline's do:
+    blocks have that hidden width, run as our plans are (our exported 1F1B through torch's
+    ``_PipelineScheduleRuntime``), so that the ranks compute between their messages as a real pipeline's do:
     in the three committed validation runs a message cost 0.44-0.82 ms of CPU among computing ranks against
     0.30-0.48 ms among near-idle ones (the near-empty pipeline's figure stays in ``idle_message_cpu_s``). ``cpu_validation`` uses ``4 * dim``, a
     transformer MLP's ratio, not the validated model's widths.
 
-    With ``load_width`` and ``cores`` (the CPU share of :func:`calibrate_cpu`) it also measures the
-    :class:`~pipesched.simulate.SharedCpu` ``efficiency``: the loaded chain is a balanced pipeline, every rank
-    computing between its messages, so its ranks outnumber the cores most of the time. Simulated on the CPU
-    time each of its actions measured inside the steps, with these per-action and per-message costs, over
-    ``link`` (default: free transfers), it comes out faster than measured; the efficiency is the value at
-    which it takes the measured iteration time (:func:`solve_efficiency`). It is measured on this synthetic
-    chain, never on the model being validated. The loaded chain runs twice ``iterations`` timed steps.
+    With ``load_width`` and ``cores`` (the CPU share of :func:`calibrate_cpu`) it also measures two constants of
+    the simulator, each on a synthetic chain, never on the model being validated:
+
+    - the :class:`~pipesched.simulate.SharedCpu` ``efficiency``: the loaded chain is a balanced pipeline, every
+      rank computing between its messages, so its ranks outnumber the cores most of the time. Simulated on the
+      CPU time each of its actions measured inside the steps, with these per-action and per-message costs and
+      its runtime's message posting (:func:`pipesched.runtimes.asap_lowering_rendezvous`), over ``link``
+      (default: free transfers), it comes out faster than measured; the efficiency is the value at which it
+      takes the measured iteration time (:func:`solve_efficiency`). The loaded chain runs twice ``iterations``
+      timed steps.
+    - the cost of a *late receive* (``handshake_s``): gloo moves a message only once its receive is posted, and
+      torch's built-in ``Schedule1F1B`` posts each receive right before the action that needs it. A chain of the
+      same blocks whose last one is :data:`LATE_RECEIVE_FACTOR` times wider (a busy last rank asking its idle
+      neighbour for each forward's input only after its backward) is run by that schedule, and the value at
+      which its simulation with the built-in's posting (:func:`pipesched.runtimes.builtin_1f1b_rendezvous`) at
+      the efficiency above takes the measured time is the handshake (:func:`solve_handshake`): on this machine
+      the busy rank waited ~4 ms before each such forward where a gloo ping-pong takes 0.06 ms.
     """
     common = {"dim": dim, "batch": batch, "microbatches": microbatches, "threads": threads, "iterations": iterations}
     tiny = _runtime_costs(stages, 8, **common)
     if load_width is None:
         return RuntimeCalibration(tiny.action_cpu_s, tiny.message_cpu_s, tiny.iteration_s)
-    loaded = _runtime_costs(stages, load_width, **{**common, "iterations": 2 * iterations})
-    efficiency, fluid_s = 1.0, None
+    loaded = _runtime_costs(stages, load_width, **{**common, "iterations": 2 * iterations}, runtime="torch-runtime")
+    efficiency, fluid_s, handshake, late_s, late_posted_s = 1.0, None, None, None, None
     if cores is not None:
         shared = SharedCpu(cores, loaded.message_cpu_s, tiny.action_cpu_s)
         devices = [Device(f"cpu-rank{r}") for r in range(stages)]
-        chain = uniform_plan(loaded.profile, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
+        chain = uniform_plan(loaded.profile, devices, link, microbatches=microbatches, family="1f1b", cores=shared, runtime="torch-runtime")
         costs = measured_costs(chain, loaded.run.action_cpu_medians, tiny.action_cpu_s)
-        fluid_s = simulate(chain.schedule, costs, link, cores=shared).makespan
-        efficiency = solve_efficiency(chain.schedule, costs, link, shared, loaded.iteration_s)
+        rv = rendezvous_for("torch-runtime", chain.schedule)
+        fluid_s = simulate(chain.schedule, costs, link, cores=shared, rendezvous=rv).makespan
+        efficiency = solve_efficiency(chain.schedule, costs, link, shared, loaded.iteration_s, rendezvous=rv)
+        late = _runtime_costs(stages, load_width, **{**common, "iterations": 2 * iterations}, runtime="torch-1f1b",
+                              last_width=LATE_RECEIVE_FACTOR * load_width)
+        late_chain = uniform_plan(late.profile, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
+        late_costs = measured_costs(late_chain, late.run.action_cpu_medians, tiny.action_cpu_s)
+        late_rv = rendezvous_for("torch-1f1b", late_chain.schedule)
+        at_efficiency = replace(shared, efficiency=efficiency)
+        late_s = late.iteration_s
+        late_posted_s = simulate(late_chain.schedule, late_costs, link, cores=at_efficiency, rendezvous=late_rv).makespan
+        handshake = solve_handshake(late_chain.schedule, late_costs, link, at_efficiency, late_rv, late_s)
     return RuntimeCalibration(tiny.action_cpu_s, loaded.message_cpu_s, tiny.iteration_s, idle_message_cpu_s=tiny.message_cpu_s,
-                              loaded_iteration_s=loaded.iteration_s, efficiency=efficiency, loaded_fluid_s=fluid_s)
+                              loaded_iteration_s=loaded.iteration_s, efficiency=efficiency, loaded_fluid_s=fluid_s,
+                              handshake_s=handshake, late_iteration_s=late_s, late_latency_s=late_posted_s)
 
 
 def compare(p: Plan, run: RunResult) -> dict[str, Any]:
@@ -549,7 +622,7 @@ def replayed_plan(p: Plan, run: RunResult) -> Plan | None:
     if not run.replay_cpu_medians:
         return None
     costs = measured_costs(p, run.replay_cpu_medians)
-    return replace(p, costs=costs, sim=simulate(p.schedule, costs, p.links, cores=p.shared_cpu), bound=lower_bound(p.schedule, costs, p.links))
+    return replace(p, costs=costs, sim=resimulate(p, costs), bound=lower_bound(p.schedule, costs, p.links))
 
 
 def _ranks_prediction(chosen: Plan, profiles: list[dict[str, Any]], source: str) -> tuple[ModelProfile | None, Plan | None]:
@@ -606,7 +679,7 @@ def rescaled_plan(p: Plan, profile: ModelProfile, scale: float) -> Plan:
         raise ValueError(f"scale must be positive, got {scale}")
     cores = replace(p.shared_cpu, message_cpu_s=p.shared_cpu.message_cpu_s * scale, action_cpu_s=p.shared_cpu.action_cpu_s * scale)
     return plan_partition(profile.scaled(scale), p.partition, p.devices, p.links, family=p.family, microbatches=p.schedule.microbatches,
-                          chunks=p.chunks, cores=cores)
+                          chunks=p.chunks, cores=cores, runtime=p.runtime, handshake_s=p.handshake_s)
 
 
 def summarize_rounds(rounds: list[dict[str, Any]], arms: tuple[str, ...] = ("ours", "uniform_torch_1f1b"), tolerance: float = 0.10,
@@ -642,12 +715,14 @@ def summarize_rounds(rounds: list[dict[str, Any]], arms: tuple[str, ...] = ("our
 
 
 def _plan_candidates(profile: ModelProfile, devices: list[Device], link: LinkModel, *, microbatches: int, schedule: str,
-                     cores: SharedCpu | None, tie_margin: float) -> tuple[Plan, list[dict[str, Any]]]:
-    """Every exportable family (or just ``schedule``) planned on ``profile``; the robust pick and a record of each try."""
+                     cores: SharedCpu | None, tie_margin: float, runtime: str = "ideal",
+                     handshake_s: float | None = None) -> tuple[Plan, list[dict[str, Any]]]:
+    """Every exportable family (or just ``schedule``) planned on ``profile`` and simulated as ``runtime`` runs it; the
+    robust pick and a record of each try."""
     candidates, alternatives = [], []
     for fam in [f for f in EXPORTABLE if schedule in ("auto", f)]:
         try:
-            cand = plan(profile, devices, link, microbatches=microbatches, schedule=fam, cores=cores)
+            cand = with_runtime(plan(profile, devices, link, microbatches=microbatches, schedule=fam, cores=cores), runtime, handshake_s)
         except Exception as exc:   # a family that does not apply to this shape (e.g. interleaving with too few layers)
             alternatives.append({"schedule": fam, "error": str(exc)})
             continue
@@ -745,15 +820,18 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
     profiles = [first_profile]
     devices = [Device(f"cpu-rank{r}") for r in range(stages)]
     link = cal.link()
+    # Each arm is simulated as its executor posts messages: ours through torch's _PipelineScheduleRuntime (receives
+    # posted early), the baseline by torch's Schedule1F1B (receives posted late, sends waited for); see runtimes.
     best, alternatives = _plan_candidates(first_profile, devices, link, microbatches=microbatches, schedule=schedule, cores=shared,
-                                          tie_margin=tie_margin)
+                                          tie_margin=tie_margin, runtime="torch-runtime", handshake_s=rt.handshake_s)
     kwargs = {"widths": list(widths), "dim": dim}
     common = {"microbatches": microbatches, "batch": batch, "dim": dim, "model_kwargs": kwargs, "iterations": iterations, "warmup": warmup,
               "threads": threads}
     arms = [_ours_arm(best)]
     uni = None
     if baseline:
-        uni = uniform_plan(first_profile, devices, link, microbatches=microbatches, family="1f1b", cores=shared)
+        uni = uniform_plan(first_profile, devices, link, microbatches=microbatches, family="1f1b", cores=shared, runtime="torch-1f1b",
+                           handshake_s=rt.handshake_s)
         arms.append(_uniform_arm(uni))
     round_reports: list[dict[str, Any]] = []
     first: dict[str, Any] = {}
@@ -785,11 +863,11 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
             predicted = {"interleaved": p_inter, "replay": p_replay, "pre-run": p_pre, "pooled": p, "probe-scaled": scaled}[predict_from]
             c = compare(predicted, run)
             posthoc_cores = min(float(machine_cores), max(0.5, shared.cores + cal.foreign_cores - run.foreign_cores))
-            posthoc = simulate(predicted.schedule, predicted.costs, predicted.links,
-                               cores=replace(predicted.shared_cpu, cores=posthoc_cores)).makespan
-            replay = simulate(predicted.schedule, run_action_costs(predicted, run), predicted.links, cores=predicted.shared_cpu).makespan
-            ideal = simulate(predicted.schedule, predicted.costs, predicted.links,
-                             cores=replace(predicted.shared_cpu, efficiency=1.0)).makespan
+            posthoc = resimulate(predicted, cores=replace(predicted.shared_cpu, cores=posthoc_cores)).makespan
+            replay = resimulate(predicted, run_action_costs(predicted, run)).makespan
+            ideal = resimulate(predicted, cores=replace(predicted.shared_cpu, efficiency=1.0)).makespan
+            # every receive posted in advance (the simulator's default transport): what the executor's posting adds
+            ideal_posting = simulate(predicted.schedule, predicted.costs, predicted.links, cores=predicted.shared_cpu).makespan
             c |= {"probe_scale": scale,
                   "predicted_from": predict_from,
                   "predicted_pooled_s": p.sim.makespan, "error_pooled": p.sim.makespan / run.median_s - 1.0,
@@ -806,6 +884,8 @@ def cpu_validation(widths: list[int], *, dim: int, batch: int, microbatches: int
                   "posthoc_s": posthoc, "posthoc_error": posthoc / run.median_s - 1.0,
                   "run_costs_s": replay, "run_costs_error": replay / run.median_s - 1.0,
                   "predicted_ideal_sharing_s": ideal, "error_ideal_sharing": ideal / run.median_s - 1.0,
+                  "runtime": predicted.runtime, "handshake_s": predicted.handshake_s,
+                  "predicted_ideal_posting_s": ideal_posting, "error_ideal_posting": ideal_posting / run.median_s - 1.0,
                   "spans": [list(s.layers) for s in chosen.partition.stages]}
             c["error_first_profile"] = c["predicted_first_profile_s"] / run.median_s - 1.0
             rec[name] = c

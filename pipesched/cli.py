@@ -333,7 +333,11 @@ def cmd_run(args: argparse.Namespace) -> int:
              f"diagnostic (uses the run): the plan simulated on its actions' measured CPU times {o['run_costs_error']:+.1%}"]
     if "uniform_torch_1f1b" in rep:
         u = rep["uniform_torch_1f1b"]
-        lines.append(f"uniform + torch Schedule1F1B: predicted {u['predicted_s'] * 1e3:.4g} ms, measured {u['measured_s'] * 1e3:.4g} ms")
+        hs = rep["runtime_calibration"].get("handshake_s")
+        lines.append(f"uniform + torch Schedule1F1B: predicted {u['predicted_s'] * 1e3:.4g} ms, measured {u['measured_s'] * 1e3:.4g} ms "
+                     f"(error {u['error']:+.1%}; simulated with Schedule1F1B's message posting"
+                     + (f", late-receive handshake {hs * 1e3:.2f} ms" if hs is not None else "")
+                     + f"; every receive posted in advance: {u['error_ideal_posting']:+.1%})")
         lines.append(f"measured speed-up {rep['speedup_measured']:.2f}x (predicted {rep['speedup_predicted']:.2f}x)")
     if args.rounds > 1:
         summ = rep["summary"]
