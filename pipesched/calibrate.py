@@ -386,18 +386,23 @@ def solve_efficiency(schedule: Schedule, costs: Mapping[int, StageCost], links: 
     def makespan(eff: float) -> float:
         return simulate(schedule, costs, links, cores=replace(shared, efficiency=eff), rendezvous=rendezvous).makespan
 
-    if makespan(1.0) >= measured_s:
-        return 1.0
-    if makespan(low) <= measured_s:
-        return low
-    lo, hi = low, 1.0
-    while hi - lo > tolerance:
-        mid = (lo + hi) / 2
+    return _solve_monotone(makespan, measured_s, fast=1.0, slow=low, tolerance=tolerance)
+
+
+def _solve_monotone(makespan, measured_s: float, *, fast: float, slow: float, tolerance: float) -> float:
+    """Bisection for the x between ``fast`` and ``slow`` at which ``makespan(x)`` (monotone: shortest at ``fast``,
+    longest at ``slow``) equals ``measured_s``; ``fast`` when even it is too slow, ``slow`` when even it is too fast."""
+    if makespan(fast) >= measured_s:
+        return fast
+    if makespan(slow) <= measured_s:
+        return slow
+    while abs(slow - fast) > tolerance:
+        mid = (fast + slow) / 2
         if makespan(mid) > measured_s:
-            lo = mid
+            slow = mid
         else:
-            hi = mid
-    return (lo + hi) / 2
+            fast = mid
+    return (fast + slow) / 2
 
 
 @dataclass(frozen=True)
@@ -461,18 +466,7 @@ def solve_handshake(schedule: Schedule, costs: Mapping[int, StageCost], links: L
     def makespan(h: float) -> float:
         return simulate(schedule, costs, links, cores=shared, rendezvous=replace(rendezvous, handshake_s=h)).makespan
 
-    if makespan(0.0) >= measured_s:
-        return 0.0
-    if makespan(high) <= measured_s:
-        return high
-    lo, hi = 0.0, high
-    while hi - lo > tolerance:
-        mid = (lo + hi) / 2
-        if makespan(mid) > measured_s:
-            hi = mid
-        else:
-            lo = mid
-    return (lo + hi) / 2
+    return _solve_monotone(makespan, measured_s, fast=0.0, slow=high, tolerance=tolerance)
 
 
 def calibrate_runtime(stages: int, *, dim: int, batch: int, microbatches: int, threads: int = 1, iterations: int = 5,
