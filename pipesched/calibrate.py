@@ -564,7 +564,7 @@ def compare(p: Plan, run: RunResult) -> dict[str, Any]:
             per_action.append(row)
     act_pred = [peak - sum(p.costs[s].state_bytes for s in range(p.schedule.num_stages) if p.schedule.stage_rank[s] == r)
                 for r, peak in enumerate(p.sim.peak_memory)]
-    rank_work = [sum(work_by_key[f"{a.stage} {a.kind}"] + message_cpu * _messages(p, r, a) for a in p.schedule.actions[r])
+    rank_work = [sum(work_by_key[f"{a.stage} {a.kind}"] + message_cpu * p.schedule.cross_rank_messages(a) for a in p.schedule.actions[r])
                  for r in range(p.schedule.ranks)]
     return {
         "schedule": p.family, "predicted_s": predicted, "measured_s": measured, "measured_iterations_s": run.iteration_s,
@@ -633,12 +633,6 @@ def _source_fields(name: str, prof: ModelProfile | None, predicted: Plan | None,
         return {f"predicted_{name}_s": None, f"error_{name}": None, f"{name}_profile_total_s": None}
     return {f"predicted_{name}_s": predicted.sim.makespan, f"error_{name}": predicted.sim.makespan / run.median_s - 1.0,
             f"{name}_profile_total_s": sum(lay.fwd_s + lay.bwd_s for lay in prof.layers)}
-
-
-def _messages(p: Plan, rank: int, a) -> int:
-    if a.kind not in ("F", "B", "I"):
-        return 0
-    return sum(1 for s in p.schedule.neighbours(a.stage) if s is not None and p.schedule.stage_rank[s] != rank)
 
 
 PROFILE_PASSES = 5

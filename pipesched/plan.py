@@ -68,6 +68,7 @@ class Plan:
             "devices": [d.to_dict() for d in self.devices], "partition": self.partition.to_dict(),
             "predicted": self.sim.summary(), "lower_bound": self.bound, "gap": self.gap, "memory_ok": self.memory_ok,
             "problems": self.problems, "alternatives": self.alternatives, "actions": self.schedule.rows(),
+            "runtime": self.runtime, "handshake_s": self.handshake_s,
         }
 
     def text(self) -> str:

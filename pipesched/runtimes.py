@@ -37,28 +37,6 @@ RUNTIMES = ("ideal", "torch-runtime", "torch-1f1b")
 ``_PipelineScheduleRuntime`` on our exported CSV; ``torch-1f1b``: torch's built-in ``Schedule1F1B``."""
 
 
-def _outgoing(schedule: Schedule, a: Action) -> MessageKey | None:
-    """The cross-rank message an action sends (an activation after F, a gradient after B or I), if any."""
-    prev, nxt = schedule.neighbours(a.stage)
-    r = schedule.stage_rank[a.stage]
-    if a.kind == "F" and nxt is not None and schedule.stage_rank[nxt] != r:
-        return (nxt, "act", a.mb)
-    if a.kind in ("B", "I") and prev is not None and schedule.stage_rank[prev] != r:
-        return (prev, "grad", a.mb)
-    return None
-
-
-def _incoming(schedule: Schedule, a: Action) -> MessageKey | None:
-    """The cross-rank message an action consumes (its input activation for F, its output gradient for B or I)."""
-    prev, nxt = schedule.neighbours(a.stage)
-    r = schedule.stage_rank[a.stage]
-    if a.kind == "F" and prev is not None and schedule.stage_rank[prev] != r:
-        return (a.stage, "act", a.mb)
-    if a.kind in ("B", "I") and nxt is not None and schedule.stage_rank[nxt] != r:
-        return (a.stage, "grad", a.mb)
-    return None
-
-
 def asap_lowering_rendezvous(schedule: Schedule) -> Rendezvous:
     """Receives where torch's ``_add_send_recv`` lowering puts them (``_PipelineScheduleRuntime``); no send waits.
 
@@ -72,7 +50,7 @@ def asap_lowering_rendezvous(schedule: Schedule) -> Rendezvous:
     recv_before: dict[MessageKey, tuple[int, int]] = {}
 
     def ready(r: int, a: Action) -> bool:
-        incoming = _incoming(schedule, a)
+        incoming = schedule.incoming(a)
         if incoming is None:
             return True
         return ("recv", incoming) in have[r]
@@ -84,7 +62,7 @@ def asap_lowering_rendezvous(schedule: Schedule) -> Rendezvous:
             if not ready(r, a):
                 continue
             placed[r] += 1
-            out = _outgoing(schedule, a)
+            out = schedule.outgoing(a)
             if out is not None:
                 dst = schedule.stage_rank[out[0]]
                 recv_before[out] = (dst, placed[dst])
@@ -131,11 +109,11 @@ def _builtin_1f1b_rank(schedule: Schedule, s: int) -> tuple[list[Action], dict[M
 
     def act(kind: str, mb: int) -> MessageKey | None:
         a = Action(s, kind, mb)
-        incoming = _incoming(schedule, a)
+        incoming = schedule.incoming(a)
         if incoming is not None:
             recvs[incoming] = len(expected)
         expected.append(a)
-        return _outgoing(schedule, a)
+        return schedule.outgoing(a)
 
     def wait_before_next(key: MessageKey | None) -> None:
         if key is not None:

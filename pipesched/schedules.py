@@ -98,6 +98,27 @@ class Schedule:
                 return (chain[k - 1] if k > 0 else None, chain[k + 1] if k + 1 < len(chain) else None)
         raise ScheduleError(f"stage {stage} is in no chain")
 
+    def incoming(self, a: Action) -> tuple[int, str, int | None] | None:
+        """The cross-rank tensor ``a`` consumes, as (its stage, "act" or "grad", micro-batch): an F's input
+        activation, a B's or I's output gradient; ``None`` when it comes from the same rank or nowhere."""
+        prev, nxt = self.neighbours(a.stage)
+        src = prev if a.kind == "F" else nxt if a.kind in ("B", "I") else None
+        if src is None or self.stage_rank[src] == self.stage_rank[a.stage]:
+            return None
+        return (a.stage, "act" if a.kind == "F" else "grad", a.mb)
+
+    def outgoing(self, a: Action) -> tuple[int, str, int | None] | None:
+        """The cross-rank tensor ``a`` sends, keyed by where it goes (receiving stage, "act" or "grad", micro-batch)."""
+        prev, nxt = self.neighbours(a.stage)
+        dst = nxt if a.kind == "F" else prev if a.kind in ("B", "I") else None
+        if dst is None or self.stage_rank[dst] == self.stage_rank[a.stage]:
+            return None
+        return (dst, "act" if a.kind == "F" else "grad", a.mb)
+
+    def cross_rank_messages(self, a: Action) -> int:
+        """How many cross-rank tensors ``a`` consumes or sends (0-2)."""
+        return (self.incoming(a) is not None) + (self.outgoing(a) is not None)
+
     def microbatches_of(self, stage: int) -> tuple[int, ...]:
         for chain, mbs in zip(self.chains, self.chain_microbatches, strict=True):
             if stage in chain:

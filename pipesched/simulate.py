@@ -219,6 +219,9 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     posts_at = rendezvous.posts_at() if rendezvous is not None else {}
     send_waits = rendezvous.send_waits if rendezvous is not None else {}
     waited = {k for keys in send_waits.values() for k in keys}
+    posted_late = rendezvous.recv_before if rendezvous is not None else {}
+    n_messages = {(sid, kind): schedule.cross_rank_messages(Action(sid, kind, 0))
+                  for sid in range(schedule.num_stages) for kind in ("F", "B", "I", "W", "REDUCE_GRAD")}
     sent: dict[MessageKey, tuple[float, int, int, float, str]] = {}   # posted sends: key -> (time, src, dst, bytes, label)
     recv_posted: dict[MessageKey, float] = {}
 
@@ -242,7 +245,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         if key not in sent or key in arrive:
             return
         t, a, b, nbytes, label = sent[key]
-        posted = recv_posted.get(key, 0.0) if rendezvous is None or key not in rendezvous.recv_before else recv_posted.get(key)
+        posted = recv_posted.get(key) if key in posted_late else 0.0   # receives the runtime does not place: in advance
         if posted is None:
             return
         bw, lat = links.link(a, b) if links is not None else (float("inf"), 0.0)
@@ -294,17 +297,9 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
             return max(times)
         raise ScheduleError(f"cannot simulate action {a}")
 
-    def messages(a: Action) -> int:
-        """Cross-rank messages the action sends or consumes (each costs ``message_cpu`` on its rank)."""
-        prev, nxt = neighbours[a.stage]
-        r = schedule.stage_rank[a.stage]
-        if a.kind not in ("F", "B", "I"):     # F: receives from prev, sends to next; B/I the other way; W none
-            return 0
-        return sum(1 for s in (prev, nxt) if s is not None and schedule.stage_rank[s] != r)
-
     def start(r: int, a: Action) -> None:
         c = cost(a.stage)
-        dur = c.duration(a.kind) + (message_cpu * messages(a) if message_cpu and links is not None else 0.0)
+        dur = c.duration(a.kind) + (message_cpu * n_messages[(a.stage, a.kind)] if message_cpu and links is not None else 0.0)
         if action_cpu and a.kind in ("F", "B", "I", "W"):
             dur += action_cpu
         running[r] = [a, dur, now, dur]

@@ -65,7 +65,7 @@ def test_builtin_1f1b_posts_each_receive_before_its_consumer():
     for (r, i), keys in rv.send_waits.items():
         for stage, kind, mb in keys:
             assert (kind, stage) in (("act", r + 1), ("grad", r - 1))
-            producer = schedule.actions[r].index(next(a for a in schedule.actions[r] if a.mb == mb and a.kind == ("F" if kind == "act" else "B")))
+            producer = next(j for j, a in enumerate(schedule.actions[r]) if schedule.outgoing(a) == (stage, kind, mb))
             assert producer < i and (stage, kind, mb) not in seen
             seen.add((stage, kind, mb))
 
