@@ -73,7 +73,7 @@ def asap_lowering_rendezvous(schedule: Schedule) -> Rendezvous:
             progress = True
         if not progress:
             raise ScheduleError("the lowering cannot place the schedule's messages (a rank waits for a receive never sent)")
-    return Rendezvous(recv_before, {}, runtime="torch-runtime")
+    return Rendezvous(recv_before, {})
 
 
 def builtin_1f1b_rendezvous(schedule: Schedule) -> Rendezvous:
@@ -96,7 +96,7 @@ def builtin_1f1b_rendezvous(schedule: Schedule) -> Rendezvous:
             raise ScheduleError(f"rank {s}'s actions are not in torch Schedule1F1B's order")
         recv_before |= {key: (s, i) for key, i in recvs.items()}
         send_waits |= {(s, i): tuple(keys) for i, keys in waits.items() if i < len(expected)}   # the final wait ends the step
-    return Rendezvous(recv_before, send_waits, runtime="torch-1f1b")
+    return Rendezvous(recv_before, send_waits)
 
 
 def _builtin_1f1b_rank(schedule: Schedule, s: int) -> tuple[list[Action], dict[MessageKey, int], dict[int, list[MessageKey]]]:

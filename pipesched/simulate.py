@@ -130,7 +130,6 @@ class Rendezvous:
 
     recv_before: Mapping[MessageKey, tuple[int, int]] = field(default_factory=dict)
     send_waits: Mapping[tuple[int, int], tuple[MessageKey, ...]] = field(default_factory=dict)
-    runtime: str = ""
     handshake_s: float | None = None   # a late receive's extra delay before the data moves (default: the link's latency)
 
     def posts_at(self) -> dict[tuple[int, int], list[MessageKey]]:
