@@ -183,6 +183,9 @@ def case_rows(case: str, rep: dict) -> list[dict]:
             if r.get("runtime"):   # runs simulated with their executor's message posting (pipesched.runtimes)
                 row |= {"runtime": r["runtime"], "handshake_ms": (r.get("handshake_s") or 0.0) * 1e3,
                         "error_ideal_posting": r["error_ideal_posting"]}
+            if r.get("rank_wait_measured_s"):   # runs that measured their message waits: per rank, measured and simulated
+                row |= {"wait_ms": str([round(w * 1e3, 1) for w in r["rank_wait_measured_s"]]),
+                        "idle_predicted_ms": str([round(w * 1e3, 1) for w in r["rank_idle_predicted_s"]])}
             if r.get("error_replay") is not None:   # a run with replays: both action-cost sources side by side
                 row |= {"error_interleaved_profile": r["error_interleaved"], "error_replay": r["error_replay"]}
             if arm == "ours" and "speedup_measured" in rec:
@@ -423,7 +426,8 @@ the error of the rest of the model, sharing, messages and waits), 'error_ideal_s
 _PipelineScheduleRuntime, receives posted early; 'torch-1f1b', torch's Schedule1F1B, each receive posted right before its
 consumer and sends waited for; pipesched.runtimes), 'handshake_ms' (the calibrated cost of a late receive whose sender waits for
 it, measured on a chain whose last block is 4x wider run by Schedule1F1B), 'error_ideal_posting' (the prediction with every
-receive posted in advance, the simulator's default).
+receive posted in advance, the simulator's default), 'wait_ms' (per rank, the median wall time a step spent in torch's
+message waits, _wait_batch_p2p) against 'idle_predicted_ms' (per rank, the simulated makespan less the rank's actions).
 'speedup_round': uniform + torch Schedule1F1B / our plan, the two runs of the round, back to back.""",
                   extra=extra)
 

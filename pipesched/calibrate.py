@@ -540,7 +540,9 @@ def compare(p: Plan, run: RunResult) -> dict[str, Any]:
     Per action ("stage kind"): the simulated duration (median over micro-batches; it includes processor
     sharing and the per-message CPU work) against the measured wall median, and the action's CPU work in the
     model (profile + the runtime's per-action cost) against the CPU time its thread measured. Per rank: the
-    modelled work (those plus the message CPU) against the CPU time of all the rank's threads during a step.
+    modelled work (those plus the message CPU) against the CPU time of all the rank's threads during a step, and
+    the time the simulator has it idle (the makespan less its actions) against the wall time it spent waiting on
+    messages (``RunResult.rank_wait_s``; empty for runs recorded before it was measured).
     """
     predicted = p.sim.makespan
     measured = run.median_s
@@ -574,6 +576,7 @@ def compare(p: Plan, run: RunResult) -> dict[str, Any]:
         "per_action_mape": statistics.mean(abs(a["error"]) for a in per_action) if per_action else None,
         "work_mape": statistics.mean(abs(a["work_error"]) for a in per_action if "work_error" in a) if per_action else None,
         "rank_work_predicted_s": rank_work, "rank_cpu_measured_s": run.rank_cpu_s, "foreign_cores": run.foreign_cores,
+        "rank_idle_predicted_s": [predicted - b for b in p.sim.busy], "rank_wait_measured_s": run.rank_wait_s,
         "activation_peak_predicted_bytes": act_pred, "activation_peak_measured_bytes": run.peak_saved_bytes,
         "rss_growth_bytes": run.peak_rss_growth_bytes,
     }

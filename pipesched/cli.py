@@ -291,6 +291,10 @@ def _run_on_gpu(args: argparse.Namespace, widths: list[int]) -> int:
     return 0
 
 
+def _ms_list(seconds: list[float]) -> str:
+    return "[" + ", ".join(f"{x * 1e3:.1f}" for x in seconds) + "] ms"
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from .calibrate import cpu_validation
     from .runner import measured_timeline
@@ -330,7 +334,9 @@ def cmd_run(args: argparse.Namespace) -> int:
              f"(all ranks); CPU share calibrated {rep['shared_cpu']['cores']:.2f} cores at sharing efficiency "
              f"{rep['shared_cpu']['efficiency']:.2f} (ideal sharing: {o['error_ideal_sharing']:+.1%}), "
              f"other users took {o['foreign_cores']:.2f} during the run",
-             f"diagnostic (uses the run): the plan simulated on its actions' measured CPU times {o['run_costs_error']:+.1%}"]
+             f"diagnostic (uses the run): the plan simulated on its actions' measured CPU times {o['run_costs_error']:+.1%}",
+             "message waits per rank and step: measured " + _ms_list(o["rank_wait_measured_s"])
+             + ", simulated idle " + _ms_list(o["rank_idle_predicted_s"])]
     if "uniform_torch_1f1b" in rep:
         u = rep["uniform_torch_1f1b"]
         hs = rep["runtime_calibration"].get("handshake_s")

@@ -11,6 +11,9 @@ baseline. It measures:
   returns), over ``iterations`` timed steps after ``warmup`` untimed ones;
 - every F / B / I / W action's start and end on its rank (the stage's ``forward_one_chunk``,
   ``backward_one_chunk`` and ``backward_weight_one_chunk`` are timed);
+- per rank and step, the wall time its schedule spent waiting on messages (torch's ``_wait_batch_p2p``, which
+  both its built-in schedules and ``_PipelineScheduleRuntime`` call for every receive and send they wait for;
+  with gloo the wait blocks the thread, with NCCL it only orders the streams, so on a GPU this is host time);
 - per rank, the peak of live autograd-saved activation bytes during one extra step (``saved_tensors_hooks``
   counting each saved tensor once until autograd frees it, as the profiler does) and the peak RSS growth (Linux ``VmHWM`` after a reset);
 - the point-to-point link between rank 0 and rank 1 (a ping-pong at two message sizes gives latency and
@@ -59,6 +62,7 @@ class RunResult:
     action_cpu_medians: dict[str, float] = field(default_factory=dict)   # "stage kind" -> median CPU time of the action's thread
     rank_cpu_s: list[float] = field(default_factory=list)                # per rank: median CPU time of all its threads per step
     rank_main_cpu_s: list[float] = field(default_factory=list)           # per rank: the same for the thread running the schedule alone
+    rank_wait_s: list[float] = field(default_factory=list)               # per rank: median wall time per step waiting on messages
     foreign_cores: float = 0.0    # cores other processes used during the timed iterations (machine busy - our ranks' CPU)
     pre_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: its profile taken right before the run (JSON form)
     interleaved_profiles: list[dict[str, Any]] = field(default_factory=list)   # per rank: median of its passes between the steps
@@ -76,7 +80,7 @@ class RunResult:
                 "peak_saved_bytes": self.peak_saved_bytes, "peak_rss_growth_bytes": self.peak_rss_growth_bytes,
                 "link_latency_s": self.link_latency_s, "link_bandwidth_bps": self.link_bandwidth_bps, "losses": self.losses,
                 "action_cpu_medians": self.action_cpu_medians, "rank_cpu_s": self.rank_cpu_s,
-                "rank_main_cpu_s": self.rank_main_cpu_s, "foreign_cores": self.foreign_cores,
+                "rank_main_cpu_s": self.rank_main_cpu_s, "rank_wait_s": self.rank_wait_s, "foreign_cores": self.foreign_cores,
                 "pre_profiles": self.pre_profiles, "interleaved_profiles": self.interleaved_profiles,
                 "interleaved_totals_s": self.interleaved_totals_s, "replay_cpu_medians": self.replay_cpu_medians,
                 "device": self.device, "device_peak_bytes": self.device_peak_bytes}
@@ -228,6 +232,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             stage = PipelineStage(torch.nn.Sequential(*layers[i:j]), sid, num_stages, dev)
             _instrument(stage, sid, records, stream_sync)
             stages.append(stage)
+        waited = _time_message_waits(ts)
         loss_fn = torch.nn.functional.mse_loss
         m = job["microbatches"]
         if job["builtin"]:
@@ -255,7 +260,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         last = any(s.is_last for s in stages)
         inputs = (x,) if first else ()   # no positional input at all on other ranks (torch 2.11's schedules assert on a None)
         opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
-        durations, cpu_s, main_cpu_s, losses = [], [], [], []
+        durations, cpu_s, main_cpu_s, wait_s, losses = [], [], [], [], []
         last_records: list[tuple[int, str, int, float, float, float]] = []
         per_action: dict[str, list[float]] = {}
         per_action_cpu: dict[str, list[float]] = {}
@@ -273,6 +278,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             if it == job["warmup"]:
                 window = {"cpu0": time.process_time(), "busy0": machine_busy_s(), "t0": time.perf_counter()}
             records.clear()
+            waited[0] = 0.0
             t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
             step_losses: list = []
             sched.step(*inputs, target=y if last else None, losses=step_losses if last else None)
@@ -285,6 +291,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
                 durations.append(t1 - t0)
                 cpu_s.append(c1 - c0)       # all of the rank's threads (gloo's included) during the step
                 main_cpu_s.append(m1 - m0)  # the schedule's own thread: actions, the runtime's loop, posting and waiting
+                wait_s.append(waited[0])
                 last_records = [(s, k, mb, a - t0, b - t0, c) for s, k, mb, a, b, c in records]
                 for s, k, _, a, b, c in records:
                     per_action.setdefault(f"{s} {k}", []).append(b - a)
@@ -314,7 +321,8 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             from .profile import median_profile
 
             inter = {"median": median_profile(interleaved).to_dict(), "totals": [sum(lay.fwd_s + lay.bwd_s for lay in q.layers) for q in interleaved]}
-        queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "main_cpu_s": main_cpu_s, "actions": last_records, "per_action": per_action,
+        queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "main_cpu_s": main_cpu_s, "wait_s": wait_s, "actions": last_records,
+                   "per_action": per_action,
                    "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
                    "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses, "pre_profile": pre_profile,
                    "interleaved": inter, "device_peak": device_peak, "replayed": replayed})
@@ -398,6 +406,27 @@ def _replay(torch, stages, actions: list[list[Any]], x, y, job: dict[str, Any]) 
         for prm in s.submod.parameters():
             prm.grad = None
     return {key: statistics.median(v) for key, v in times.items()}
+
+
+def _time_message_waits(ts) -> list[float]:
+    """Time every message wait of torch's pipeline schedules in this process: returns a one-element list that
+    accumulates the wall seconds spent in ``_wait_batch_p2p`` (the caller resets it before each step).
+
+    Both the built-in schedules and ``_PipelineScheduleRuntime`` look the function up in their module at call
+    time, so replacing the module attribute times all of them.
+    """
+    waited = [0.0]
+    plain = ts._wait_batch_p2p
+
+    def timed(work):
+        t = time.perf_counter()
+        try:
+            return plain(work)
+        finally:
+            waited[0] += time.perf_counter() - t
+
+    ts._wait_batch_p2p = timed
+    return waited
 
 
 def _instrument(stage, sid: int, records: list, sync: Any = None) -> None:
@@ -530,7 +559,8 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
                      [results[r]["rss_growth"] for r in range(world)], results[0]["latency"], results[0]["bandwidth"],
                      losses=results[last_rank]["losses"], action_cpu_medians=cpu_medians,
                      rank_cpu_s=[statistics.median(results[r]["cpu_s"]) for r in range(world)],
-                     rank_main_cpu_s=[statistics.median(results[r]["main_cpu_s"]) for r in range(world)], foreign_cores=foreign,
+                     rank_main_cpu_s=[statistics.median(results[r]["main_cpu_s"]) for r in range(world)],
+                     rank_wait_s=[statistics.median(results[r]["wait_s"]) for r in range(world)], foreign_cores=foreign,
                      pre_profiles=[results[r]["pre_profile"] for r in range(world) if results[r]["pre_profile"] is not None],
                      interleaved_profiles=[results[r]["interleaved"]["median"] for r in range(world) if results[r]["interleaved"]],
                      interleaved_totals_s=[results[r]["interleaved"]["totals"] for r in range(world) if results[r]["interleaved"]],

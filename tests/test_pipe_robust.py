@@ -257,6 +257,10 @@ def test_pipe_run_end_to_end_predicts_each_run_from_the_ranks_replay_of_their_ac
         assert len(o["interleaved_totals_s"]) == 2 and all(t > 0 for t in o["interleaved_totals_s"])
         for key in ("error_interleaved", "error_pre_run", "error_pooled", "error_probe_scaled", "run_costs_error", "posthoc_error"):
             assert math.isfinite(o[key])
+        # Per rank: the wall time each step waited on messages, next to the time the simulator leaves the rank idle.
+        assert len(o["rank_wait_measured_s"]) == len(o["rank_idle_predicted_s"]) == 2
+        assert all(0.0 <= w <= max(o["measured_iterations_s"]) for w in o["rank_wait_measured_s"])
+        assert all(0.0 <= w <= o["predicted_s"] for w in o["rank_idle_predicted_s"])
 
 
 def test_cpu_validation_needs_a_round():

@@ -141,3 +141,15 @@ def test_replay_runs_real_backwards_and_leaves_no_gradients(is_last):
     assert set(times) == {"0 F", "0 B"}
     assert times["0 B"] > 1.2 * times["0 F"] > 0
     assert all(p.grad is None for p in module.parameters())
+
+
+@pytest.mark.slow
+def test_message_waits_are_measured_per_rank():
+    # A light first stage feeding a heavy last one under torch's Schedule1F1B: rank 0 spends most of each step
+    # waiting for gradients, rank 1 hardly waits; neither waits longer than the step.
+    run = run_pipeline([(0, 1), (1, 2)], [0, 1], microbatches=4, batch=32, dim=64, model_kwargs={"widths": [8, 4096], "dim": 64},
+                       builtin="1F1B", iterations=3, warmup=1)
+    light, heavy = run.rank_wait_s
+    assert 0.0 <= heavy < light <= max(run.iteration_s)
+    assert light > 0.5 * run.median_s
+    assert run.to_dict()["rank_wait_s"] == run.rank_wait_s
