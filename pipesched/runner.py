@@ -322,8 +322,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
 
             inter = {"median": median_profile(interleaved).to_dict(), "totals": [sum(lay.fwd_s + lay.bwd_s for lay in q.layers) for q in interleaved]}
         queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "main_cpu_s": main_cpu_s, "wait_s": wait_s, "actions": last_records,
-                   "per_action": per_action,
-                   "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
+                   "per_action": per_action, "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
                    "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses, "pre_profile": pre_profile,
                    "interleaved": inter, "device_peak": device_peak, "replayed": replayed})
         dist.barrier()

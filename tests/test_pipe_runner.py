@@ -147,7 +147,7 @@ def test_replay_runs_real_backwards_and_leaves_no_gradients(is_last):
 def test_message_waits_are_measured_per_rank():
     # A light first stage feeding a heavy last one under torch's Schedule1F1B: rank 0 spends most of each step
     # waiting for gradients, rank 1 hardly waits; neither waits longer than the step.
-    run = run_pipeline([(0, 1), (1, 2)], [0, 1], microbatches=4, batch=32, dim=64, model_kwargs={"widths": [8, 4096], "dim": 64},
+    run = run_pipeline([(0, 1), (1, 2)], [0, 1], microbatches=4, batch=64, dim=64, model_kwargs={"widths": [8, 8192], "dim": 64},
                        builtin="1F1B", iterations=3, warmup=1)
     light, heavy = run.rank_wait_s
     assert 0.0 <= heavy < light <= max(run.iteration_s)
