@@ -121,11 +121,11 @@ class Rendezvous:
     missing from ``recv_before`` count as posted in advance.
 
     ``handshake_s`` replaces that latency for a late receive whose sender is blocked waiting for that very send
-    (a message in ``send_waits``): the exchange releases the sender, whose compute thread resumes on the core
-    where the loopback delivery has just woken the receiver's communication thread, and the receiver gets its
-    data only once that thread is scheduled. On this machine that cost ~4 ms per message under torch's
-    ``Schedule1F1B`` (the sender's next action ran 8.7 ms for 4.8 ms of CPU meanwhile), while a late receive
-    whose sender was idle cost ~0.5 ms (``pipesched.calibrate.calibrate_runtime`` measures ``handshake_s``).
+    (a message in ``send_waits``): the exchange releases the sender, and the receiver's data arrives only once
+    the threads that move it get a core back from the two computing ranks. On this 2-core machine such waits
+    averaged 2.4-2.7 ms per message under torch's ``Schedule1F1B`` (run to run they move by up to 2 ms, within
+    one 4 ms scheduler tick), while a late receive whose sender was idle cost ~0.5 ms
+    (``pipesched.calibrate.calibrate_runtime`` measures ``handshake_s``).
     """
 
     recv_before: Mapping[MessageKey, tuple[int, int]] = field(default_factory=dict)
@@ -218,7 +218,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     posts_at = rendezvous.posts_at() if rendezvous is not None else {}
     send_waits = rendezvous.send_waits if rendezvous is not None else {}
     waited = {k for keys in send_waits.values() for k in keys}
-    posted_late = rendezvous.recv_before if rendezvous is not None else {}
+    placed_recvs = rendezvous.recv_before if rendezvous is not None else {}
     n_messages = {(sid, kind): schedule.cross_rank_messages(Action(sid, kind, 0))
                   for sid in range(schedule.num_stages) for kind in ("F", "B", "I", "W", "REDUCE_GRAD")}
     sent: dict[MessageKey, tuple[float, int, int, float, str]] = {}   # posted sends: key -> (time, src, dst, bytes, label)
@@ -244,7 +244,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         if key not in sent or key in arrive:
             return
         t, a, b, nbytes, label = sent[key]
-        posted = recv_posted.get(key) if key in posted_late else 0.0   # receives the runtime does not place: in advance
+        posted = recv_posted.get(key) if key in placed_recvs else 0.0   # receives the runtime does not place: in advance
         if posted is None:
             return
         bw, lat = links.link(a, b) if links is not None else (float("inf"), 0.0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import re
 
 import pytest
 
@@ -100,4 +101,7 @@ def test_demo(tmp_path, cluster):
         reports = data.get("reports") or [data.get("report")]
         reports = list(reports.values()) if isinstance(reports, dict) else reports
         n = sum(len(rnd["order"]) for rep in reports for rnd in rep["rounds"])
-        assert f"of {n} within 10 %" in rec["errors"] and rec["file"] in text
+        counts = [int(c) for c in re.findall(r"of (\d+) within 10 %", rec["errors"])]
+        assert sum(counts) == n and rec["errors"].startswith("our plan") and rec["file"] in text
+        ours = [rnd["ours"]["error"] for rep in reports for rnd in rep["rounds"]]
+        assert f"our plan {100 * min(ours):+.1f}..{100 * max(ours):+.1f} % ({sum(abs(e) <= 0.10 for e in ours)} of {len(ours)}" in rec["errors"]
