@@ -12,6 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from netweave.runtime.plan import PlanFormatError
 from topology.errors import InputError
 
 # (module, attribute) pairs; a package whose CLI is not written yet is skipped.
@@ -45,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         result = args.func(args)
-    except InputError as exc:
+    except (InputError, PlanFormatError) as exc:
         print(f"netweave: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -22,7 +22,12 @@ EXPORT_FORMATS = ("json", "nccl-xml", "slurm")
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half of one."""
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half of one.
+
+    The file gets the mode an ordinary ``open(path, "w")`` would (``0o666`` less the umask), so
+    that a hostfile or plan written by one account can be read by ``srun`` or NCCL running as
+    another; the directory is synced after the rename so the new name survives a crash.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -30,11 +35,24 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
+            os.fchmod(f.fileno(), 0o666 & ~_umask())
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it and putting it back; no other way exists in POSIX)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def guess_format(path: str | os.PathLike[str], text: str) -> str:
