@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="netweave",
         description="Network-aware communication and pipeline scheduling for distributed training.",
     )
+    parser.add_argument("--version", action="version", version=f"netweave {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         try:
@@ -36,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
         if register is not None:
             register(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("netweave")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
