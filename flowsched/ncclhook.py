@@ -323,15 +323,15 @@ class _PlanLib:
                         tunes=tunes, marks=[MarkRule(opt(r.port), opt(r.dscp), opt(r.prio)) for r in p.port[:p.nport]])
 
 
-_plan_libs: dict[Path, _PlanLib] = {}
+_plan_libs: list[_PlanLib] = []
 
 
 def _plan_lib() -> _PlanLib:
-    """The grammar of the plugin as built here (``make`` runs when a source is newer than the library)."""
-    path = build() / PLUGIN_LIB
-    if path not in _plan_libs:
-        _plan_libs[path] = _PlanLib(path)
-    return _plan_libs[path]
+    """The grammar of the plugin as built here: built (``make``) and loaded on first use, once per process
+    (a loaded library cannot be swapped for a rebuilt one)."""
+    if not _plan_libs:
+        _plan_libs.append(_PlanLib(build() / PLUGIN_LIB))
+    return _plan_libs[0]
 
 
 def plan_limits() -> dict[str, int]:
@@ -514,7 +514,7 @@ class ProfilerRing:
     def read(self, max_records: int | None = None) -> np.ndarray:
         """Consume the committed records in order; returns a structured array (dtype :data:`RECORD_DTYPE`)."""
         rd = int(self._hdr[_W_READ])
-        n = int(self._hdr[_W_WRITE]) - rd
+        n = min(int(self._hdr[_W_WRITE]) - rd, self.capacity)  # never more than the slots, whatever the header says
         if max_records is not None:
             n = min(n, max_records)
         if n <= 0:

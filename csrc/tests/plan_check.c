@@ -154,6 +154,7 @@ int main(int argc, char** argv) {
       fwrite(o.buf, 1, o.len, stdout);
       free(text);
     }
+    free(o.buf);
     return 0;
   }
   for (;;) {
@@ -168,6 +169,7 @@ int main(int argc, char** argv) {
     fwrite(o.buf, 1, o.len, stdout);
     free(text);
   }
+  free(o.buf);
   fflush(stdout);
   return 0;
 }

@@ -232,14 +232,14 @@ def fuzz_plan(rnd: random.Random, mutations: list[str] | None = None) -> bytes:
 PROBE_CLASSES = (-1, 0, 3, 7)
 
 
-def check_batch(harness: str, lib: str, plans: list[bytes], timeout: float = 300) -> list[str]:
+def check_batch(harness: str, lib: str, plans: list[bytes], timeout: float = 300, env: dict[str, str] | None = None) -> list[str]:
     """Each plan through ``plan_check LIB -`` (the plugin library dlopened as NCCL does): its result text."""
     import struct
     import subprocess
 
     stdin = b"".join(struct.pack("<I", len(p)) + p for p in plans)
-    res = subprocess.run([harness, lib, "-"], input=stdin, capture_output=True, timeout=timeout)
-    if res.returncode != 0:
+    res = subprocess.run([harness, lib, "-"], input=stdin, capture_output=True, timeout=timeout, env=env)
+    if res.returncode != 0 or b"Sanitizer" in res.stderr or b"runtime error" in res.stderr:
         raise RuntimeError(f"plan_check exited {res.returncode}: {res.stderr.decode(errors='replace')[-2000:]}")
     out, pos = [], 0
     while pos < len(res.stdout):
