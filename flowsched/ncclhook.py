@@ -8,7 +8,7 @@ an ``LD_PRELOAD`` marker for processes that do not use NCCL (gloo). This module
 
 * builds and locates them (:func:`build`, :func:`plugin_env`, :func:`marker_env`),
 * writes and reads the *flow plan* file the plugins follow (:class:`FlowPlan`, :func:`write_plan`,
-  :func:`read_plan`; the C parser in ``csrc/plan.c`` reads the same grammar),
+  :func:`read_plan`; parsing is the plugin's own parser, ``csrc/plan.c``, called through ctypes),
 * reads the profiler ring (:class:`ProfilerRing`) and pairs its events (:func:`collective_spans`),
 * generates the HTB priority tree that enforces the marks on a Linux egress (:func:`htb_commands`).
 

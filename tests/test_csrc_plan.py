@@ -252,3 +252,17 @@ def test_tuner_class_rule_uses_the_class_the_net_plugin_saw(tmp_path, monkeypatc
         results[tc] = coll_info(tuner, tctx, ALLREDUCE, 4096)[1]
         tuner.finalize(tctx)
     assert results == {2: 1, 6: -7}
+
+
+def test_cli_check_plan_refuses_what_the_plugin_refuses(tmp_path, capsys):
+    """`netweave flow nccl check-plan` is the plugin's verdict: the 100-rule plan that used to pass is one line, exit 2."""
+    from netweave.cli import main
+
+    many = tmp_path / "many.plan"
+    many.write_text(HEAD + "".join(f"mark {29500 + i} dscp=8\n" for i in range(100)))
+    binary = tmp_path / "binary.plan"
+    binary.write_bytes(HEAD.encode() + b"class 1 dscp=1\xff\xfe\x00\n")
+    for path, message in ((many, "many.plan: line 66: more than 64 mark rules"), (binary, "binary.plan: line 2: byte 0xff at column 15")):
+        assert main(["flow", "nccl", "check-plan", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and "Traceback" not in err, err
