@@ -4,7 +4,7 @@
  * (plan_load.c), the LD_PRELOAD marker and flowsched.ncclhook.parse_plan (through the exported
  * netweave_plan_check, with ctypes) all parse with this file, so they cannot disagree.
  *
- *   file   : at most NW_PLAN_MAX_BYTES; lines end in LF (CR LF accepted); NUL anywhere is an error
+ *   file   : at most NW_PLAN_MAX_BYTES; lines end in LF (a CR at a line's end is accepted); NUL anywhere is an error
  *   line   : at most NW_PLAN_MAX_LINE bytes; '#' starts a comment; outside comments only printable
  *            ASCII, space and tab; fields are separated by spaces/tabs, at most NW_PLAN_MAX_FIELDS
  *   header : "netweave-plan 1", the first statement, once
@@ -259,7 +259,7 @@ static int parse_statement(parser_t* p, nw_plan_t* plan, char** tok, int nt) {
     mark_from_keys(val, seen, &plan->cls_own[id]);
     plan->cls_line[id] = p->line;
   } else if (stmt == S_COMM) {
-    int is_comm = tok[0][1] == 'o' && tok[0][2] == 'm'; /* "comm" (not "order") */
+    int is_comm = strcmp(tok[0], "comm") == 0; /* else "order" */
     if (plan->ncomm == NW_MAX_RULES) return fail(p, NW_PLAN_ELIMIT, "more than %d comm/order rules", NW_MAX_RULES);
     if (get_number(p, is_comm ? "comm id" : "order", tok[1], 0, 0, is_comm ? UINT64_MAX : ORDER_MAX, &id) != 0) return NW_PLAN_EINVAL;
     if (parse_keys(p, tok[0], stmt, tok + 2, nt - 2, val, &seen) != 0) return NW_PLAN_EINVAL;

@@ -75,7 +75,8 @@ def build(*, sanitize: bool = False, force: bool = False, quiet: bool = True) ->
     ``sanitize=True`` builds the ASan/UBSan variant into ``csrc/build/sanitize``.
     """
     out = BUILD / "sanitize" if sanitize else BUILD
-    wanted = [out / PLUGIN_LIB, out / "net_harness", out / "ring_harness", out / FLUID_LIB] + ([] if sanitize else [out / MARK_LIB])
+    wanted = [out / PLUGIN_LIB, out / "net_harness", out / "ring_harness", out / "plan_check", out / FLUID_LIB]
+    wanted += [] if sanitize else [out / MARK_LIB]
     sources = list(CSRC.glob("*.c")) + list(CSRC.glob("*.h")) + list(CSRC.glob("include/*.h")) + list(CSRC.glob("tests/*.c"))
     newest = max((p.stat().st_mtime for p in sources), default=0.0)
     stale = force or any(not p.exists() or p.stat().st_mtime < newest for p in wanted)
