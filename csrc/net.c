@@ -805,7 +805,7 @@ static ncclResult_t progress(nw_comm_t* c) {
 }
 
 static void emit_net_event(nw_comm_t* c, nw_req_t* r, uint64_t bytes) {
-  nw_ring_header_t* ring = nw_ring_get();
+  nw_ring_t* ring = nw_ring_get();
   if (ring == NULL) return;
   nw_record_t rec;
   memset(&rec, 0, sizeof(rec));

@@ -22,6 +22,16 @@ NW_HIDDEN void nw_log(ncclDebugLogLevel level, unsigned long flags, const char* 
 #define NW_INFO(flags, ...) nw_log(NCCL_LOG_INFO, (flags), __FILE__, __LINE__, __VA_ARGS__)
 
 /* ---------------------------------------------------------------- plan -- */
+/* The flow-plan grammar, version 1 (docs/ncclhook.md "Flow-plan file"; implemented once, in plan.c). */
+#define NW_PLAN_VERSION 1
+#define NW_PLAN_ABI 2                /* layout of nw_plan_t as exported to flowsched.ncclhook (ctypes) */
+#define NW_PLAN_MAX_BYTES (1 << 20)  /* whole file */
+#define NW_PLAN_MAX_LINE 1023        /* bytes per line, without its LF */
+#define NW_PLAN_MAX_FIELDS 24        /* blank-separated fields per line */
+
+/* error codes of nw_plan_parse / netweave_plan_check */
+enum { NW_PLAN_OK = 0, NW_PLAN_EINVAL = -1 /* not the grammar */, NW_PLAN_ELIMIT = -2 /* a limit above */, NW_PLAN_ENOMEM = -3 };
+
 /* Marking and transport settings of one communicator; NW_UNSET fields are "not given". */
 typedef struct {
   int cls;       /* traffic class override (comm/order rules only) */
@@ -34,28 +44,40 @@ typedef struct {
 
 enum { NW_SEL_ANY = 0, NW_SEL_CLASS = 1, NW_SEL_COMM = 2, NW_SEL_ORDER = 3 };
 
-typedef struct { int sel; uint64_t id; nw_mark_t m; } nw_comm_rule_t;
+typedef struct { int sel; uint64_t id; nw_mark_t m; int line; } nw_comm_rule_t; /* sel COMM or ORDER */
 typedef struct {
   int sel; uint64_t id;          /* which communicators */
   int coll;                      /* ncclFunc_t or NW_UNSET */
-  uint64_t min_bytes, max_bytes; /* inclusive range */
+  uint64_t min_bytes, max_bytes; /* inclusive range (0..UINT64_MAX when not given) */
   int algo, proto, channels;     /* NW_UNSET = leave to NCCL */
   int64_t chunk;
+  int has_min, has_max;          /* min=/max= given (for writers that round-trip the text) */
+  int line;
 } nw_tune_rule_t;
-typedef struct { int port; int dscp; int prio; } nw_port_rule_t; /* port NW_UNSET = every TCP socket */
+typedef struct { int port; int dscp; int prio; int line; } nw_port_rule_t; /* port NW_UNSET = every TCP socket */
 
 typedef struct {
   int version;
-  nw_mark_t cls[NW_NUM_CLASSES];
+  nw_mark_t cls[NW_NUM_CLASSES];     /* effective: defaults (CSk, prio k) overlaid with the class line */
+  nw_mark_t cls_own[NW_NUM_CLASSES]; /* what the class line gave */
+  int cls_line[NW_NUM_CLASSES];      /* its line number; 0 = no class line */
   nw_comm_rule_t comm[NW_MAX_RULES]; int ncomm;
   nw_tune_rule_t tune[NW_MAX_RULES]; int ntune;
   nw_port_rule_t port[NW_MAX_RULES]; int nport;
   uint64_t generation; /* bumps on every successful (re)load */
 } nw_plan_t;
 
+/* Versioned self-description exported as netweave_plan_info: struct sizes and the grammar's limits. */
+typedef struct {
+  uint32_t abi, plan_version;
+  uint32_t plan_size, mark_size, comm_size, tune_size, port_size;
+  uint32_t num_classes, max_rules, max_line, max_fields, max_bytes;
+} nw_plan_info_t;
+
 NW_HIDDEN void nw_plan_defaults(nw_plan_t* plan);
-/* Parse plan text; returns 0, or -1 with "line N: ..." in err. */
-NW_HIDDEN int nw_plan_parse(const char* text, nw_plan_t* plan, char* err, size_t errlen);
+/* Parse len bytes of plan text (NUL bytes are an error, not an end). Returns NW_PLAN_OK, or an error
+ * code with the message in err and its line in *errline (0 = the file as a whole). */
+NW_HIDDEN int nw_plan_parse(const char* text, size_t len, nw_plan_t* plan, char* err, size_t errlen, int* errline);
 /* Copy of the current plan ($NETWEAVE_PLAN, re-read when the file changes, checked at most every
  * 100 ms). Without a plan file: the defaults. Returns the generation. */
 NW_HIDDEN uint64_t nw_plan_snapshot(nw_plan_t* out);
@@ -66,6 +88,7 @@ NW_HIDDEN void nw_plan_resolve(const nw_plan_t* plan, uint64_t commId, int order
 NW_HIDDEN int nw_algo_from_name(const char* s);
 NW_HIDDEN int nw_proto_from_name(const char* s);
 NW_HIDDEN int nw_func_from_name(const char* s);
+NW_HIDDEN uint64_t nw_now_ns(void);
 
 /* ------------------------------------------------- communicator registry -- */
 /* commId -> (init order in this process, NCCL traffic class, effective class). Filled by the
@@ -114,11 +137,24 @@ typedef struct {
 } nw_ring_header_t;
 _Static_assert(sizeof(nw_ring_header_t) == NW_RING_HEADER, "ring header is 128 bytes");
 
-/* Open (create) the ring named by $NETWEAVE_PROF_RING once per process; NULL when disabled. */
-NW_HIDDEN nw_ring_header_t* nw_ring_get(void);
-/* Append one record (seq and t_ns are filled in); returns 0, or -1 when full (dropped++). */
-NW_HIDDEN int nw_ring_put(nw_ring_header_t* ring, nw_record_t* rec);
-NW_HIDDEN uint64_t nw_now_ns(void);
+/* error codes of nw_ring_put */
+enum { NW_RING_OK = 0, NW_RING_FULL = -1 /* dropped++ */, NW_RING_BAD = -2 /* header no longer what this process mapped */, NW_RING_NONE = -3 };
+
+/* This process's view of its ring: the mapping and the capacity it created, never re-read from
+ * the shared header (which any process that can write the file can change). */
+typedef struct {
+  nw_ring_header_t* h;
+  uint64_t capacity; /* power of two */
+  size_t bytes;      /* mapped size = NW_RING_HEADER + capacity * sizeof(nw_record_t) */
+  int bad;           /* set once the header failed the check: the ring is disabled */
+} nw_ring_t;
+
+/* Open (create) the ring named by $NETWEAVE_PROF_RING once per process; NULL when disabled.
+ * File rules (ring.c): O_NOFOLLOW, created with O_EXCL; an existing file is reused only when it is
+ * a stale netweave ring of this user (one link, no live writer holding its lock). */
+NW_HIDDEN nw_ring_t* nw_ring_get(void);
+/* Append one record (seq and t_ns are filled in); returns NW_RING_OK, NW_RING_FULL or NW_RING_BAD. */
+NW_HIDDEN int nw_ring_put(nw_ring_t* ring, nw_record_t* rec);
 NW_HIDDEN uint32_t nw_next_event_id(void);
 
 #endif

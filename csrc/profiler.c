@@ -42,7 +42,7 @@ static int8_t comm_class(uint64_t commId) {
 }
 
 static void emit(prof_event_t* e, uint16_t kind, uint64_t bytes, int32_t step) {
-  nw_ring_header_t* ring = nw_ring_get();
+  nw_ring_t* ring = nw_ring_get();
   if (ring == NULL) return;
   nw_record_t r;
   memset(&r, 0, sizeof(r));

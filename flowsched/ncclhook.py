@@ -8,7 +8,7 @@ an ``LD_PRELOAD`` marker for processes that do not use NCCL (gloo). This module
 
 * builds and locates them (:func:`build`, :func:`plugin_env`, :func:`marker_env`),
 * writes and reads the *flow plan* file the plugins follow (:class:`FlowPlan`, :func:`write_plan`,
-  :func:`read_plan`; the C parser in ``csrc/plan.c`` reads the same grammar),
+  :func:`read_plan`; parsing is the plugin's own parser, ``csrc/plan.c``, called through ctypes),
 * reads the profiler ring (:class:`ProfilerRing`) and pairs its events (:func:`collective_spans`),
 * generates the HTB priority tree that enforces the marks on a Linux egress (:func:`htb_commands`).
 
@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import fcntl
 import json
 import mmap
+import numbers
 import os
 import re
 import shutil
@@ -73,7 +75,8 @@ def build(*, sanitize: bool = False, force: bool = False, quiet: bool = True) ->
     ``sanitize=True`` builds the ASan/UBSan variant into ``csrc/build/sanitize``.
     """
     out = BUILD / "sanitize" if sanitize else BUILD
-    wanted = [out / PLUGIN_LIB, out / "net_harness", out / "ring_harness", out / FLUID_LIB] + ([] if sanitize else [out / MARK_LIB])
+    wanted = [out / PLUGIN_LIB, out / "net_harness", out / "ring_harness", out / "plan_check", out / FLUID_LIB]
+    wanted += [] if sanitize else [out / MARK_LIB]
     sources = list(CSRC.glob("*.c")) + list(CSRC.glob("*.h")) + list(CSRC.glob("include/*.h")) + list(CSRC.glob("tests/*.c"))
     newest = max((p.stat().st_mtime for p in sources), default=0.0)
     stale = force or any(not p.exists() or p.stat().st_mtime < newest for p in wanted)
@@ -236,158 +239,185 @@ class FlowPlan:
 
 
 _MARK_KEYS = ("dscp", "prio", "rate", "nsocks", "sockchunk")
+_SEL_ANY, _SEL_CLASS, _SEL_COMM, _SEL_ORDER = 0, 1, 2, 3
+_UNSET = -1
+_PLAN_ABI = 2  # NW_PLAN_ABI in csrc/nw.h: the nw_plan_t layout mirrored below
+_TOKEN = re.compile(r"[A-Za-z0-9_]+")  # names written into a plan: no blank, '#', '=' or line break can slip in
+
+
+class _PlanLib:
+    """The C grammar of ``csrc/plan.c`` in this process: the plugin library loaded with ctypes, its
+    ``nw_plan_t`` mirrored as ctypes structures, checked against the library's ``netweave_plan_info``."""
+
+    def __init__(self, lib_path: Path):
+        lib = ctypes.CDLL(str(lib_path))
+        self.lib = lib
+
+        class Info(ctypes.Structure):
+            _fields_ = [(n, ctypes.c_uint32) for n in ("abi", "plan_version", "plan_size", "mark_size", "comm_size", "tune_size",
+                                                       "port_size", "num_classes", "max_rules", "max_line", "max_fields", "max_bytes")]
+
+        info = Info.in_dll(lib, "netweave_plan_info")
+        self.limits = {n: int(getattr(info, n)) for n in ("num_classes", "max_rules", "max_line", "max_fields", "max_bytes")}
+        i32, i64, u64 = ctypes.c_int, ctypes.c_int64, ctypes.c_uint64
+
+        class Mark(ctypes.Structure):
+            _fields_ = [("cls", i32), ("dscp", i32), ("prio", i32), ("rate", i64), ("nsocks", i32), ("sockchunk", i64)]
+
+        class Comm(ctypes.Structure):
+            _fields_ = [("sel", i32), ("id", u64), ("m", Mark), ("line", i32)]
+
+        class Tune(ctypes.Structure):
+            _fields_ = [("sel", i32), ("id", u64), ("coll", i32), ("min_bytes", u64), ("max_bytes", u64), ("algo", i32), ("proto", i32),
+                        ("channels", i32), ("chunk", i64), ("has_min", i32), ("has_max", i32), ("line", i32)]
+
+        class Port(ctypes.Structure):
+            _fields_ = [("port", i32), ("dscp", i32), ("prio", i32), ("line", i32)]
+
+        nc, nr = self.limits["num_classes"], self.limits["max_rules"]
+
+        class Plan(ctypes.Structure):
+            _fields_ = [("version", i32), ("cls", Mark * nc), ("cls_own", Mark * nc), ("cls_line", i32 * nc), ("comm", Comm * nr),
+                        ("ncomm", i32), ("tune", Tune * nr), ("ntune", i32), ("port", Port * nr), ("nport", i32), ("generation", u64)]
+
+        ours = (_PLAN_ABI, ctypes.sizeof(Plan), ctypes.sizeof(Mark), ctypes.sizeof(Comm), ctypes.sizeof(Tune), ctypes.sizeof(Port))
+        theirs = (info.abi, info.plan_size, info.mark_size, info.comm_size, info.tune_size, info.port_size)
+        if ours != theirs:
+            raise NcclHookError(f"plan layout (abi, sizes) {theirs} of the library, {ours} here: rebuild csrc/ (make -C csrc)", source=str(lib_path))
+        self.Plan = Plan
+        lib.netweave_plan_check.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.POINTER(Plan), ctypes.c_char_p, ctypes.c_size_t,
+                                            ctypes.POINTER(ctypes.c_int)]
+        lib.netweave_plan_check.restype = ctypes.c_int
+        lib.netweave_plan_name.argtypes = [ctypes.c_int, ctypes.c_int]
+        lib.netweave_plan_name.restype = ctypes.c_char_p
+        self.names: list[list[str]] = []  # canonical collective, algorithm and protocol names, by index
+        for table in range(3):
+            names: list[str] = []
+            while (name := lib.netweave_plan_name(table, len(names))) is not None:
+                names.append(name.decode())
+            self.names.append(names)
+
+    def check(self, data: bytes, source: str) -> FlowPlan:
+        plan = self.Plan()
+        err = ctypes.create_string_buffer(256)
+        line = ctypes.c_int(0)
+        if self.lib.netweave_plan_check(data, len(data), ctypes.byref(plan), err, len(err), ctypes.byref(line)) != 0:
+            raise NcclHookError(err.value.decode("ascii", "replace"), source=source, where=line.value or None)
+        return self._marshal(plan)
+
+    def _marshal(self, p: ctypes.Structure) -> FlowPlan:
+        def opt(v: int) -> int | None:
+            return None if v == _UNSET else int(v)
+
+        def mark(m: ctypes.Structure) -> ClassMark:
+            return ClassMark(**{k: opt(getattr(m, k)) for k in _MARK_KEYS})
+
+        funcs, algos, protos = self.names
+        tunes = []
+        for r in p.tune[:p.ntune]:
+            sel = {_SEL_ANY: "*", _SEL_CLASS: f"class:{r.id}", _SEL_COMM: f"comm:{r.id:#x}", _SEL_ORDER: f"order:{r.id}"}[r.sel]
+            tunes.append(TuneRule(sel, funcs[r.coll] if r.coll != _UNSET else None, int(r.min_bytes) if r.has_min else None,
+                                  int(r.max_bytes) if r.has_max else None, algos[r.algo] if r.algo != _UNSET else None,
+                                  protos[r.proto] if r.proto != _UNSET else None, opt(r.channels), opt(r.chunk)))
+        return FlowPlan(classes={k: mark(p.cls_own[k]) for k in range(len(p.cls_line)) if p.cls_line[k]},
+                        comms=[CommRule("comm" if r.sel == _SEL_COMM else "order", int(r.id), opt(r.m.cls), mark(r.m)) for r in p.comm[:p.ncomm]],
+                        tunes=tunes, marks=[MarkRule(opt(r.port), opt(r.dscp), opt(r.prio)) for r in p.port[:p.nport]])
+
+
+_plan_libs: list[_PlanLib] = []
+
+
+def _plan_lib() -> _PlanLib:
+    """The grammar of the plugin as built here: built (``make``) and loaded on first use, once per process
+    (a loaded library cannot be swapped for a rebuilt one)."""
+    if not _plan_libs:
+        _plan_libs.append(_PlanLib(build() / PLUGIN_LIB))
+    return _plan_libs[0]
+
+
+def plan_limits() -> dict[str, int]:
+    """The grammar's limits, read from the plugin library: rules per kind, bytes per line and file, fields per line.
+
+    >>> plan_limits()["max_rules"], plan_limits()["max_line"]
+    (64, 1023)
+    """
+    return dict(_plan_lib().limits)
+
+
+def _num(value: object, what: str) -> str:
+    """An integer field as plan text; anything else (a bool, a float, a string) is refused before it can reach the file."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise NcclHookError(f"{what} must be an integer, got {value!r}", source="<format_plan>")
+    return str(int(value))
 
 
 def _fmt_mark(m: ClassMark) -> list[str]:
-    return [f"{k}={getattr(m, k)}" for k in _MARK_KEYS if getattr(m, k) is not None]
+    return [f"{k}={_num(getattr(m, k), k)}" for k in _MARK_KEYS if getattr(m, k) is not None]
+
+
+def _check_token(value: object, what: str, pattern: re.Pattern[str] = _TOKEN) -> None:
+    if value is not None and (not isinstance(value, str) or not pattern.fullmatch(value)):
+        raise NcclHookError(f"{what} must be a name of letters, digits and '_', got {value!r}", source="<format_plan>")
 
 
 def format_plan(plan: FlowPlan) -> str:
-    """The plan file text (grammar in ``csrc/plan.c``)."""
+    """The plan file text (grammar in ``docs/ncclhook.md``); refuses a plan the plugin would reject.
+
+    The text is checked by the plugin's own parser, so what this writes the plugin loads; rule counts
+    are checked first, with the limit in the message.
+
+    >>> format_plan(FlowPlan(marks=[MarkRule(p) for p in range(1, 101)]))
+    Traceback (most recent call last):
+    ...
+    flowsched.ncclhook.NcclHookError: <format_plan>: the plan has 100 mark rules; the NCCL plugin takes at most 64
+    """
+    limit = plan_limits()["max_rules"]
+    for what, n in (("comm/order", len(plan.comms)), ("tune", len(plan.tunes)), ("mark", len(plan.marks))):
+        if n > limit:
+            raise NcclHookError(f"the plan has {n} {what} rules; the NCCL plugin takes at most {limit}", source="<format_plan>")
     lines = ["netweave-plan 1"]
+    for k in plan.classes:
+        _check_range("class", k, 0, NUM_CLASSES - 1, "<format_plan>")
     for k in sorted(plan.classes):
-        _check_range("class", k, 0, NUM_CLASSES - 1)
         lines.append(" ".join([f"class {k}", *_fmt_mark(plan.classes[k])]))
     for r in plan.comms:
         if r.kind not in ("comm", "order"):
-            raise NcclHookError(f"comm rule kind must be 'comm' or 'order', got {r.kind!r}")
-        ident = f"{r.ident:#x}" if r.kind == "comm" else str(r.ident)
-        lines.append(" ".join([f"{r.kind} {ident}", *([f"class={r.cls}"] if r.cls is not None else []), *_fmt_mark(r.mark)]))
+            raise NcclHookError(f"comm rule kind must be 'comm' or 'order', got {r.kind!r}", source="<format_plan>")
+        ident = _num(r.ident, f"{r.kind} id")
+        ident = f"{int(ident):#x}" if r.kind == "comm" else ident
+        lines.append(" ".join([f"{r.kind} {ident}", *([f"class={_num(r.cls, 'class')}"] if r.cls is not None else []), *_fmt_mark(r.mark)]))
     for t in plan.tunes:
+        _check_token(t.selector, "tune selector", re.compile(r"\*|(class|comm|order):[0-9A-Za-z]+"))
+        for key in ("coll", "algo", "proto"):
+            _check_token(getattr(t, key), f"tune {key}")
         parts = [f"tune {t.selector}"]
         for key, val in (("coll", t.coll), ("min", t.min_bytes), ("max", t.max_bytes), ("algo", t.algo), ("proto", t.proto),
                          ("channels", t.channels), ("chunk", t.chunk)):
             if val is not None:
-                parts.append(f"{key}={val}")
+                parts.append(f"{key}={val if key in ('coll', 'algo', 'proto') else _num(val, key)}")
         lines.append(" ".join(parts))
     for m in plan.marks:
-        parts = [f"mark {'*' if m.port is None else m.port}"]
-        if m.dscp is not None:
-            parts.append(f"dscp={m.dscp}")
-        if m.prio is not None:
-            parts.append(f"prio={m.prio}")
+        parts = [f"mark {'*' if m.port is None else _num(m.port, 'mark port')}"]
+        parts += [f"{key}={_num(getattr(m, key), key)}" for key in ("dscp", "prio") if getattr(m, key) is not None]
         lines.append(" ".join(parts))
     text = "\n".join(lines) + "\n"
-    parse_plan(text, source="<format_plan>")  # refuse to write what the C parser would reject
+    parse_plan(text, source="<format_plan>")  # the plugin's parser: never write what it would reject
     return text
 
 
-def _int(value: str, name: str, lo: int, hi: int, source: str, lineno: int) -> int:
-    try:
-        mult = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}.get(value[-1:].lower(), 1)
-        v = int(value[:-1] if mult > 1 else value, 0) * mult
-    except ValueError:
-        raise NcclHookError(f"{name} must be an integer, got {value!r}", source=source, where=lineno) from None
-    _check_range(name, v, lo, hi, source, lineno)
-    return v
+def parse_plan(text: str | bytes, source: str = "<plan>") -> FlowPlan:
+    """Parse plan text with the plugin's own parser (``netweave_plan_check`` in ``csrc/plan.c``); errors name the line.
 
-
-def _norm(name: str) -> str:
-    name = name[8:] if name.startswith("ncclFunc") else name
-    return name.replace("_", "").lower()
-
-
-def _mark_fields(kv: dict[str, str], allow_class: bool, source: str, lineno: int) -> tuple[ClassMark, int | None]:
-    fields: dict[str, int] = {}
-    cls = None
-    limits = {"dscp": (0, 63), "prio": (0, 2**31 - 1), "rate": (0, 2**64 - 1), "nsocks": (1, 16), "sockchunk": (4096, 1 << 30)}
-    for k, v in kv.items():
-        key = "prio" if k == "priority" else k
-        if key in limits:
-            fields[key] = _int(v, key, *limits[key], source, lineno)
-        elif allow_class and key == "class":
-            cls = _int(v, "class", 0, NUM_CLASSES - 1, source, lineno)
-        else:
-            raise NcclHookError(f"unknown key {k!r}", source=source, where=lineno)
-    return ClassMark(**fields), cls
-
-
-def parse_plan(text: str, source: str = "<plan>") -> FlowPlan:
-    """Parse plan text with the same rules as the C parser; errors name the line.
+    ``str`` text is encoded as UTF-8; non-ASCII is allowed in comments only. Names come back in the
+    canonical spelling (``AllReduce`` -> ``allreduce``), tune selectors as ``comm:0x..``.
 
     >>> parse_plan("netweave-plan 1\\nclass 9 dscp=1\\n", source="p.plan")
     Traceback (most recent call last):
     ...
-    flowsched.ncclhook.NcclHookError: p.plan: line 2: class must be an integer 0..7, got 9
+    flowsched.ncclhook.NcclHookError: p.plan: line 2: class must be an integer 0..7, got '9'
     """
-    plan = FlowPlan()
-    seen_header = False
-    big = 2**64 - 1
-    lineno = 0
-    for lineno, raw in enumerate(text.splitlines(), start=1):
-        toks = raw.split("#", 1)[0].split()
-        if not toks:
-            continue
-        if not seen_header:
-            if toks[0] != "netweave-plan" or len(toks) != 2:
-                raise NcclHookError("expected the header 'netweave-plan 1'", source=source, where=lineno)
-            if toks[1] != "1":
-                raise NcclHookError(f"unsupported plan version {toks[1]!r} (this reader knows 1)", source=source, where=lineno)
-            seen_header = True
-            continue
-        if len(toks) < 2:
-            raise NcclHookError(f"{toks[0]!r} needs a selector", source=source, where=lineno)
-        kv: dict[str, str] = {}
-        for t in toks[2:]:
-            if "=" not in t:
-                raise NcclHookError(f"expected key=value, got {t!r}", source=source, where=lineno)
-            k, v = t.split("=", 1)
-            kv[k] = v
-
-        kind = toks[0]
-        if kind == "class":
-            k = _int(toks[1], "class", 0, NUM_CLASSES - 1, source, lineno)
-            mark, _ = _mark_fields(kv, False, source, lineno)
-            plan.classes[k] = mark
-        elif kind in ("comm", "order"):
-            ident = _int(toks[1], f"{kind} id", 0, big, source, lineno)
-            mark, cls = _mark_fields(kv, True, source, lineno)
-            plan.comms.append(CommRule(kind, ident, cls, mark))
-        elif kind == "tune":
-            sel = toks[1]
-            if sel != "*":
-                head, _, num = sel.partition(":")
-                if head not in ("class", "comm", "order") or not num:
-                    raise NcclHookError(f"tune selector must be *, class:K, comm:ID or order:N, got {sel!r}", source=source, where=lineno)
-                _int(num, head, 0, NUM_CLASSES - 1 if head == "class" else big, source, lineno)
-            args: dict[str, object] = {"selector": sel}
-            for k, v in kv.items():
-                if k == "coll":
-                    if _norm(v) not in FUNCS:
-                        raise NcclHookError(f"unknown collective {v!r}", source=source, where=lineno)
-                    args["coll"] = v
-                elif k == "algo":
-                    if _norm(v) not in ALGORITHMS:
-                        raise NcclHookError(f"unknown algorithm {v!r} ({', '.join(ALGORITHMS)})", source=source, where=lineno)
-                    args["algo"] = v
-                elif k == "proto":
-                    if _norm(v) not in PROTOCOLS:
-                        raise NcclHookError(f"unknown protocol {v!r} ({', '.join(PROTOCOLS)})", source=source, where=lineno)
-                    args["proto"] = v
-                elif k == "channels":
-                    args["channels"] = _int(v, "channels", 1, 64, source, lineno)
-                elif k == "chunk":
-                    args["chunk"] = _int(v, "chunk", 1, big, source, lineno)
-                elif k in ("min", "max"):
-                    args[f"{k}_bytes"] = _int(v, k, 0, big, source, lineno)
-                else:
-                    raise NcclHookError(f"unknown tune key {k!r}", source=source, where=lineno)
-            if ("algo" in args) != ("proto" in args):
-                raise NcclHookError("give algo and proto together (NCCL takes both or neither)", source=source, where=lineno)
-            if args.get("min_bytes", 0) > args.get("max_bytes", big):  # type: ignore[operator]
-                raise NcclHookError("min > max", source=source, where=lineno)
-            plan.tunes.append(TuneRule(**args))  # type: ignore[arg-type]
-        elif kind == "mark":
-            port = None if toks[1] == "*" else _int(toks[1], "mark port", 1, 65535, source, lineno)
-            if set(kv) - {"dscp", "prio"}:
-                raise NcclHookError(f"mark takes dscp= and prio= only, got {sorted(set(kv) - {'dscp', 'prio'})}", source=source, where=lineno)
-            m, _ = _mark_fields(kv, False, source, lineno)
-            plan.marks.append(MarkRule(port, m.dscp, m.prio))
-        else:
-            raise NcclHookError(f"unknown rule {kind!r} (class, comm, order, tune, mark)", source=source, where=lineno)
-    if not seen_header:
-        raise NcclHookError("empty plan, expected the header 'netweave-plan 1'", source=source, where=lineno)
-    return plan
+    data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else bytes(text)
+    return _plan_lib().check(data, source)
 
 
 def write_plan(plan: FlowPlan, path: str | os.PathLike[str]) -> Path:
@@ -397,11 +427,16 @@ def write_plan(plan: FlowPlan, path: str | os.PathLike[str]) -> Path:
 
 
 def read_plan(path: str | os.PathLike[str]) -> FlowPlan:
+    """Read and check a plan file (its bytes, at most the grammar's ``max_bytes``)."""
+    limit = plan_limits()["max_bytes"]
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
     except OSError as e:
-        raise NcclHookError(f"cannot read plan: {e.strerror}", source=str(path)) from None
-    return parse_plan(text, source=str(path))
+        raise NcclHookError(f"cannot read plan: {e.strerror or e}", source=str(path)) from None
+    if len(data) > limit:
+        raise NcclHookError(f"the plan is larger than {limit} bytes", source=str(path))
+    return parse_plan(data, source=str(path))
 
 
 # ------------------------------------------------------------ profiler ring --
@@ -480,7 +515,7 @@ class ProfilerRing:
     def read(self, max_records: int | None = None) -> np.ndarray:
         """Consume the committed records in order; returns a structured array (dtype :data:`RECORD_DTYPE`)."""
         rd = int(self._hdr[_W_READ])
-        n = int(self._hdr[_W_WRITE]) - rd
+        n = min(int(self._hdr[_W_WRITE]) - rd, self.capacity)  # never more than the slots, whatever the header says
         if max_records is not None:
             n = min(n, max_records)
         if n <= 0:

@@ -8,6 +8,7 @@ The test holds the ratio with margin: 4096 records, 100 k events/s, polls every 
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import time
 
@@ -118,3 +119,97 @@ def test_net_plugin_reports_messages_into_the_ring(build_dir, tmp_path):
                 by_kind[ncclhook.EVENT_KINDS[int(r["kind"])]].append(int(r["bytes"]))
     msgs = [int(s) for s in sizes.split(",")] * 2 * 3
     assert sorted(by_kind["net_send"]) == sorted(msgs) and sorted(by_kind["net_recv"]) == sorted(msgs)
+
+
+# ------------------------------------------------------------------ the ring's safety rules --
+SAN_ENV = {"ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0", "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
+
+
+def paused_harness(build_dir, ring_path, ncolls=20, capacity=64, env_extra=None):
+    """The ring harness stopped after the ring exists (it prints READY and waits for a line on stdin)."""
+    env = {**os.environ, "NETWEAVE_PROF_RING": str(ring_path), "NETWEAVE_PROF_CAPACITY": str(capacity), **(env_extra or {})}
+    proc = subprocess.Popen([str(build_dir / "ring_harness"), str(build_dir / ncclhook.PLUGIN_LIB), str(ncolls), "1", "1", "0", "pause"],
+                            env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "READY", proc.communicate(timeout=60)
+    return proc
+
+
+def poke(path, offset: int, fmt: str, value: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(struct.pack(fmt, value))
+
+
+@pytest.mark.parametrize("capacity_word", [0xFFFF0000, 1 << 20, 0])
+def test_corrupted_capacity_disables_the_ring_under_the_sanitizer(tmp_path, capacity_word):
+    """Another process rewrites the header's capacity (and the sequence numbers) while the writer runs: the writer
+    keeps its own capacity, notices the changed header and refuses to write (before: ASan out-of-bounds in nw_ring_put)."""
+    san = ncclhook.build(sanitize=True)
+    ring = tmp_path / "ring"
+    proc = paused_harness(san, ring, env_extra=SAN_ENV)
+    size = ring.stat().st_size
+    poke(ring, 20, "<I", capacity_word)
+    for offset in (24, 32):  # write_seq, read_seq: far past the 64 slots
+        poke(ring, offset, "<Q", 1 << 20)
+    out, err = proc.communicate("go\n", timeout=120)
+    assert proc.returncode == 0 and "EMITTED" in out, out + err
+    assert "AddressSanitizer" not in err and "runtime error" not in err, err
+    assert "profiler ring header changed" in err and err.count("header changed") == 1  # warned once
+    assert ring.stat().st_size == size
+    with open(ring, "rb") as f:
+        head = f.read(40)
+    assert struct.unpack_from("<QQ", head, 24) == (1 << 20, 1 << 20)  # nothing claimed after the change
+
+
+def test_corrupted_sequence_numbers_stay_inside_the_ring(tmp_path):
+    """Garbage write/read positions (capacity intact) only move where records go, never outside the mapped slots."""
+    san = ncclhook.build(sanitize=True)
+    ring = tmp_path / "ring"
+    proc = paused_harness(san, ring, ncolls=3, capacity=64, env_extra=SAN_ENV)
+    start = (1 << 63) + 61  # wraps the 64 slots during the run
+    for offset in (24, 32):
+        poke(ring, offset, "<Q", start)
+    out, err = proc.communicate("go\n", timeout=120)
+    assert proc.returncode == 0 and "AddressSanitizer" not in err and "runtime error" not in err, err
+    with ncclhook.ProfilerRing(ring) as r:
+        records = r.read()
+    assert len(records) == 3 * events_per_coll(1, 1) and list(records["seq"]) == [start + 1 + i for i in range(len(records))]
+    check_structure(records, 3, 1, 1)
+
+
+def refused(build_dir, ring_path) -> str:
+    res = subprocess.run([str(build_dir / "ring_harness"), str(build_dir / ncclhook.PLUGIN_LIB), "2", "1", "1"], capture_output=True, text=True,
+                         env={**os.environ, "NETWEAVE_PROF_RING": str(ring_path), "NETWEAVE_PROF_CAPACITY": "64"}, timeout=60)
+    assert res.returncode == 1 and "profiler asked for no events" in res.stdout, res.stdout + res.stderr
+    return res.stderr
+
+
+def test_symlink_and_foreign_files_are_never_written(build_dir, tmp_path):
+    precious = tmp_path / "precious"
+    precious.write_bytes(b"keep me\n" * 100)
+    link = tmp_path / "ring.link"
+    link.symlink_to(precious)
+    assert "is a symbolic link" in refused(build_dir, link)
+    dangling = tmp_path / "ring.dangling"
+    dangling.symlink_to(tmp_path / "created-through-the-link")
+    assert "is a symbolic link" in refused(build_dir, dangling) and not (tmp_path / "created-through-the-link").exists()
+    assert "is not a netweave profiler ring" in refused(build_dir, precious)
+    assert precious.read_bytes() == b"keep me\n" * 100 and link.is_symlink()
+    assert "Is a directory" in refused(build_dir, tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    assert "is not a regular file" in refused(build_dir, tmp_path / "fifo")
+
+
+def test_stale_ring_is_reused_live_or_linked_ring_refused(build_dir, tmp_path):
+    ring = tmp_path / "ring"
+    for _ in range(2):  # the second run finds the first one's ring: stale (no live writer), reused from scratch
+        start_harness(build_dir, ring, 4, 1, 1, 0, 64).communicate(timeout=60)
+        with ncclhook.ProfilerRing(ring) as r:
+            assert len(r.read()) == 4 * events_per_coll(1, 1) and r.dropped == 0
+    live = paused_harness(build_dir, ring)
+    try:
+        assert f"process {live.pid} still writes it" in refused(build_dir, ring)
+    finally:
+        live.communicate("go\n", timeout=60)
+    os.link(ring, tmp_path / "second-name")
+    assert "with 2 links" in refused(build_dir, ring)

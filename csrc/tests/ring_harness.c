@@ -2,8 +2,10 @@
  * takes ncclProfiler_v6 (falling back to v5) and replays synthetic NCCL events through
  * its function table: per collective one Coll event, `proxyops` ProxyOp children and
  * `steps` ProxyStep grandchildren with a SendWait state carrying transSize.
- *   ring_harness LIB NCOLLS [proxyops] [steps] [rate_per_s]
+ *   ring_harness LIB NCOLLS [proxyops] [steps] [rate_per_s] [pause]
  * rate_per_s > 0 paces the producer (events per second, busy-wait on CLOCK_MONOTONIC).
+ * "pause": after init (the ring exists) print "READY" and wait for a line on stdin before the
+ * events, so that a test can change the ring file in between.
  * Prints "EMITTED <records>" (the records the library should have written). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -21,7 +23,7 @@ static unsigned long long now_ns(void) {
 }
 
 int main(int argc, char** argv) {
-  if (argc < 3) { fprintf(stderr, "usage: %s LIB NCOLLS [proxyops] [steps] [rate]\n", argv[0]); return 2; }
+  if (argc < 3) { fprintf(stderr, "usage: %s LIB NCOLLS [proxyops] [steps] [rate] [pause]\n", argv[0]); return 2; }
   void* h = dlopen(argv[1], RTLD_NOW | RTLD_LOCAL);
   if (!h) { printf("FAIL dlopen: %s\n", dlerror()); return 1; }
   const ncclProfiler_v6_t* p = dlsym(h, "ncclProfiler_v6");
@@ -34,6 +36,12 @@ int main(int argc, char** argv) {
   int mask = 0;
   if (p->init(&ctx, 0xc0ffee, &mask, "harness", 2, 2, 0, NULL) != ncclSuccess) { printf("FAIL init\n"); return 1; }
   if (mask == 0) { printf("FAIL profiler asked for no events (is NETWEAVE_PROF_RING set?)\n"); return 1; }
+  if (argc > 6 && strcmp(argv[6], "pause") == 0) {
+    char line[16];
+    printf("READY\n");
+    fflush(stdout);
+    if (fgets(line, sizeof(line), stdin) == NULL) { printf("FAIL no go-ahead on stdin\n"); return 1; }
+  }
   unsigned long long t0 = now_ns(), emitted = 0;
   for (long c = 0; c < ncolls; c++) {
     ncclProfilerEventDescr_t d;
