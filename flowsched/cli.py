@@ -93,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--ring", default=None, help="profiler ring file (%%p = pid); loads the profiler plugin")
     q.add_argument("--topology", default="default", help="topology whose fabric picks the transport (default: the built-in cluster, InfiniBand)")
     q.add_argument("--transport", choices=["ib", "roce", "tcp"], default=None, help="override the fabric's transport")
-    q.add_argument("--class", dest="traffic_class", type=int, default=None, help="the job's NCCL traffic class 0..7 (IB, RoCE: NCCL_IB_TC, NCCL_IB_SL)")
+    q.add_argument("--class", dest="traffic_class", type=int, default=None, help="the job's NCCL class 0..7 (IB, RoCE: NCCL_IB_TC, NCCL_IB_SL)")
     q.add_argument("--tuner", action="store_true", help="also load the tuner plugin")
     q.add_argument("--profiler", action="store_true", help="also load the profiler plugin")
     add_json_flag(q)
