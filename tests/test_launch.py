@@ -309,3 +309,16 @@ def test_place_plan_script_with_arguments_and_distinct_ports(work, capsys):
     assert len(set(ports.values())) == 3 and ports["c"] == 29501
     cmd = plan["jobs"][0]["launch"]["per_host"][0]["command"]
     assert cmd.endswith("train.py --lr 3e-4 --tag 'x y'") and f"--master-port={ports['a']}" in cmd
+
+
+def test_demo_writes_one_launch_and_shows_its_scripts(tmp_path, capsys):
+    assert main(["demo", "--only", "launch", "--out", str(tmp_path / "demo")]) == 0
+    text = capsys.readouterr().out
+    bundles = tmp_path / "demo" / "launch" / "bundles"
+    plans = [jp.load(p) for p in sorted(bundles.glob("*/plan.json"))]
+    assert len(plans) == 3 and "exec \"${NETWEAVE_TORCHRUN:-torchrun}\"" in text and "#SBATCH --nodelist=" in text
+    by_host: dict[str, set[int]] = {}
+    for p in plans:   # the demo's first two jobs share node0: distinct ports
+        by_host.setdefault(p.rendezvous.addr, set()).add(p.rendezvous.port)
+    assert sum(len(v) for v in by_host.values()) == 3 and len(by_host["node0"]) == 2
+    assert any(p.pipeline is not None for p in plans)
