@@ -377,10 +377,13 @@ def _data_parallel(topo: Topology, spec: JobSpec, prof, gpus: Sequence[str], pip
             cp = intrajob.tune_prophet(gp)
         part, credit = cp.params["partition"], cp.credit
     modelled = intrajob.simulate_iteration(gp, cp).iteration_time
-    params = {"tuned": tuned, "modelled_iteration_s": modelled, "collectives": len(cp.transfers), "allreduce_bandwidth_Bps": bandwidth,
-              "launch_overhead_s": t_small, "gradient_bytes": total}
+    # the runtime re-makes the plan over the model's own parameters from these (netweave.runtime.ddp.make_plan's knobs)
+    params = {"tuned": tuned, "modelled_iteration_s": modelled, "collectives": len(cp.transfers), "bandwidth_Bps": bandwidth,
+              "overhead_s": t_small, "backward_s": gp.backward, "gradient_bytes": total}
     if policy == "ddp":
-        params["bucket_cap_bytes"] = cp.params["bucket_cap"]
+        params.update(bucket_cap_bytes=cp.params["bucket_cap"], first_bucket_bytes=cp.params["first_bucket"])
+    if policy == "prophet":
+        params["gap_factor"] = cp.params["gap_factor"]
     return jp.DataParallel(policy=policy, partition_bytes=part, credit_bytes=credit, barrier=want.get("barrier", cp.barrier), params=params), modelled
 
 
