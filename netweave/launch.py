@@ -191,7 +191,7 @@ def _per_tp(prof, tp: int):
 
 def _pipeline_plan(topo: Topology, spec: JobSpec, prof, gpus: Sequence[str], i: int, source: str, *, pp: int | None = None):
     """The best pipeline plan of the job's families on ``gpus`` (one per stage position), or an error naming the field."""
-    from pipesched.devices import devices_from_topology
+    from pipesched.devices import Device, devices_from_topology
     from pipesched.partition import PlanError
     from pipesched.plan import plan
     from pipesched.schedules import ScheduleError
@@ -203,6 +203,8 @@ def _pipeline_plan(topo: Topology, spec: JobSpec, prof, gpus: Sequence[str], i: 
         raise InputError(f"pp = {pp} stages but the model has {len(prof.layers)} layers (embedding, blocks, head)", source=source, where=where)
     m = lp.microbatches or 2 * pp
     devices, links = devices_from_topology(topo, gpus=list(gpus), reference_tflops=prof.reference.get("tflops"))
+    if lp.memory is not None:
+        devices = [Device(d.name, d.speed, lp.memory) for d in devices]
     families = PIPELINE_FAMILIES if lp.schedule == "auto" else (lp.schedule,)
     found, why = [], []
     for fam in families:

@@ -60,6 +60,7 @@ class LaunchSpec:
     said ``parallelism: auto`` (launch picks ``pp``). ``data_parallel``: ``{policy, partition, credit,
     barrier}`` as given (sizes in bytes). ``backend``: ``nccl`` (GPUs) or ``gloo`` (CPU, emulation).
     ``nccl_plugins``: the project's NCCL tuner/profiler plugins to load. ``port``: a fixed rendezvous port.
+    ``memory``: the per-GPU memory budget the pipeline planner plans against (default: each GPU's own).
     """
 
     script: str | None = None
@@ -73,6 +74,7 @@ class LaunchSpec:
     backend: str = "nccl"
     nccl_plugins: tuple[str, ...] = ()
     port: int | None = None
+    memory: float | None = None       # bytes per GPU the pipeline planner may use (None: each GPU's memory)
     given: frozenset[str] = frozenset()   # the fields the jobs file set (explicit values beat derived ones)
 
 
@@ -292,7 +294,7 @@ def parse_job(item: Any, where: str, source: str | None = None, *, defaults: Map
 
 
 LAUNCH_FIELDS = ("dp", "pp", "parallelism", "script", "args", "microbatches", "schedule", "chunks", "data_parallel", "backend",
-                 "nccl_plugins", "port")
+                 "nccl_plugins", "port", "memory")
 
 
 def _parse_launch(data: Mapping[str, Any], where: str, source: str | None, base_dir: str | Path | None, auto: bool, num) -> LaunchSpec:
@@ -352,7 +354,8 @@ def _parse_launch(data: Mapping[str, Any], where: str, source: str | None, base_
     port = num("port", None, None, positive=True, integer=True)
     if port is not None and not 1024 <= port <= 65535:
         raise bad(f"expected a port in 1024..65535, got {port}", "port")
-    return LaunchSpec(script=script, args=tuple(str(a) for a in args), model=data.get("model"), auto=auto,
+    memory = num("memory", parse_size, None, positive=True)
+    return LaunchSpec(script=script, args=tuple(str(a) for a in args), model=data.get("model"), auto=auto, memory=memory,
                       microbatches=num("microbatches", None, None, positive=True, integer=True), schedule=schedule,
                       chunks=num("chunks", None, 2, positive=True, integer=True), data_parallel=dpp, backend=backend,
                       nccl_plugins=tuple(dict.fromkeys(plugins)), port=port, given=frozenset(data))

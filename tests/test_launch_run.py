@@ -1,6 +1,7 @@
 """Two jobs from one ``netweave launch`` output, started by their written launch scripts alone: real torchrun, gloo on
 this CPU, each job's two "hosts" on 127.0.0.1 through the address override. One job trains the example transformer
-through the runtime's DDP hook (Prophet, split buckets), the other is a 2-stage pipeline."""
+through the runtime's DDP hook (Prophet, split buckets), the other is a 2-stage pipeline whose first stage the planner
+recomputes (a small memory budget)."""
 
 from __future__ import annotations
 
@@ -65,6 +66,7 @@ jobs:
     pp: 2
     microbatches: 4
     schedule: 1f1b
+    memory: 275000          # bytes per GPU: the planner recomputes the first stage (full) and not the second
     backend: gloo
     script: {EXAMPLE}
     args: [--steps, "6", --out, "{res}/pipe-{{rank}}.json"]
@@ -76,6 +78,7 @@ jobs:
     capsys.readouterr()
     plans = {j: jp.load(tmp_path / "out" / j / "plan.json") for j in ("dp", "pipe")}
     assert {len(p.hosts) for p in plans.values()} == {2}
+    assert [s.recompute for s in plans["pipe"].pipeline.stages] == ["full", "none"]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     env.pop("LD_PRELOAD", None)
     procs = []
