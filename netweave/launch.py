@@ -174,6 +174,8 @@ def _model_profile(spec: JobSpec, i: int, source: str):
         return analytic_profile(load_model_config(path))
     except InputError as exc:
         raise InputError(str(exc), source=source, where=f"jobs[{i}].model") from None
+    except (UnicodeDecodeError, OSError) as exc:  # a binary or unreadable model file
+        raise InputError(f"cannot read the model file ({exc})", source=source, where=f"jobs[{i}].model") from None
 
 
 def _reference_speed(topo: Topology, prof) -> float:

@@ -322,3 +322,41 @@ def test_demo_writes_one_launch_and_shows_its_scripts(tmp_path, capsys):
         by_host.setdefault(p.rendezvous.addr, set()).add(p.rendezvous.port)
     assert sum(len(v) for v in by_host.values()) == 3 and len(by_host["node0"]) == 2
     assert any(p.pipeline is not None for p in plans)
+
+
+# ------------------------------------------------------------------------------------------ fuzz --
+_VALUES = [None, True, -1, 0, 3, 2.5, "", "x", "../x", "train.py", "4MiB", [], ["a"], [[1]], {}, {"layers": 2}, {"policy": "prophet"},
+           {"policy": 7}, {"partition": "zz"}, "auto", "gloo", ["tuner", "nope"], 70000, "a b", b"\xff".decode("latin-1")]
+_FIELDS = ["name", "gpus", "script", "args", "model", "dp", "tp", "pp", "parallelism", "microbatches", "schedule", "chunks",
+           "data_parallel", "backend", "nccl_plugins", "port", "memory", "grad_bytes", "compute", "bogus"]
+
+
+def test_any_jobs_file_is_planned_or_refused_with_an_input_error(tmp_path):
+    """Random jobs-file entries (every launch field, values of every type): plan_launch succeeds or raises InputError; no other error."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    import topology
+    from netweave.launch import plan_launch
+    from placement.planner import loads_jobs_file
+    from topology.errors import InputError
+
+    write(tmp_path / "train.py", "")
+    write(tmp_path / "bin.yaml", "\x00\xff\xfe garbage")
+    topo = topology.default_cluster()
+    base = {"name": "a", "gpus": 2, "script": "train.py"}
+    entry = st.dictionaries(st.sampled_from(_FIELDS), st.sampled_from([*_VALUES, "bin.yaml"]), max_size=4).map(lambda d: {**base, **d})
+    top = st.fixed_dictionaries({"jobs": st.lists(entry, min_size=1, max_size=2)},
+                                optional={"addresses": st.sampled_from([{"node0": "10.0.0.1"}, {"node0": "a;b"}, [1], "x"]),
+                                          "interfaces": st.sampled_from([{"*": "lo"}, {"*": "$(x)"}, 5])})
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(top)
+    def check(doc):
+        text = json.dumps(doc, default=str)
+        try:
+            plan_launch(topo, loads_jobs_file(text, source=str(tmp_path / "jobs.yaml")), jobs_source=str(tmp_path / "jobs.yaml"))
+        except InputError as exc:
+            assert "\n" not in str(exc)
+
+    check()
