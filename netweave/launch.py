@@ -47,7 +47,7 @@ import shlex
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,7 +73,6 @@ class JobBundle:
     sbatch: str
     hostfile: str
     nccl_plan: str | None = None          # the net plugin's plan file (TCP fabrics)
-    env: dict[str, dict[str, str]] = field(default_factory=dict)   # host -> the NCCL/marker variables its script exports
 
 
 @dataclass
@@ -473,7 +472,7 @@ def _bundle(topo: Topology, spec: JobSpec, prof, i: int, row: Mapping[str, Any],
     scripts = {h.host: _host_script(plan, h, spec, env, note, interfaces.get(h.host, interfaces.get("*", "")), lib) for h in hosts}
     bundle_dir = None if out is None else out / spec.name
     sbatch = _sbatch(plan, bundle_dir)
-    return JobBundle(plan, scripts, sbatch, row["launch"]["slurm_hostfile"], nccl_plan, {h.host: env for h in hosts})
+    return JobBundle(plan, scripts, sbatch, row["launch"]["slurm_hostfile"], nccl_plan)
 
 
 def _version() -> str:

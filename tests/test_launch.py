@@ -187,6 +187,8 @@ jobs:
     assert genv["LD_PRELOAD"].endswith(ncclhook.MARK_LIB) and genv["NETWEAVE_DSCP"] == str(gloo_plan.traffic.dscp)
     assert "NCCL_NET" not in genv
     assert json.loads((out / "flows.json").read_text())["order"] == ["gloojob", "nccljob"]
+    for script in [*out.rglob("*.sh"), *out.rglob("*.sbatch")]:
+        assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
 
 
 # ------------------------------------------------------------------------------------------ pipelines --
