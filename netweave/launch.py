@@ -398,6 +398,8 @@ def _pipeline_section(spec: JobSpec, p) -> jp.Pipeline:
     stages = tuple(jp.Stage(index=sid, rank=sched.stage_rank[sid], layers=tuple(spans[sid]),
                             recompute=p.partition.stages[sched.stage_layers[sid]].recompute) for sid in range(sched.num_stages))
     torch_class = TORCH_CLASSES.get(p.family)
+    if p.family == "interleaved" and sched.microbatches % max(1, sched.microbatches // sched.ranks):
+        torch_class = None  # torch's ScheduleInterleaved1F1B needs micro-batches in whole rounds; its runtime runs our CSV
     return jp.Pipeline(schedule=p.family, microbatches=sched.microbatches, stages=stages, chunks=p.chunks if p.family == "interleaved" else 1,
                        torch_class=torch_class, actions_csv=None if torch_class else schedule_csv(sched),
                        predicted_iteration_s=p.sim.makespan)
