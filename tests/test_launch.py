@@ -365,3 +365,25 @@ def test_any_jobs_file_is_planned_or_refused_with_an_input_error(tmp_path):
             assert "\n" not in str(exc)
 
     check()
+
+
+def test_launch_carries_placements_cassini_shift_and_rank_order(work, capsys):
+    """Differential: with link sharing forced (one buddy candidate), the bundles hold exactly what `place plan` computes
+    for the same jobs file: GPUs in rank order, CASSINI's non-zero shift, the master host and port."""
+    jobs = write(work / "jobs.yaml", """
+jobs:
+  - {name: gpt, gpus: 12, compute_s: 0.030, grad_bytes: 3e9, script: train.py}
+  - {name: bert, gpus: 12, compute_s: 0.030, grad_bytes: 3e9, script: train.py}
+  - {name: resnet, gpus: 4, compute_s: 0.050, grad_bytes: 1e8, script: train.py}
+""")
+    assert main(["place", "plan", "--topology", "default", "--jobs", str(jobs), "--candidates", "1", "--json"]) == 0
+    placed = {j["name"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+    launch(capsys, "--topology", "default", "--jobs", str(jobs), "--out", str(work / "out"), "--candidates", "1")
+    shifts = []
+    for name, row in placed.items():
+        p = jp.load(work / "out" / name / "plan.json")
+        assert [r.device for r in p.ranks] == row["gpus"] and p.start_offset_s == pytest.approx(row["start_offset_s"])
+        assert (p.rendezvous.addr, p.rendezvous.port) == (row["launch"]["master_addr"], row["launch"]["master_port"])
+        assert p.period_s == pytest.approx(row["iteration_s"])
+        shifts.append(p.start_offset_s)
+    assert max(shifts) > 0
