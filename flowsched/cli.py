@@ -88,9 +88,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--sanitize", action="store_true", help="the ASan/UBSan build")
     add_json_flag(q)
     q.set_defaults(func=cmd_nccl_build)
-    q = nsub.add_parser("env", help="print the environment that makes NCCL load the plugins (for launch scripts)")
+    q = nsub.add_parser("env", help="print NCCL's environment for the fabric: the net plugin on TCP, NCCL_IB_TC/SL on IB and RoCE")
     q.add_argument("--plan", default=None, help="plugin plan file (netweave flow plan --nccl-plan)")
-    q.add_argument("--ring", default=None, help="profiler ring file (%%p = pid)")
+    q.add_argument("--ring", default=None, help="profiler ring file (%%p = pid); loads the profiler plugin")
+    q.add_argument("--topology", default="default", help="topology whose fabric picks the transport (default: the built-in cluster, InfiniBand)")
+    q.add_argument("--transport", choices=["ib", "roce", "tcp"], default=None, help="override the fabric's transport")
+    q.add_argument("--class", dest="traffic_class", type=int, default=None, help="the job's NCCL class 0..7 (IB, RoCE: NCCL_IB_TC, NCCL_IB_SL)")
+    q.add_argument("--tuner", action="store_true", help="also load the tuner plugin")
+    q.add_argument("--profiler", action="store_true", help="also load the profiler plugin")
     add_json_flag(q)
     q.set_defaults(func=cmd_nccl_env)
     q = nsub.add_parser("check-plan", help="parse a plugin plan file and print it normalised")
@@ -170,10 +175,27 @@ def cmd_nccl_env(args: argparse.Namespace) -> int:
 
     from . import ncclhook
 
+    if args.traffic_class is not None and not 0 <= args.traffic_class <= 7:
+        raise InputError(f"--class must be 0..7, got {args.traffic_class}")
+    plan = None
     if args.plan is not None:
-        ncclhook.read_plan(args.plan)  # a bad plan fails here, not inside NCCL
-    env = ncclhook.plugin_env(plan=Path(args.plan).resolve() if args.plan else None, ring=args.ring, build_dir=ncclhook.build())
-    emit(args, env, "\n".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()))
+        plan = ncclhook.read_plan(args.plan)  # a bad plan fails here, not inside NCCL
+    if args.transport is None:
+        import topology
+        from topology.io import read_topology
+
+        transport = ncclhook.fabric_transport(topology.default_cluster() if args.topology == "default" else read_topology(args.topology))
+    else:
+        transport = args.transport
+    dscp = None
+    if plan is not None and args.traffic_class is not None:
+        dscp = plan.resolve(args.traffic_class)["dscp"]  # the plan may re-mark the class
+    needs_lib = transport == "tcp" or args.tuner or args.profiler or args.ring is not None
+    env = ncclhook.fabric_env(transport, traffic_class=args.traffic_class, dscp=dscp, plan=Path(args.plan).resolve() if args.plan else None,
+                              tuner=args.tuner, profiler=args.profiler, ring=args.ring, build_dir=ncclhook.build() if needs_lib else None)
+    lines = [f"# {transport} fabric: " + ("the netweave net plugin carries the class on its sockets" if transport == "tcp"
+                                          else "NCCL's own IB transport; the class rides on NCCL_IB_TC / NCCL_IB_SL")]
+    emit(args, env, "\n".join(lines + [f"export {k}={shlex.quote(v)}" for k, v in env.items()]))
     return 0
 
 

@@ -119,7 +119,7 @@ def sincronia_order(coflows: Sequence[Coflow], capacity: float | Mapping[Port, f
     while remaining.size:
         sub = d[remaining]
         load = sub.sum(axis=0)
-        if load.max() <= 0:  # only empty coflows left: keep their order
+        if load.size == 0 or load.max() <= 0:  # only empty coflows left (or no ports at all): keep their order
             placed.extend(reversed(remaining.tolist()))
             break
         b = int(np.argmax(load))

@@ -150,6 +150,76 @@ def marker_env(*, dscp: int | None = None, priority: int | None = None, ports: d
     return env
 
 
+TRANSPORTS = ("ib", "roce", "tcp")
+
+
+def fabric_transport(topo, override: str | None = None) -> str:
+    """How NCCL moves bytes between the hosts of ``topo``: ``ib``, ``roce`` or ``tcp``.
+
+    ``override`` when given; else the topology's ``meta["fabric"]["transport"]``; else ``ib`` when every NIC is a
+    ConnectX (named ``mlx5_*``, as the cluster builders name them: NVIDIA's reference designs are InfiniBand),
+    and ``tcp`` otherwise (NICs without a model, e.g. the emulation's star topology).
+
+    >>> import topology
+    >>> from topology.fabrics import star
+    >>> fabric_transport(topology.default_cluster()), fabric_transport(star(2)), fabric_transport(star(2), "roce")
+    ('ib', 'tcp', 'roce')
+    """
+    value = override or ((topo.meta.get("fabric") or {}).get("transport") if hasattr(topo, "meta") else None)
+    if value is not None:
+        value = {"infiniband": "ib", "ethernet": "tcp", "socket": "tcp"}.get(str(value).lower(), str(value).lower())
+        if value not in TRANSPORTS:
+            raise NcclHookError(f"unknown transport {value!r}; expected one of {', '.join(TRANSPORTS)}", where="transport")
+        return value
+    nics = [d for _, d in topo.graph.nodes(data=True) if d.get("kind") == "nic"]
+    return "ib" if nics and all(str(d.get("name", "")).startswith("mlx5") for d in nics) else "tcp"
+
+
+def fabric_env(transport: str, *, traffic_class: int | None = None, dscp: int | None = None, plan: str | os.PathLike[str] | None = None,
+               tuner: bool = False, profiler: bool = False, ring: str | None = None, build_dir: Path | None = None) -> dict[str, str]:
+    """NCCL's environment for one job on a fabric, carrying the job's traffic class.
+
+    * ``tcp``: the project's net plugin (``NCCL_NET=netweave``) with its plan file, which marks the sockets of the
+      job's communicators (NCCL's own socket transport never sets a DSCP).
+    * ``ib`` / ``roce``: NCCL's own IB verbs transport (GPUDirect RDMA stays on); the class rides on NCCL's native
+      knobs: ``NCCL_IB_TC`` = DSCP << 2 (the GRH traffic class; on RoCE the IP TOS byte) and ``NCCL_IB_SL`` = the
+      NCCL traffic class (the IB service level; on RoCE the Ethernet priority). The net plugin is not loaded.
+
+    ``traffic_class``: NCCL's class 0..7 (7 most urgent); ``dscp`` defaults to its class selector CS<k>. The tuner and
+    profiler plugins load only when asked (``tuner``, ``profiler``; a ``ring`` file implies the profiler).
+
+    >>> fabric_env("ib", traffic_class=5)
+    {'NCCL_IB_TC': '160', 'NCCL_IB_SL': '5'}
+    >>> sorted(fabric_env("tcp", traffic_class=5, plan="/p", build_dir=Path("/x")))
+    ['NCCL_NET', 'NCCL_NET_PLUGIN', 'NETWEAVE_PLAN']
+    """
+    if transport not in TRANSPORTS:
+        raise NcclHookError(f"unknown transport {transport!r}; expected one of {', '.join(TRANSPORTS)}", where="transport")
+    if traffic_class is not None:
+        _check_range("traffic class", traffic_class, 0, NUM_CLASSES - 1)
+    if dscp is not None:
+        _check_range("dscp", dscp, 0, 63)
+    profiler = profiler or ring is not None
+    if transport == "tcp":
+        return plugin_env(plan=plan, ring=ring, build_dir=build_dir, tuner=tuner, profiler=profiler)
+    env: dict[str, str] = {}
+    if traffic_class is not None or dscp is not None:
+        d = dscp if dscp is not None else default_dscp(traffic_class)  # type: ignore[arg-type]
+        env["NCCL_IB_TC"] = str(d << 2)
+        if traffic_class is not None:
+            env["NCCL_IB_SL"] = str(traffic_class)
+    lib = str((build_dir or BUILD) / PLUGIN_LIB)
+    if tuner:
+        env["NCCL_TUNER_PLUGIN"] = lib
+    if profiler:
+        env["NCCL_PROFILER_PLUGIN"] = lib
+    if (tuner or profiler) and plan is not None:
+        env["NETWEAVE_PLAN"] = str(plan)
+    if ring is not None:
+        env["NETWEAVE_PROF_RING"] = ring
+    return env
+
+
 def _check_range(name: str, value: int, lo: int, hi: int, source: str | None = None, where: int | str | None = None) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
         raise NcclHookError(f"{name} must be an integer {lo}..{hi}, got {value!r}", source=source, where=where)

@@ -16,7 +16,8 @@ from netweave.runtime.plan import PlanFormatError
 from topology.errors import InputError
 
 # (module, attribute) pairs; a package whose CLI is not written yet is skipped.
-_COMMAND_MODULES = ["topology.cli", "placement.cli", "pipesched.cli", "flowsched.cli", "emu.cli", "netweave.bench", "netweave.demo"]
+_COMMAND_MODULES = ["topology.cli", "placement.cli", "pipesched.cli", "flowsched.cli", "emu.cli", "netweave.bench", "netweave.launch_cli",
+                    "netweave.demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:

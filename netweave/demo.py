@@ -29,6 +29,51 @@ def section_topology(topo: Topology, out: Path) -> tuple[dict, str]:
     return info, format_description(info) + f"\n  wrote {out / 'cluster.json'} and {out / 'cluster.png'}"
 
 
+DEMO_JOBS = """\
+# two jobs whose first host is the same (each gets its own master port) and a 2-stage pipeline
+jobs:
+  - name: dp-prophet
+    gpus: 4
+    script: {script}
+    args: [--steps, "20"]
+    model: {{layers: 2, hidden: 32, heads: 4, seq_len: 16, vocab: 64}}
+    data_parallel: prophet
+  - name: dp-plain
+    gpus: 4
+    script: {script}
+    grad_bytes: 2GB
+  - name: pipe2
+    gpus: 16
+    pp: 2
+    microbatches: 8
+    script: {script}
+    model: {{layers: 22, hidden: 4096, heads: 32, seq_len: 4096, vocab: 50257}}
+"""
+
+
+def section_launch(topo: Topology, out: Path) -> tuple[dict, str]:
+    """``netweave launch`` on the demo cluster: three jobs into bundles; show one host's script and the sbatch head."""
+    from netweave.launch import launch_text, plan_launch, staging_dir, write_bundles
+    from placement.planner import load_jobs_file
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "train_transformer.py"
+    if not script.exists():  # a checkout without the example: a script that shows the plan it was given
+        script = (out / "show_plan.py").absolute()
+        script.write_text("import os\nfrom netweave.runtime.plan import load\nprint(load(os.environ['NETWEAVE_JOB_PLAN']))\n")
+    jobs = out / "jobs.yaml"
+    jobs.write_text(DEMO_JOBS.format(script=script))
+    bundles = out / "bundles"
+    lp = plan_launch(topo, load_jobs_file(jobs), jobs_source=str(jobs), out=bundles)
+    written = write_bundles(lp, bundles, staging=staging_dir(bundles.absolute()))
+    first = lp.bundles[0]
+    host = first.plan.hosts[0].host
+    shown = [ln for ln in first.host_scripts[host].splitlines() if not ln.startswith("#") or ln.startswith("# InfiniBand")]
+    sb = [ln for ln in first.sbatch.splitlines() if ln.startswith("#SBATCH") or ln.startswith("exec srun")]
+    text = "\n".join([launch_text(lp, bundles), f"  {first.plan.job}/launch-{host}.sh:", *(f"    {ln}" for ln in shown),
+                      f"  {first.plan.job}/job.sbatch:", *(f"    {ln}" for ln in sb)])
+    return {"out": str(bundles), "files": written, **lp.summary()}, text
+
+
 def _package_demo(module: str) -> Callable[[Topology, Path], tuple[dict, str]]:
     def run(topo: Topology, out: Path) -> tuple[dict, str]:
         return importlib.import_module(module).demo(topo, out)
@@ -43,6 +88,7 @@ SECTIONS: list[tuple[str, str, Callable[[Topology, Path], tuple[dict, str]]]] = 
     ("pipeline", "Pipeline planner: partition, recomputation, schedule, simulation", _package_demo("pipesched.demo")),
     ("flows", "Flow scheduler: in-job gradient order, cross-job coflow order, rates and classes", _package_demo("flowsched.demo")),
     ("validation", "Validation: the flow-level simulator on the same cluster", _package_demo("emu.demo")),
+    ("launch", "Launch: plans to bundles (plan.json, torchrun per host, sbatch, NCCL environment by fabric)", section_launch),
 ]
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,9 @@ def _plan_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--policy", default="hived+cassini", choices=["hived+cassini", "hived", "first-fit"])
     p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"], help="routing of collectives (default rail)")
     p.add_argument("--candidates", type=int, default=4, help="buddy candidates CASSINI ranks per job (default 4)")
-    p.add_argument("--script", default="train.py", help="training script named in the torchrun lines")
+    p.add_argument("--script", default="train.py",
+                   help="training script and its arguments for the torchrun lines, e.g. 'train.py --lr 3e-4' (a job's own script: wins)")
+    p.add_argument("--base-port", type=int, default=29500, help="first master port; every job gets its own (default 29500)")
     p.add_argument("--out", default=None, help="write the plan (JSON) here")
     p.add_argument("--hostfiles", default=None, help="write one Slurm hostfile per job into this directory")
     add_json_flag(p)
@@ -97,10 +100,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     if not args.topology or not args.jobs:
         raise InputError("place: --topology and --jobs are required (or use an action: plan, cells, check, trace, replay)")
+    try:
+        script, *script_args = shlex.split(args.script)
+    except ValueError as exc:
+        raise InputError(f"cannot split {args.script!r} into words ({exc})", where="--script") from None
+    if not 1024 <= args.base_port <= 65535:
+        raise InputError(f"expected a port in 1024..65535, got {args.base_port}", where="--base-port")
     topo = _topology(args.topology)
     jobs, vcs = load_jobs(args.jobs)
     plan = plan_jobs(topo, jobs, virtual_clusters=vcs, policy=args.policy, candidates=args.candidates, routing=args.routing,
-                     script=args.script)
+                     script=script, script_args=script_args, base_port=args.base_port)
     if args.out:
         atomic_write_text(args.out, dumps_plan(plan))
     if args.hostfiles:

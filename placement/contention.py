@@ -137,8 +137,8 @@ class EmuSlowdown:
             p = j.profile
             phases: list[Any] = [ComputePhase("compute", spec.compute_s)]
             if spec.grad_bytes > 0 and spec.dp > 1:
-                for t, group in enumerate(dp_groups(list(p.gpus), spec.tp)):
-                    phases.append(CollectivePhase(f"allreduce{t}", "all_reduce", spec.grad_bytes / spec.tp, algorithm=spec.algorithm,
+                for t, group in enumerate(dp_groups(list(p.gpus), spec.tp, spec.pp)):
+                    phases.append(CollectivePhase(f"allreduce{t}", "all_reduce", spec.grad_bytes / (spec.tp * spec.pp), algorithm=spec.algorithm,
                                                   group=tuple(group), after=("compute",)))
             offset = (j.phase_s % p.period_s) if p.period_s > 0 else 0.0
             wl.append(Job(j.name, tuple(p.gpus), tuple(phases), iterations=self.iterations, start_offset=offset, routing=self.routing))

@@ -30,8 +30,10 @@ that many seconds (exported as ``NETWEAVE_START_OFFSET_S`` in the launch line).
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -50,15 +52,37 @@ PLAN_FORMAT = "netweave-placement-plan"
 
 def load_jobs(path: str | Path) -> tuple[list[JobSpec], dict[str, Any]]:
     """Read a jobs file: the job specs and the virtual clusters (empty when none)."""
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"cannot read file ({exc.strerror})", source=source) from None
-    return loads_jobs(text, source=source)
+    jf = load_jobs_file(path)
+    return jf.jobs, jf.virtual_clusters
 
 
 def loads_jobs(text: str, *, source: str | None = None) -> tuple[list[JobSpec], dict[str, Any]]:
+    """Parse a jobs file's text: the job specs and the virtual clusters (``source``: its path, for errors and relative paths)."""
+    jf = loads_jobs_file(text, source=source)
+    return jf.jobs, jf.virtual_clusters
+
+
+@dataclass(frozen=True)
+class JobsFile:
+    """Everything a jobs file says: jobs, virtual clusters, and for ``netweave launch`` host addresses and interfaces."""
+
+    jobs: list[JobSpec]
+    virtual_clusters: dict[str, Any]
+    addresses: dict[str, str] = field(default_factory=dict)    # host -> address torchrun's master is reached at
+    interfaces: dict[str, str] = field(default_factory=dict)   # host (or "*") -> network interface for gloo/NCCL sockets
+
+
+def load_jobs_file(path: str | Path) -> JobsFile:
+    """Read a jobs file with its launch sections (``addresses``, ``interfaces``)."""
+    source = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read file ({getattr(exc, 'strerror', None) or exc})", source=source) from None
+    return loads_jobs_file(text, source=source)
+
+
+def loads_jobs_file(text: str, *, source: str | None = None) -> JobsFile:
     try:
         data = yaml.safe_load(text)  # YAML is a superset of JSON
     except yaml.YAMLError as exc:
@@ -68,16 +92,18 @@ def loads_jobs(text: str, *, source: str | None = None) -> tuple[list[JobSpec], 
         data = {"jobs": data}
     if not isinstance(data, Mapping):
         raise InputError("expected a mapping with a 'jobs' list (or a list of jobs)", source=source)
-    unknown = set(data) - {"jobs", "virtual_clusters", "defaults"}
+    unknown = set(data) - {"jobs", "virtual_clusters", "defaults", "addresses", "interfaces"}
     if unknown:
-        raise InputError(f"unknown top-level field {sorted(unknown)[0]!r}; expected jobs, virtual_clusters, defaults", source=source)
+        raise InputError(f"unknown top-level field {sorted(unknown)[0]!r}; expected jobs, virtual_clusters, defaults, addresses, interfaces",
+                         source=source)
     items = data.get("jobs")
     if not isinstance(items, list) or not items:
         raise InputError("expected a non-empty list of jobs", source=source, where="jobs")
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, Mapping):
         raise InputError("expected a mapping", source=source, where="defaults")
-    jobs = [parse_job(item, f"jobs[{i}]", source, defaults=defaults) for i, item in enumerate(items)]
+    base_dir = Path(source).parent if source else None
+    jobs = [parse_job(item, f"jobs[{i}]", source, defaults=defaults, base_dir=base_dir) for i, item in enumerate(items)]
     names = [j.name for j in jobs]
     for i, n in enumerate(names):
         if names.index(n) != i:
@@ -89,7 +115,40 @@ def loads_jobs(text: str, *, source: str | None = None) -> tuple[list[JobSpec], 
         if j.vc is not None and j.vc not in vcs:
             raise InputError(f"unknown virtual cluster {j.vc!r}; expected one of {', '.join(vcs) or '(none defined)'}", source=source,
                              where=f"jobs[{i}].vc")
-    return jobs, dict(vcs)
+    return JobsFile(jobs, dict(vcs), _host_map(data.get("addresses"), "addresses", source), _host_map(data.get("interfaces"), "interfaces", source))
+
+
+def _host_map(raw: Any, key: str, source: str | None) -> dict[str, str]:
+    """A ``{host: value}`` section; values are addresses or interface names, checked as shell-safe words."""
+    if raw is None:
+        return {}
+    if not isinstance(raw, Mapping):
+        raise InputError("expected a mapping of host name to " + ("address" if key == "addresses" else "interface"), source=source, where=key)
+    out = {}
+    for host, value in raw.items():
+        value = str(value) if isinstance(value, str | int) and not isinstance(value, bool) else None
+        if not isinstance(host, str) or value is None:
+            raise InputError(f"expected host: value, got {host!r}: {raw[host]!r}", source=source, where=f"{key}.{host}")
+        why = check_host_value(key, value)
+        if why:
+            raise InputError(why, source=source, where=f"{key}.{host}")
+        out[host] = value
+    return out
+
+
+_ADDRESS_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.:_-]{0,252}")
+_IFNAME_RE = re.compile(r"[=^]?[A-Za-z0-9][A-Za-z0-9._:@-]{0,14}(,[=^]?[A-Za-z0-9][A-Za-z0-9._:@-]{0,14})*")
+
+
+def check_host_value(kind: str, value: str) -> str | None:
+    """Why ``value`` is not a valid address (``kind="addresses"``) or interface list (``"interfaces"``), or None.
+
+    >>> check_host_value("addresses", "10.0.0.1"), check_host_value("interfaces", "eth0; rm")
+    (None, "expected an interface name or NCCL-style list (eth0, =eth0, ^docker), got 'eth0; rm'")
+    """
+    if kind == "addresses":
+        return None if _ADDRESS_RE.fullmatch(value) else f"expected a host name or IP address, got {value!r}"
+    return None if _IFNAME_RE.fullmatch(value) else f"expected an interface name or NCCL-style list (eth0, =eth0, ^docker), got {value!r}"
 
 
 def rank_order(topo: Topology, gpus: Sequence[str]) -> list[str]:
@@ -113,8 +172,11 @@ def _check_tp(topo: Topology, spec: JobSpec, ordered: Sequence[str]) -> str | No
 
 
 def launch_lines(topo: Topology, spec: JobSpec, ordered: Sequence[str], shift_s: float, *, script: str = "train.py",
-                 port: int = 29500) -> dict[str, Any]:
-    """Per-host torchrun command lines, CUDA_VISIBLE_DEVICES and a Slurm hostfile (one line per rank)."""
+                 port: int = 29500, args: Sequence[str] = ()) -> dict[str, Any]:
+    """Per-host torchrun command lines (``script`` with ``args``), CUDA_VISIBLE_DEVICES and a Slurm hostfile (one line per rank).
+
+    ``port``: the job's master port; give every job that can run at the same time its own (:func:`plan_jobs` does).
+    """
     hosts: dict[str, list[str]] = {}
     for g in ordered:
         hosts.setdefault(topo.host_of(g), []).append(g)
@@ -124,10 +186,36 @@ def launch_lines(topo: Topology, spec: JobSpec, ordered: Sequence[str], shift_s:
         cvd = ",".join(str(topo.graph.nodes[g].get("index", i)) for i, g in enumerate(gs))
         cmd = (f"CUDA_VISIBLE_DEVICES={cvd} NETWEAVE_START_OFFSET_S={shift_s:.6f} torchrun --nnodes={len(hosts)} "
                f"--nproc-per-node={len(gs)} --node-rank={rank} --master-addr={shlex.quote(master)} --master-port={port} "
-               f"{shlex.quote(script)}")
+               f"{shlex.join([script, *args])}")
         out.append({"host": host, "node_rank": rank, "cuda_visible_devices": cvd, "gpus": gs, "command": cmd})
     hostfile = "".join(f"{topo.host_of(g)}\n" for g in ordered)
-    return {"per_host": out, "slurm_hostfile": hostfile}
+    return {"per_host": out, "slurm_hostfile": hostfile, "master_addr": master, "master_port": port}
+
+
+def job_ports(jobs: Sequence[JobSpec], base_port: int = 29500) -> dict[str, int]:
+    """A master port per job, all distinct: the job's own ``launch.port``, else the next unused one from ``base_port``.
+
+    >>> job_ports([JobSpec("a", 1), JobSpec("b", 1)])
+    {'a': 29500, 'b': 29501}
+    """
+    fixed = {j.name: j.launch.port for j in jobs if j.launch.port is not None}
+    seen: dict[int, str] = {}
+    for name, port in fixed.items():
+        if port in seen:
+            raise InputError(f"jobs {seen[port]!r} and {name!r} both ask for port {port}", where="port")
+        seen[port] = name
+    out, nxt = {}, base_port
+    for j in jobs:
+        if j.name in fixed:
+            out[j.name] = fixed[j.name]
+            continue
+        while nxt in seen:
+            nxt += 1
+        if nxt > 65535:
+            raise InputError(f"no free port left from {base_port} for job {j.name!r}", where="--base-port")
+        seen[nxt] = j.name
+        out[j.name] = nxt
+    return out
 
 
 def _first_fit(topo: Topology, busy: set[str], n: int) -> list[str] | None:
@@ -136,8 +224,14 @@ def _first_fit(topo: Topology, busy: set[str], n: int) -> list[str] | None:
 
 
 def plan_jobs(topo: Topology, jobs: Sequence[JobSpec], *, virtual_clusters: Mapping[str, Any] | None = None,
-              policy: str = "hived+cassini", candidates: int = 4, routing: str = "rail", script: str = "train.py") -> dict[str, Any]:
-    """Place ``jobs`` in order on ``topo``; returns the plan as data (see the module docstring)."""
+              policy: str = "hived+cassini", candidates: int = 4, routing: str = "rail", script: str = "train.py",
+              script_args: Sequence[str] = (), base_port: int = 29500) -> dict[str, Any]:
+    """Place ``jobs`` in order on ``topo``; returns the plan as data (see the module docstring).
+
+    Launch lines run a job's own ``launch.script``/``args`` when it has one, else ``script`` with ``script_args``.
+    Every placed job gets its own master port (its ``launch.port``, else the next free one from ``base_port``),
+    so that two jobs whose first host is the same do not both listen on one port.
+    """
     if policy not in POLICIES:
         raise InputError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}", where="--policy")
     sched = HivedScheduler(topo, virtual_clusters or {}) if policy != "first-fit" else None
@@ -195,6 +289,7 @@ def plan_jobs(topo: Topology, jobs: Sequence[JobSpec], *, virtual_clusters: Mapp
     # time shifts for everything placed, by BFS over the affinity graph (CASSINI); contention-blind policies start at once
     profiles = {n: p for n, (_, _, p) in placed.items()}
     shifts = time_shifts(profiles, topo) if policy == "hived+cassini" else None
+    ports = job_ports([placed[r["name"]][0] for r in rows if r["placed"]], base_port)
     for row in rows:
         if not row["placed"]:
             continue
@@ -207,7 +302,8 @@ def plan_jobs(topo: Topology, jobs: Sequence[JobSpec], *, virtual_clusters: Mapp
             "ranks": {g: r for r, g in enumerate(ordered)},
             "start_offset_s": shift,
             "iteration_s": prof.period_s, "comm_s": prof.comm_s, "network_links": len(prof.link_rates),
-            "launch": launch_lines(topo, spec, ordered, shift, script=script),
+            "launch": launch_lines(topo, spec, ordered, shift, script=spec.launch.script or script,
+                                   args=spec.launch.args if spec.launch.script else tuple(script_args), port=ports[spec.name]),
         })
     out = {"format": PLAN_FORMAT, "version": 1, "topology": topo.name, "policy": policy, "routing": routing,
            "jobs": rows, "placed": sum(r["placed"] for r in rows), "unplaced": sum(not r["placed"] for r in rows)}

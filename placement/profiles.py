@@ -1,13 +1,18 @@
 """Job specifications and per-job communication profiles (CASSINI's per-link demand over one iteration).
 
 A :class:`JobSpec` is what a user asks for: a GPU count and a parallel plan
-(tensor parallelism ``tp`` inside an NVLink domain, data parallelism across the
-rest) with the compute time and gradient volume of one iteration. Once the
-job has GPUs, :func:`comm_profile` turns it into a :class:`CommProfile`: the
+(tensor parallelism ``tp`` inside an NVLink domain, pipeline parallelism ``pp``,
+data parallelism across the rest) with the compute time and gradient volume of
+one iteration, plus what ``netweave launch`` needs to start it (:class:`LaunchSpec`).
+Once the job has GPUs, :func:`comm_profile` turns it into a :class:`CommProfile`: the
 iteration is a compute phase followed by a communication phase (the
-gradient all-reduce of each data-parallel group, ``grad_bytes / tp`` bytes
+gradient all-reduce of each data-parallel group, ``grad_bytes / (tp * pp)`` bytes
 each), and during the communication phase every network link the routed
-collective crosses carries ``bytes_on_link / comm_time`` GB/s.
+collective crosses carries ``bytes_on_link / comm_time`` GB/s. Ranks are laid out
+pipeline-major, tensor-minor: rank ``(s * dp + d) * tp + t`` is pipeline stage
+``s``, replica ``d``, tensor rank ``t`` (torch's ``init_device_mesh(("pp", "dp", "tp"))``).
+The point-to-point activations between pipeline stages are not in the profile
+(a stated simplification: per iteration they are small next to the gradients).
 
 The collective is decomposed with :func:`topology.collectives.collective_flows`
 and routed with :func:`topology.routing.route_flows`; its duration is the
@@ -30,12 +35,47 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from topology.errors import InputError
 from topology.model import LinkKind, Topology
 
 Edge = tuple[str, str, Any]
+
+
+SCHEDULES = ("auto", "1f1b", "gpipe", "interleaved", "zbh1")
+DP_POLICIES = ("ddp", "bytescheduler", "prophet")
+BACKENDS = ("nccl", "gloo")
+NCCL_PLUGINS = ("tuner", "profiler")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    """What ``netweave launch`` needs beyond placement (jobs-file fields; see ``docs/launch.md``).
+
+    ``script``: the training script, an absolute path (relative paths in the jobs file are taken from the
+    file's directory). ``args``: its arguments. ``model``: a pipeline model description (GPT/Llama mapping,
+    or the path of a model YAML or ``netweave pipe profile`` JSON), unchecked here. ``auto``: the jobs file
+    said ``parallelism: auto`` (launch picks ``pp``). ``data_parallel``: ``{policy, partition, credit,
+    barrier}`` as given (sizes in bytes). ``backend``: ``nccl`` (GPUs) or ``gloo`` (CPU, emulation).
+    ``nccl_plugins``: the project's NCCL tuner/profiler plugins to load. ``port``: a fixed rendezvous port.
+    ``memory``: the per-GPU memory budget the pipeline planner plans against (default: each GPU's own).
+    """
+
+    script: str | None = None
+    args: tuple[str, ...] = ()
+    model: Any = None
+    auto: bool = False
+    microbatches: int | None = None
+    schedule: str = "auto"
+    chunks: int = 2
+    data_parallel: dict[str, Any] = field(default_factory=dict)
+    backend: str = "nccl"
+    nccl_plugins: tuple[str, ...] = ()
+    port: int | None = None
+    memory: float | None = None       # bytes per GPU the pipeline planner may use (None: each GPU's memory)
+    given: frozenset[str] = frozenset()   # the fields the jobs file set (explicit values beat derived ones)
 
 
 @dataclass(frozen=True)
@@ -45,7 +85,7 @@ class JobSpec:
     ``compute_s``: forward+backward time of one iteration (s). ``grad_bytes``:
     gradient bytes all-reduced per iteration across data-parallel replicas.
     ``tp``: tensor-parallel degree (ranks of one replica share an NVLink
-    domain). ``vc``/``priority``: HiveD virtual cluster and priority (no VC:
+    domain). ``pp``: pipeline-parallel degree. ``vc``/``priority``: HiveD virtual cluster and priority (no VC:
     opportunistic). ``arrival``: submission time (s) for replays.
     """
 
@@ -61,15 +101,20 @@ class JobSpec:
     gpu_model: str | None = None
     algorithm: str = "ring"
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    pp: int = 1
+    launch: LaunchSpec = field(default_factory=LaunchSpec, compare=False)
 
     @property
     def dp(self) -> int:
-        return self.gpus // self.tp
+        return self.gpus // (self.tp * self.pp)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         if not d["meta"]:
             del d["meta"]
+        if d["pp"] == 1:
+            del d["pp"]
+        del d["launch"]
         return d
 
 
@@ -98,16 +143,20 @@ class CommProfile:
                 "links": {f"{u}->{v}": round(r, 6) for (u, v, _), r in sorted(self.link_rates.items(), key=lambda x: (x[0][0], x[0][1]))}}
 
 
-def dp_groups(gpus: Sequence[str], tp: int) -> list[list[str]]:
-    """Data-parallel groups of a rank-ordered GPU list: rank ``d*tp + t`` is replica ``d``'s tensor rank ``t``.
+def dp_groups(gpus: Sequence[str], tp: int, pp: int = 1) -> list[list[str]]:
+    """Data-parallel groups of a rank-ordered GPU list: rank ``(s*dp + d)*tp + t`` is stage ``s``, replica ``d``, tensor rank ``t``.
+
+    One group per (stage, tensor rank), stage-major.
 
     >>> dp_groups(["a", "b", "c", "d"], 2)
     [['a', 'c'], ['b', 'd']]
+    >>> dp_groups(["a", "b", "c", "d"], 1, pp=2)
+    [['a', 'b'], ['c', 'd']]
     """
-    if tp < 1 or len(gpus) % tp:
-        raise InputError(f"tp={tp} must divide the job's {len(gpus)} GPUs", where="tp")
-    dp = len(gpus) // tp
-    return [[gpus[d * tp + t] for d in range(dp)] for t in range(tp)]
+    if tp < 1 or pp < 1 or len(gpus) % (tp * pp):
+        raise InputError(f"tp*pp={tp}*{pp} must divide the job's {len(gpus)} GPUs", where="tp")
+    dp = len(gpus) // (tp * pp)
+    return [[gpus[(s * dp + d) * tp + t] for d in range(dp)] for s in range(pp) for t in range(tp)]
 
 
 _PROFILE_CACHE: dict[tuple, CommProfile] = {}
@@ -119,20 +168,20 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
 
     Results are cached per (topology, job shape, GPUs, policy).
     """
-    key = (id(topo.graph), len(topo.graph), spec.gpus, spec.tp, spec.compute_s, spec.grad_bytes, spec.algorithm, tuple(gpus), policy)
+    key = (id(topo.graph), len(topo.graph), spec.gpus, spec.tp, spec.pp, spec.compute_s, spec.grad_bytes, spec.algorithm, tuple(gpus), policy)
     hit = _PROFILE_CACHE.get(key)
     if hit is not None:
         return hit if hit.job == spec.name else CommProfile(spec.name, hit.gpus, hit.compute_s, hit.comm_s, hit.link_rates, hit.link_bytes)
     if len(gpus) != spec.gpus:
         raise InputError(f"job {spec.name!r}: placed on {len(gpus)} GPUs, asked for {spec.gpus}")
-    groups = dp_groups(list(gpus), spec.tp)
+    groups = dp_groups(list(gpus), spec.tp, spec.pp)
     link_bytes: dict[Edge, float] = {}
     comm_s = 0.0
     if spec.grad_bytes > 0 and spec.dp > 1:
         from topology.collectives import collective_flows, collective_time
         from topology.routing import route_flows
 
-        nbytes = spec.grad_bytes / spec.tp
+        nbytes = spec.grad_bytes / (spec.tp * spec.pp)
         flows: list[tuple[str, str, float]] = []
         for group in groups:
             # identical consecutive steps (a ring's 2(n-1)) are one list object: route each distinct step once
@@ -164,15 +213,20 @@ def solo_iteration_time(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, p
     return comm_profile(topo, spec, gpus, policy=policy).period_s
 
 
-def parse_job(item: Any, where: str, source: str | None = None, *, defaults: Mapping[str, Any] | None = None) -> JobSpec:
-    """A :class:`JobSpec` from a jobs-file entry; errors name the field (see ``docs/placement.md``)."""
+def parse_job(item: Any, where: str, source: str | None = None, *, defaults: Mapping[str, Any] | None = None,
+              base_dir: str | Path | None = None) -> JobSpec:
+    """A :class:`JobSpec` from a jobs-file entry; errors name the field (see ``docs/placement.md``, ``docs/launch.md``).
+
+    ``base_dir``: where a relative ``script`` path is taken from (the jobs file's directory; default the
+    current directory).
+    """
     from emu.workload import parse_duration, parse_size
 
     if not isinstance(item, Mapping):
         raise InputError("expected a mapping with at least 'name' and 'gpus'", source=source, where=where)
     data = {**(defaults or {}), **item}
     known = {"name", "gpus", "compute", "compute_s", "compute_ms", "grad_bytes", "iterations", "tp", "vc", "priority", "arrival",
-             "gpu_model", "algorithm", "model"}
+             "gpu_model", "algorithm", "model", *LAUNCH_FIELDS}
     for k in data:
         if k not in known:
             raise InputError(f"unknown field {k!r}; expected one of {', '.join(sorted(known))}", source=source, where=f"{where}.{k}")
@@ -210,15 +264,98 @@ def parse_job(item: Any, where: str, source: str | None = None, *, defaults: Map
     tp = num("tp", None, 1, positive=True, integer=True)
     if gpus % tp:
         raise InputError(f"tp={tp} must divide gpus={gpus}", source=source, where=f"{where}.tp")
+    pp = num("pp", None, 1, positive=True, integer=True)
+    auto = False
+    if "parallelism" in data:
+        if data["parallelism"] != "auto":
+            raise InputError(f"expected 'auto' (or give dp/tp/pp), got {data['parallelism']!r}", source=source, where=f"{where}.parallelism")
+        if "pp" in data or "dp" in data:
+            raise InputError("parallelism: auto picks dp and pp; drop dp/pp or drop auto", source=source, where=f"{where}.parallelism")
+        auto = True
+    if gpus % (tp * pp):
+        raise InputError(f"tp*pp = {tp}*{pp} = {tp * pp} does not divide gpus={gpus}", source=source, where=f"{where}.pp")
+    dp = num("dp", None, gpus // (tp * pp), positive=True, integer=True)
+    if dp * tp * pp != gpus:
+        raise InputError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp}, expected gpus={gpus}", source=source, where=f"{where}.dp")
     vc = data.get("vc")
     if vc is not None and not isinstance(vc, str):
         raise InputError(f"expected a virtual-cluster name, got {vc!r}", source=source, where=f"{where}.vc")
     algorithm = data.get("algorithm", "ring")
     if algorithm not in ("ring", "tree", "hierarchical"):
         raise InputError(f"expected ring, tree or hierarchical, got {algorithm!r}", source=source, where=f"{where}.algorithm")
+    launch = _parse_launch(data, where, source, base_dir, auto, num)
     return JobSpec(
         name=name, gpus=gpus, compute_s=compute, grad_bytes=num("grad_bytes", parse_size, 0.0),
         iterations=num("iterations", None, 100, positive=True, integer=True), tp=tp, vc=vc,
         priority=num("priority", None, 0, integer=True), arrival=num("arrival", parse_duration, 0.0),
         gpu_model=data.get("gpu_model"), algorithm=algorithm, meta={"model": data["model"]} if "model" in data else {},
+        pp=pp, launch=launch,
     )
+
+
+LAUNCH_FIELDS = ("dp", "pp", "parallelism", "script", "args", "microbatches", "schedule", "chunks", "data_parallel", "backend",
+                 "nccl_plugins", "port", "memory")
+
+
+def _parse_launch(data: Mapping[str, Any], where: str, source: str | None, base_dir: str | Path | None, auto: bool, num) -> LaunchSpec:
+    """The launch fields of a jobs-file entry (``num`` is :func:`parse_job`'s number reader)."""
+    from emu.workload import parse_size
+
+    def bad(msg: str, key: str) -> InputError:
+        return InputError(msg, source=source, where=f"{where}.{key}")
+
+    script = data.get("script")
+    if script is not None:
+        if not isinstance(script, str) or not script:
+            raise bad(f"expected the path of the training script, got {script!r}", "script")
+        path = Path(script).expanduser()
+        if not path.is_absolute():
+            path = Path(base_dir or ".") / path
+        if not path.is_file():
+            raise bad(f"no such file: {str(path)!r}", "script")
+        script = str(path.resolve())
+    args = data.get("args", [])
+    if isinstance(args, str) or not isinstance(args, list) or not all(isinstance(a, str | int | float) and not isinstance(a, bool) for a in args):
+        raise bad(f"expected a list of arguments (strings or numbers), got {args!r}", "args")
+    schedule = data.get("schedule", "auto")
+    if schedule not in SCHEDULES:
+        raise bad(f"expected one of {', '.join(SCHEDULES)}, got {schedule!r}", "schedule")
+    dp_in = data.get("data_parallel", {})
+    if isinstance(dp_in, str):
+        dp_in = {"policy": dp_in}
+    if not isinstance(dp_in, Mapping):
+        raise bad(f"expected a policy name or a mapping {{policy, partition, credit, barrier}}, got {dp_in!r}", "data_parallel")
+    unknown = set(dp_in) - {"policy", "partition", "credit", "barrier"}
+    if unknown:
+        raise bad(f"unknown knob {sorted(unknown)[0]!r}; expected policy, partition, credit, barrier", "data_parallel")
+    dpp: dict[str, Any] = {"policy": dp_in.get("policy", "ddp")}
+    if dpp["policy"] not in DP_POLICIES:
+        raise bad(f"expected one of {', '.join(DP_POLICIES)}, got {dpp['policy']!r}", "data_parallel.policy")
+    for knob in ("partition", "credit"):
+        if knob in dp_in:
+            try:
+                size = parse_size(dp_in[knob])
+            except (ValueError, TypeError):
+                raise bad(f"expected a size (e.g. 4MiB), got {dp_in[knob]!r}", f"data_parallel.{knob}") from None
+            if not math.isfinite(size) or size < 0 or (knob == "partition" and size == 0):
+                raise bad(f"expected a {'positive' if knob == 'partition' else 'non-negative'} size, got {dp_in[knob]!r}",
+                          f"data_parallel.{knob}")
+            dpp[knob] = size
+    if "barrier" in dp_in:
+        if not isinstance(dp_in["barrier"], bool):
+            raise bad(f"expected true or false, got {dp_in['barrier']!r}", "data_parallel.barrier")
+        dpp["barrier"] = dp_in["barrier"]
+    backend = data.get("backend", "nccl")
+    if backend not in BACKENDS:
+        raise bad(f"expected one of {', '.join(BACKENDS)}, got {backend!r}", "backend")
+    plugins = data.get("nccl_plugins", [])
+    if not isinstance(plugins, list) or any(x not in NCCL_PLUGINS for x in plugins):
+        raise bad(f"expected a list of {', '.join(NCCL_PLUGINS)}, got {plugins!r}", "nccl_plugins")
+    port = num("port", None, None, positive=True, integer=True)
+    if port is not None and not 1024 <= port <= 65535:
+        raise bad(f"expected a port in 1024..65535, got {port}", "port")
+    memory = num("memory", parse_size, None, positive=True)
+    return LaunchSpec(script=script, args=tuple(str(a) for a in args), model=data.get("model"), auto=auto, memory=memory,
+                      microbatches=num("microbatches", None, None, positive=True, integer=True), schedule=schedule,
+                      chunks=num("chunks", None, 2, positive=True, integer=True), data_parallel=dpp, backend=backend,
+                      nccl_plugins=tuple(dict.fromkeys(plugins)), port=port, given=frozenset(data))
