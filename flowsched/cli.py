@@ -79,6 +79,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="record tc batches instead of running them")
     p.add_argument("--duration", type=float, default=None)
     p.add_argument("--until-applied", action="store_true", help="stop after the first plan is applied")
+    p.add_argument("--state", default=None, help="state file keeping the epoch in force across restarts "
+                   "(default: the configuration's agents.HOST.state, agent-HOST.state.json beside it; none with --dry-run)")
     add_json_flag(p)
     p.set_defaults(func=cmd_agent)
 
@@ -316,10 +318,11 @@ def cmd_agent(args: argparse.Namespace) -> int:
     dev = ac.dev or "eth0"
     applier = DryRunApplier(dev, ac.rate_mbit) if args.dry_run else TcApplier(dev, ac.rate_mbit, netns=ac.netns)
     meter = None if args.dry_run else (lambda: {str(p): v["sent_bytes"] for p, v in class_bytes(dev, netns=ac.netns).items()})
-    with Agent(args.host, config, applier, meter=meter) as agent:
-        progress(f"agent {args.host} on {ac.bind}, scheduler {config.scheduler_bind}")
+    state = None if args.dry_run else (args.state or ac.state)  # a dry run changes no kernel, so it must not record an epoch in force
+    with Agent(args.host, config, applier, meter=meter, state_path=state) as agent:
+        progress(f"agent {args.host} on {ac.bind}, scheduler {config.scheduler_bind}, epoch in force {agent.epoch}")
         _run_until(agent, (lambda: bool(agent.applied)) if args.until_applied else (lambda: False), args.duration)
-        data = {"host": args.host, "epoch": agent.epoch, "applied": agent.applied, "rejected": agent.rejected,
-                "commands": applier.applied[-1][1] if applier.applied else []}
+        data = {"host": args.host, "epoch": agent.epoch, "floor": agent.floor, "applied": agent.applied, "verified": agent.verified,
+                "rejected": list(agent.rejected), "commands": applier.applied[-1][1] if applier.applied else []}
     emit(args, data, f"agent {args.host}: applied epochs {agent.applied or 'none'}, rejected {len(agent.rejected)} messages")
     return 0 if agent.applied or not args.until_applied else 1
