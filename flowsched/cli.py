@@ -147,15 +147,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from .enforce import apply_tc, host_tc_commands
+    from .enforce import EnforceError, apply_tc, host_tc_commands, verify_tc
     from .plan import read_plan
 
     plan = read_plan(args.plan)
     lines = host_tc_commands(plan, args.host, args.dev, rate_mbit=args.rate_mbit, time_scale=args.time_scale)
     if not args.dry_run:
-        apply_tc(lines, args.dev, netns=args.netns)
-    emit(args, {"host": args.host, "dev": args.dev, "applied": not args.dry_run, "commands": lines},
-         "\n".join(f"tc {x}" for x in lines) if args.dry_run else f"installed {len(lines)} tc lines on {args.dev}")
+        apply_tc(lines, args.dev, netns=args.netns)  # transactional: a refused tree leaves the device's current one
+        problems = verify_tc(lines, args.dev, netns=args.netns)
+        if problems:
+            raise EnforceError(f"installed, but the kernel does not hold the tree: {'; '.join(problems[:3])}", where=args.dev)
+    emit(args, {"host": args.host, "dev": args.dev, "applied": not args.dry_run, "verified": not args.dry_run, "commands": lines},
+         "\n".join(f"tc {x}" for x in lines) if args.dry_run else f"installed {len(lines)} tc lines on {args.dev} (read back: identical)")
     return 0
 
 

@@ -188,6 +188,23 @@ def test_rates_tc_cannot_install_are_refused_at_plan_time_with_the_limit():
         host_tc_commands(FlowPlan({"h": HostPlan([FlowRule("a", 0)], link_rate=1e9)}), "h", "lo\nqdisc del dev eth0 root")
 
 
+def test_cli_apply_refuses_unenforceable_rates_and_device_names_on_one_line(tmp_path, capsys):
+    from netweave.cli import main
+
+    data = FlowPlan({"h": HostPlan([FlowRule("a", 0)], link_rate=12.5e6)}).to_dict()
+    data["hosts"]["h"]["link_rate"] = 1e20
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert main(["flow", "apply", str(path), "--host", "h", "--dev", "eth0", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "link_rate" in err and "up to 1e+12" in err and err.count("\n") == 1
+    data["hosts"]["h"]["link_rate"] = 12.5e6
+    path.write_text(json.dumps(data))
+    assert main(["flow", "apply", str(path), "--host", "h", "--dev", "lo\nqdisc del dev eth0 root", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "interface name" in err and err.count("\n") == 1
+
+
 def test_a_batch_must_name_only_its_device():
     with pytest.raises(EnforceError, match="does not name the device"):
         apply_tc(htb_tree_commands("eth0", 100.0) + ["qdisc del dev eth1 root"], "eth0")
@@ -228,6 +245,17 @@ def test_a_failed_swap_restores_the_previous_tree(netns_pair):
     with pytest.raises(EnforceError, match="has no tree"):
         apply_tc(duplicate, dev, netns=ns, stage=False)
     assert "htb" not in tc_show(dev, "qdisc", netns=ns, stats=False)
+
+
+@pytest.mark.emulation
+def test_cli_apply_installs_and_reads_back(netns_pair, tmp_path, capsys):
+    from flowsched.plan import write_plan
+    from netweave.cli import main
+
+    ns, dev, _ = netns_pair
+    write_plan(FlowPlan({"h": HostPlan([FlowRule("a", 2, rate=1.25e6)], link_rate=12.5e6)}), tmp_path / "p.json")
+    assert main(["flow", "apply", str(tmp_path / "p.json"), "--host", "h", "--dev", dev, "--netns", ns]) == 0
+    assert "(read back: identical)" in capsys.readouterr().out
 
 
 @pytest.mark.emulation
