@@ -550,6 +550,8 @@ class Scheduler(_Service):
                 a.epoch = msg["epoch"]
             elif kind == "nack":
                 a.nacks.append(msg["reason"])
+                if isinstance(msg.get("epoch"), int) and not isinstance(msg["epoch"], bool):
+                    a.epoch = msg["epoch"]  # what the agent still has in force
                 log.warning("agent %s refused a plan: %s", sender, msg["reason"])
             elif kind in ("hello", "heartbeat"):
                 if kind == "heartbeat":
