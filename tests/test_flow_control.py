@@ -536,3 +536,40 @@ def test_agent_killed_and_restarted_refuses_old_plans_and_verifies_the_current(t
             agent.kill()
             agent.wait()
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+@pytest.mark.emulation
+def test_a_tree_tc_refuses_leaves_the_previous_plan_enforced_and_acked_truthfully(config):
+    """The issue's case on a real device: epoch 2's tree is refused by tc; epoch 1's tree stays, and pushing 1 again verifies it."""
+    import subprocess
+    import uuid
+
+    from flowsched.enforce import TcApplier, verify_tc
+
+    class RefusedAtEpoch2(TcApplier):
+        def commands(self, plan, host):  # a tree the plan checks accept but tc refuses (a duplicate class)
+            lines = super().commands(plan, host)
+            return lines + [f"class add dev {self.dev} parent 1:1 classid 1:10 htb rate 1mbit"] if plan.epoch == 2 else lines
+
+    ns = f"nwctl{uuid.uuid4().hex[:6]}"
+    ctx = zmq.Context()
+    try:
+        subprocess.run(["ip", "netns", "add", ns], check=True, capture_output=True)
+        for cmd in (["link", "add", "cta", "type", "veth", "peer", "name", "ctb"], ["link", "set", "cta", "up"], ["link", "set", "ctb", "up"]):
+            subprocess.run(["ip", "-n", ns, *cmd], check=True, capture_output=True)
+        applier = RefusedAtEpoch2("cta", 100.0, netns=ns)
+        with Agent("h0", config, applier, verify_s=1000) as agent:
+            s = pusher(ctx, config)
+            assert push(s, 1)["type"] == "ack"
+            lines1 = applier.commands(FlowPlan({"h0": make_plan(1).hosts["h0"]}, epoch=1), "h0")
+            refused = push(s, 2)
+            assert refused["type"] == "nack" and "tc refused the new tree" in refused["reason"] and "epoch 1 stays in force" in refused["reason"]
+            assert refused["epoch"] == 1 and agent.epoch == 1 and verify_tc(lines1, "cta", netns=ns) == []
+            again = push(s, 1)
+            assert again["type"] == "ack" and again["commands"] == 0 and again["verified"], again
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", "cta", "root"], check=True, capture_output=True)
+            repaired = push(s, 1)
+            assert repaired["type"] == "ack" and repaired["repaired"] and verify_tc(lines1, "cta", netns=ns) == []
+    finally:
+        ctx.destroy(linger=0)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
