@@ -78,7 +78,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", required=True)
     p.add_argument("--dry-run", action="store_true", help="record tc batches instead of running them")
     p.add_argument("--duration", type=float, default=None)
-    p.add_argument("--until-applied", action="store_true", help="stop after the first plan is applied")
+    p.add_argument("--until-applied", action="store_true",
+                   help="stop once a plan is in force: applied, or found intact in the kernel (a restart with a state file)")
     p.add_argument("--state", default=None, help="state file keeping the epoch in force across restarts "
                    "(default: the configuration's agents.HOST.state, agent-HOST.state.json beside it; none with --dry-run)")
     add_json_flag(p)
@@ -324,8 +325,9 @@ def cmd_agent(args: argparse.Namespace) -> int:
     state = None if args.dry_run else (args.state or ac.state)  # a dry run changes no kernel, so it must not record an epoch in force
     with Agent(args.host, config, applier, meter=meter, state_path=state) as agent:
         progress(f"agent {args.host} on {ac.bind}, scheduler {config.scheduler_bind}, epoch in force {agent.epoch}")
-        _run_until(agent, (lambda: bool(agent.applied)) if args.until_applied else (lambda: False), args.duration)
+        in_force = lambda: agent.epoch >= 0 and bool(agent.applied or agent.verified)  # noqa: E731
+        _run_until(agent, in_force if args.until_applied else (lambda: False), args.duration)
         data = {"host": args.host, "epoch": agent.epoch, "floor": agent.floor, "applied": agent.applied, "verified": agent.verified,
                 "rejected": list(agent.rejected), "commands": applier.applied[-1][1] if applier.applied else []}
     emit(args, data, f"agent {args.host}: applied epochs {agent.applied or 'none'}, rejected {len(agent.rejected)} messages")
-    return 0 if agent.applied or not args.until_applied else 1
+    return 0 if in_force() or not args.until_applied else 1
