@@ -41,7 +41,9 @@ checked by parsing ``tc`` output, so it is tested without root.
 
 from __future__ import annotations
 
+import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +63,10 @@ LEAF_MINOR_BASE = 0x10  # leaf of priority p is class 1:(0x10 + p)
 ACK_MINOR = 0x20  # the control leaf for pure TCP ACKs
 ACK_CLASSID = f"{ROOT_HANDLE:x}:{ACK_MINOR:x}"
 DEFAULT_PRIORITY = NUM_PRIORITIES - 1
+#: Highest link rate a tree may be built for (Mbit/s): 8 Tb/s, ten times an 800 Gb/s NIC. The bound is tc's: a leaf's
+#: burst (1 ms of the link, :attr:`HtbSpec.burst_bytes`) must fit the kernel's 32-bit byte count, which fails ("Illegal
+#: burst") from about 34 Tb/s on.
+MAX_RATE_MBIT = 8e6
 
 
 class HtbError(InputError):
@@ -114,8 +120,9 @@ class HtbSpec:
     def __post_init__(self) -> None:
         if not 0 <= self.ack_fraction <= 0.5:
             raise HtbError(f"interface {self.dev}: ack_fraction must be in [0, 0.5], got {self.ack_fraction!r}")
-        if not self.rate_mbit > 0:
-            raise HtbError(f"interface {self.dev}: rate must be positive, got {self.rate_mbit!r} Mbit/s")
+        if not 0 < self.rate_mbit <= MAX_RATE_MBIT:
+            raise HtbError(f"interface {self.dev}: rate must be positive and at most {MAX_RATE_MBIT:g} Mbit/s (8 Tb/s), "
+                           f"got {self.rate_mbit!r} Mbit/s")
         if not (self.floor_fraction > 0 and self.floor_fraction * NUM_PRIORITIES + self.ack_fraction <= 1):
             raise HtbError(f"interface {self.dev}: floor_fraction must be positive with {NUM_PRIORITIES} * floor_fraction + ack_fraction "
                            f"<= 1, got {self.floor_fraction!r} (ack_fraction {self.ack_fraction!r})")
@@ -368,3 +375,145 @@ def class_counters(class_text: str) -> dict[int, dict[str, Any]]:
         if c is not None:
             out[p] = {"sent_bytes": c.sent_bytes, "sent_packets": c.sent_packets, "dropped": c.dropped}
     return out
+
+
+# -- a batch's expected state, compared with what the kernel holds ------------------------------------------
+
+
+@dataclass
+class TreeState:
+    """The state a tc batch of this module's grammar leaves on one device (or that the kernel reports).
+
+    ``root``: (kind, handle, default minor) of the root qdisc; ``classes``:
+    ``{classid: (parent, prio, rate bit/s, ceil bit/s)}`` (parent None under
+    the root qdisc); ``leaves``: ``{parent classid: (kind, handle, limit)}``;
+    ``filters``: ``{(pref, flowid): sorted u32 keys (value, mask, offset)}``.
+    """
+
+    root: tuple[str, str, int | None] | None = None
+    classes: dict[str, tuple[str | None, int | None, float, float]] = field(default_factory=dict)
+    leaves: dict[str, tuple[str, str, int | None]] = field(default_factory=dict)
+    filters: dict[tuple[int, str], list[tuple[int, int, int]]] = field(default_factory=dict)
+
+
+def _u32_keys(match: str) -> list[tuple[int, int, int]]:
+    """u32 keys (32-bit aligned value, mask, offset) of the ``match ...`` clauses of a filter line, as the kernel stores them."""
+    keys = []
+    for m in re.finditer(r"match (ip (tos|protocol) (\S+) (\S+)|u(8|16|32) (\S+) (\S+) at (\d+))", match):
+        if m.group(2):
+            value, mask = int(m.group(3), 0), int(m.group(4), 0)
+            width, at = 8, 1 if m.group(2) == "tos" else 9  # byte offsets in the IPv4 header
+        else:
+            width, value, mask, at = int(m.group(5)), int(m.group(6), 0), int(m.group(7), 0), int(m.group(8))
+        word = at // 4 * 4
+        shift = 32 - width - 8 * (at - word)
+        keys.append(((value & mask) << shift, mask << shift, word))
+    return sorted(keys)
+
+
+def batch_state(lines: Sequence[str]) -> TreeState:
+    """What ``lines`` (a batch from :func:`htb_tree_commands` plus ``class change`` / extra ``filter add`` lines) install.
+
+    >>> st = batch_state(htb_tree_commands("d", 100))
+    >>> st.root, st.classes["1:10"], st.leaves["1:17"], st.filters[(1, "1:20")]
+    (('htb', '1:', 23), ('1:1', 0, 1000000.0, 100000000.0), ('pfifo', '17:', 200), [(0, 65408, 0), (393216, 16711680, 8)])
+    >>> st.classes["1:1"][0] is None  # the parent class hangs under the root qdisc
+    True
+    """
+    st = TreeState()
+    for line in lines:
+        w = line.split()
+        opts = {w[i]: w[i + 1] for i in range(len(w) - 1)}
+        if w[:1] == ["qdisc"] and "root" in w:
+            default = opts.get("default")
+            st.root = (w[w.index("root") + 3] if "handle" in w else w[w.index("root") + 1], opts.get("handle", ""),
+                       int(default, 16) if default else None)
+        elif w[:1] == ["qdisc"]:
+            kind = w[w.index("handle") + 2]
+            st.leaves[opts["parent"]] = (kind, opts["handle"], int(opts["limit"]) if "limit" in opts else None)
+        elif w[:1] == ["class"]:
+            parent = None if opts["parent"].endswith(":") else opts["parent"]
+            st.classes[opts["classid"]] = (parent, int(opts["prio"]) if "prio" in opts else None, parse_rate(opts["rate"]),
+                                           parse_rate(opts.get("ceil", opts["rate"])))
+        elif w[:1] == ["filter"]:
+            st.filters[(int(opts["prio"]), opts["flowid"])] = _u32_keys(line)
+    return st
+
+
+def _json_with_repeats(text: str) -> Any:
+    """``json.loads`` that keeps repeated keys as a list (iproute2 prints one ``"match"`` key per u32 key)."""
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in items:
+            out.setdefault(k, []).append(v)
+        return {k: v if len(v) > 1 or k == "match" else v[0] for k, v in out.items()}
+
+    return json.loads(text or "[]", object_pairs_hook=pairs)
+
+
+def kernel_state(qdisc_json: str, class_text: str, filter_json: str) -> TreeState:
+    """A device's state from ``tc -j qdisc show``, ``tc class show`` and ``tc -j filter show``.
+
+    Classes are read from text: iproute2 6.1 prints no JSON for htb classes
+    (``tc -j class show`` falls back to text); qdiscs and filters are JSON.
+    """
+    st = TreeState()
+    for q in _json_with_repeats(qdisc_json):
+        options = q.get("options", {})
+        if q.get("root"):
+            default = options.get("default")
+            st.root = (q["kind"], q["handle"], int(str(default), 16) if default is not None else None)
+        elif "parent" in q:
+            st.leaves[q["parent"]] = (q["kind"], q["handle"], options.get("limit"))
+    for cid, c in parse_tc_classes(class_text).items():
+        st.classes[cid] = (c.parent, c.prio, c.rate_bps, c.ceil_bps)
+    for f in _json_with_repeats(filter_json):
+        options = f.get("options", {})
+        if f.get("kind") != "u32" or "flowid" not in options:
+            continue
+        keys = sorted((int(m["value"], 16), int(m["mask"], 16), int(m["off"])) for m in options.get("match", []))
+        st.filters[(int(f["pref"]), options["flowid"])] = keys
+    return st
+
+
+def compare_states(want: TreeState, have: TreeState, *, dev: str = "", rate_tolerance: float = 0.01) -> list[str]:
+    """Differences between the state a batch asked for and the kernel's (empty: the kernel holds exactly that tree).
+
+    Rates compare within ``rate_tolerance`` (tc prints them rounded); extra
+    classes, leaf qdiscs or filters are differences too.
+
+    >>> want = batch_state(htb_tree_commands("d", 100))
+    >>> compare_states(want, want)
+    []
+    >>> have = batch_state(htb_tree_commands("d", 100)[:-1])  # the kernel lost the last DSCP filter
+    >>> compare_states(want, have, dev="d")
+    ['d: filter pref 9 -> 1:17 missing']
+    """
+    tag = f"{dev}: " if dev else ""
+    problems = []
+    if want.root != have.root:
+        problems.append(f"{tag}root qdisc is {have.root}, expected {want.root}")
+
+    def close(a: float, b: float) -> bool:
+        return abs(a - b) <= rate_tolerance * max(abs(b), 1.0)
+
+    for cid in sorted(set(want.classes) | set(have.classes)):
+        w, h = want.classes.get(cid), have.classes.get(cid)
+        if w is None or h is None:
+            problems.append(f"{tag}class {cid} {'missing' if h is None else 'not asked for'}")
+        elif w[:2] != h[:2] or not (close(h[2], w[2]) and close(h[3], w[3])):
+            problems.append(f"{tag}class {cid} is parent/prio/rate/ceil {h[0]}/{h[1]}/{h[2]:.0f}/{h[3]:.0f}, "
+                            f"expected {w[0]}/{w[1]}/{w[2]:.0f}/{w[3]:.0f}")
+    for parent in sorted(set(want.leaves) | set(have.leaves)):
+        if want.leaves.get(parent) != have.leaves.get(parent):
+            problems.append(f"{tag}qdisc under {parent} is {have.leaves.get(parent)}, expected {want.leaves.get(parent)}")
+    for key in sorted(set(want.filters) | set(have.filters)):
+        w_keys, h_keys = want.filters.get(key), have.filters.get(key)
+        if h_keys is None:
+            problems.append(f"{tag}filter pref {key[0]} -> {key[1]} missing")
+        elif w_keys is None:
+            problems.append(f"{tag}filter pref {key[0]} -> {key[1]} not asked for")
+        elif w_keys != h_keys:
+            problems.append(f"{tag}filter pref {key[0]} -> {key[1]} matches {h_keys}, expected {w_keys}")
+    return problems

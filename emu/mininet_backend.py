@@ -41,9 +41,10 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -126,7 +127,8 @@ class AgentSet:
     def __init__(self, net: EmulatedNetwork, port: int = AGENT_PORT):
         self.net = net
         self.port = port
-        self.dir = Path(tempfile.mkdtemp(prefix="netweave-agents-"))
+        self.dir = net.workdir / "agents"  # inside the run's directory: removed with it, also after a SIGKILL (emu.runs)
+        self.dir.mkdir(parents=True, exist_ok=True)
         self.controller = Controller(f"ipc://{self.dir}/control")
         self.procs: dict[str, subprocess.Popen] = {}
 
@@ -164,9 +166,7 @@ class AgentSet:
                 proc.kill()
                 proc.wait()
         self.controller.close()
-        for p in self.dir.iterdir():
-            p.unlink(missing_ok=True)
-        self.dir.rmdir()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # -- the executor -----------------------------------------------------------------------------------------
@@ -205,8 +205,10 @@ class _PhaseRun:
 class _Executor:
     """Walks the phase graphs of all jobs in real (dilated) time, driving the agents."""
 
-    def __init__(self, topo: Topology, workload: Workload, plan: NetworkPlan, agents: AgentSet, *, timeout_s: float, byte_scale: float = 1.0):
+    def __init__(self, topo: Topology, workload: Workload, plan: NetworkPlan, agents: AgentSet, *, timeout_s: float, byte_scale: float = 1.0,
+                 monitor: FidelityMonitor | None = None):
         self.topo, self.workload, self.plan, self.agents = topo, workload, plan, agents
+        self.monitor = monitor
         # Emulated bytes are nbytes / byte_scale at rate / time_scale, so emulated time is workload time * K with
         # K = time_scale / byte_scale: compute phases, modelled flows and the conversion back all use K.
         self.byte_scale = byte_scale
@@ -330,6 +332,10 @@ class _Executor:
             finished = sum(r.done for r in self.runs.values())
             if finished == total:
                 return t0, time.monotonic()
+            failure = self.monitor.failure if self.monitor is not None else None
+            if failure is not None:
+                raise FidelityError(f"emulation stopped after {now - t0:.1f} s of the {self.timeout_s:g} s allowed, because it can no longer "
+                                    f"pass its fidelity checks: {failure}", {"stopped_early": failure, "problems": [failure], "ok": False})
             if now > deadline:
                 raise EmulationError(f"workload {self.workload.name!r} did not finish within {self.timeout_s:g} s of emulated time "
                                      f"({finished}/{total} phase instances done); agent logs: {self.agents.logs()}")
@@ -385,6 +391,49 @@ class _Executor:
 
 
 # -- fidelity checks --------------------------------------------------------------------------------------
+
+
+class FidelityMonitor:
+    """Checks during the workload what the run must pass at its end and can already fail: every port's HTB tree.
+
+    A run whose tree changed (a class throttled or its ceiling lowered by
+    someone's ``tc``, a qdisc deleted) fails ``htb_after`` whatever happens
+    next, and a throttled class may never finish its flows, so the executor
+    stops the run as soon as this monitor reports a difference (:attr:`failure`,
+    checked every loop) instead of waiting for the workload timeout. A thread
+    re-checks every ``interval_s`` seconds, or every 10 times the check's own
+    duration when that is longer, so that it costs at most ~10% of one core.
+    """
+
+    def __init__(self, net: EmulatedNetwork, interval_s: float = 1.0):
+        self.net, self.interval_s = net, interval_s
+        self.failure: str | None = None
+        self.checks = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            t = time.monotonic()
+            try:
+                problems = self.net.verify_htb(raise_on_error=False)["problems"]
+            except Exception as exc:  # an unreadable port is a broken port
+                problems = [f"cannot read the qdisc trees: {exc}"]
+            self.checks += 1
+            if problems:
+                self.failure = f"qdisc tree changed during the run: {'; '.join(problems[:4])}"
+                return
+            self.interval_s = max(self.interval_s, 10 * (time.monotonic() - t))
+
+    def __enter__(self) -> FidelityMonitor:
+        self._thread = threading.Thread(target=self._loop, name="fidelity-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
 
 
 def check_class_bytes(expected_payload: dict[int, float], host_egress: dict[int, int], *, slack_bytes: float = 2e6) -> dict[str, Any]:
@@ -496,8 +545,8 @@ def _niceness(value: int) -> Iterator[None]:
 
 def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_dir: str | os.PathLike[str] | None = None,
                 nic_mode: str = "per-leaf", byte_scale: float = 1.0, calibrate_seconds: float = 1.0, calibration_tolerance: float = 0.10,
-                cpu_limit: float = DEFAULT_CPU_LIMIT, probe_dscp: bool = True, timeout_s: float = 600.0, prefix: str = "nw",
-                raise_on_fidelity: bool = True) -> RunResult:
+                cpu_limit: float = DEFAULT_CPU_LIMIT, probe_dscp: bool = True, timeout_s: float = 600.0, prefix: str | None = None,
+                raise_on_fidelity: bool = True, monitor_s: float = 1.0) -> RunResult:
     """Run ``workload`` on an emulated ``topo`` scaled by ``time_scale`` (K) and return the measured :class:`RunResult`.
 
     Needs root and Mininet (raises :class:`~emu.net.EmulationError` otherwise);
@@ -505,9 +554,12 @@ def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_di
     report is in ``out_dir/fidelity.json`` and on the exception), or, with
     ``raise_on_fidelity=False``, returns the result anyway with the failed
     report in ``result.meta["fidelity"]`` (``ok`` false). ``timeout_s``
-    bounds the emulated (wall-clock) run time. ``prefix`` names the emulated
-    hosts, switches and interfaces (see :func:`~emu.net.plan_network`), so that
-    concurrent users of the machine do not collide.
+    bounds the emulated (wall-clock) run time; a :class:`FidelityMonitor`
+    checks the qdisc trees every ``monitor_s`` seconds meanwhile and stops the
+    run early, with the reason, when one changed. ``prefix`` names the
+    emulated hosts, switches and interfaces (default: a fresh run id, see
+    :func:`~emu.net.plan_network`), so that concurrent users of the machine do
+    not collide. SIGTERM stops the run like Ctrl-C, with the same clean-up.
 
     ``byte_scale`` (M >= 1) additionally divides every emulated flow's bytes
     by M, so that workloads with realistic (GB) collectives finish in seconds:
@@ -533,15 +585,27 @@ def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_di
         fidelity["htb_before"] = net.verify_htb()  # a broken tree is fatal before anything runs
         fidelity["calibration_before"] = net.calibrate(seconds=calibrate_seconds, tolerance=calibration_tolerance, raise_on_error=False)
         with AgentSet(net) as agents:
+            net.set_phase("probe")  # agents are up (emu.runs: operators and tests read the phase)
             if probe_dscp:
                 used = sorted({j.phase_priority(p) for j in workload.jobs for p in j.phases if not isinstance(p, ComputePhase)})
                 fidelity["dscp"] = dscp_probe(net, agents, priorities=sorted(set(used) | {0, NUM_PRIORITIES - 1}))
                 if not fidelity["dscp"]["ok"]:
                     failures += fidelity["dscp"]["problems"]
             counters_before = net.class_counters()
-            executor = _Executor(topo, workload, plan, agents, timeout_s=timeout_s, byte_scale=byte_scale)
-            with CpuMonitor() as cpu, _niceness(EMULATION_NICE):
-                t0, t1 = executor.run()
+            net.set_phase("workload")
+            try:
+                with CpuMonitor() as cpu, FidelityMonitor(net, monitor_s) as monitor, _niceness(EMULATION_NICE):
+                    executor = _Executor(topo, workload, plan, agents, timeout_s=timeout_s, byte_scale=byte_scale, monitor=monitor)
+                    t0, t1 = executor.run()
+            except FidelityError as exc:
+                if out is not None:  # the report of a run stopped early: what passed before, and why it stopped
+                    from topology.io import atomic_write_text
+
+                    fidelity.update(exc.report)
+                    atomic_write_text(out / "fidelity.json", json.dumps(fidelity, indent=1, default=str) + "\n")
+                raise
+            net.set_phase("checks")
+            fidelity["monitor_checks"] = monitor.checks
             counters_after = net.class_counters()
         fidelity["cpu"] = cpu.report()
         busy = fidelity["cpu"]["busy_mean"]

@@ -148,6 +148,7 @@ class NetworkPlan:
     queue_packets: int = 200
     gpu_leaf: dict[str, str | None] = field(default_factory=dict)  # GPU -> leaf of its nearest NIC
     ack_fraction: float = 0.05  # guaranteed share of the pure-ACK control leaf (see emu.htb); 0: ACKs follow their DSCP
+    prefix: str = "nw"  # starts every host, switch and interface name: the run id (see emu.runs)
 
     def emu_host(self, topo_host: str) -> str:
         for name, h in self.hosts.items():
@@ -180,7 +181,12 @@ class NetworkPlan:
             "switches": [asdict(s) for s in self.switches], "interfaces": [asdict(i) for i in self.interfaces],
             "payload_rates": self.payload_rates, "wire_overhead": WIRE_OVERHEAD if self.payload_rates else 1.0,
             "floor_fraction": self.floor_fraction, "queue_packets": self.queue_packets, "ack_fraction": self.ack_fraction,
+            "prefix": self.prefix,
         }
+
+    def root_links(self) -> list[str]:
+        """The links this plan creates in the root namespace: bridges and the switch ends of the veths."""
+        return [s.name for s in self.switches] + [i.switch_dev for i in self.interfaces]
 
 
 def scaled_rate_mbit(bw_gbytes: float, time_scale: float) -> float:
@@ -203,11 +209,14 @@ def _nearest_nic(topo: Topology, gpu: str, nics: list[str]) -> str | None:
 
 def plan_network(topo: Topology, *, time_scale: float, nic_mode: str = "per-leaf", hosts: list[str] | None = None,
                  payload_rates: bool = True, floor_fraction: float = 0.01, queue_packets: int = 200,
-                 max_link_mbit: float = MAX_LINK_MBIT, prefix: str = "nw") -> NetworkPlan:
+                 max_link_mbit: float = MAX_LINK_MBIT, prefix: str | None = None) -> NetworkPlan:
     """Decide the emulated hosts, switches, interfaces, addresses and scaled rates of ``topo``.
 
     ``hosts`` restricts the emulation to some servers (default: all servers
-    with a network NIC). Raises :class:`~topology.errors.InputError` when a
+    with a network NIC). ``prefix`` starts every name (hosts ``<prefix>h<i>``,
+    switches ``<prefix>s<j>``, interfaces ``...-eth<k>``); the default is a
+    fresh run id (:func:`emu.runs.new_prefix`), so concurrent runs never share
+    a name and a dead run's leftovers can be told apart. Raises :class:`~topology.errors.InputError` when a
     scaled rate falls outside ``[1, max_link_mbit]`` Mbit/s (the message gives
     the time scale that would fit) and :class:`EmulationError` when the fabric
     cannot be emulated in the chosen mode.
@@ -216,6 +225,12 @@ def plan_network(topo: Topology, *, time_scale: float, nic_mode: str = "per-leaf
         raise InputError(f"nic_mode must be one of {', '.join(NIC_MODES)}, got {nic_mode!r}", where="nic_mode")
     if not time_scale > 0:
         raise InputError(f"time_scale must be positive, got {time_scale!r}", where="time_scale")
+    if prefix is None:
+        from .runs import new_prefix
+
+        prefix = new_prefix()
+    if not re.fullmatch(r"[a-z][a-z0-9]{1,9}", prefix):
+        raise InputError(f"prefix must be 2-10 lowercase letters or digits starting with a letter, got {prefix!r}", where="prefix")
     g = topo.graph
     # NIC -> [(leaf, up GB/s, down GB/s)] over network cables.
     attach: dict[str, dict[str, list[str]]] = {}  # server -> leaf -> [nics]
@@ -298,6 +313,10 @@ def plan_network(topo: Topology, *, time_scale: float, nic_mode: str = "per-leaf
                 ip=f"10.0.{(i + 1) // 256}.{(i + 1) % 256}", prefix=16, rate_mbit=rate_up, rate_down_mbit=rate_down,
                 nics=tuple(nics), leaf=None,
             ))
+    longest = max([i.dev for i in interfaces] + [i.switch_dev for i in interfaces], key=len)
+    if len(longest) > 15:
+        raise InputError(f"interface name {longest!r} is longer than Linux's 15 characters: too many servers or ports for the prefix "
+                         f"{prefix!r}; emulate fewer servers or use a shorter prefix", where="hosts")
     gpu_leaf: dict[str, str | None] = {}
     for h in servers:
         nics = [n for leaf in attach[h] for n in attach[h][leaf]]
@@ -308,6 +327,7 @@ def plan_network(topo: Topology, *, time_scale: float, nic_mode: str = "per-leaf
     return NetworkPlan(
         topology_name=topo.name, time_scale=float(time_scale), nic_mode=nic_mode, hosts=emu_names, switches=switches,
         interfaces=interfaces, payload_rates=payload_rates, floor_fraction=floor_fraction, queue_packets=queue_packets, gpu_leaf=gpu_leaf,
+        prefix=prefix,
     )
 
 
@@ -368,7 +388,7 @@ def _run(cmd: list[str], *, check: bool = True) -> str:
 
 def _root_links() -> set[str]:
     out = _run(["ip", "-o", "link", "show"])
-    return {m.group(1) for m in re.finditer(r"^\d+: ([^:@]+)[@:]", out, re.M)}
+    return {m.group(1) for m in re.finditer(r"^\d+: ([^:@\s]+)[@:]", out, re.M)}
 
 
 class CpuMonitor:
@@ -432,11 +452,17 @@ class CpuMonitor:
 class EmulatedNetwork:
     """A running Mininet network built from a :class:`NetworkPlan`; use as a context manager.
 
-    On entry it builds the hosts, bridges and veths, installs the 8-class HTB
+    On entry it removes what dead runs left (:func:`emu.runs.reap_dead_runs`),
+    registers this run under the plan's prefix (:class:`emu.runs.EmuRun`: owner
+    pid, every process started in the hosts, temporary files under the run's
+    directory), builds the hosts, bridges and veths, installs the 8-class HTB
     tree on every egress port and checks it (raising :class:`FidelityError`);
-    on exit (also after an exception) it stops Mininet, which deletes the
-    namespaces' processes, veths and bridges. A file lock serialises
-    emulations of this package across processes (one Mininet per kernel).
+    on exit (also after an exception, Ctrl-C or SIGTERM, which inside the
+    block raises :class:`KeyboardInterrupt`) it stops Mininet, which deletes
+    the namespaces' processes, veths and bridges, and removes the run's
+    record. After SIGKILL the next run removes the leftovers. A file lock
+    serialises emulations of this package across processes (one Mininet per
+    kernel).
 
     ``disable_gso`` makes every skb one MTU packet (``gso_max_segs 1``), so
     that HTB, which is non-preemptive per skb, switches priorities at packet
@@ -452,19 +478,34 @@ class EmulatedNetwork:
         self.nodes: dict[str, Any] = {}
         self._lock_file: Any = None
         self.lock_wait_s = 0.0  # time spent waiting for another emulation to finish
-        self.workdir = Path(tempfile.mkdtemp(prefix="netweave-emu-"))
+        self.run: Any = None  # emu.runs.EmuRun, once registered
+        self.reaped: dict[str, int] = {}  # what start() removed of dead runs
+        self.workdir = Path(tempfile.gettempdir())  # the run's work/ directory once started
+        self._cmd_lock = threading.Lock()  # a node's shell serves one command at a time (the fidelity monitor runs in a thread)
+        self._stopping = False
+        self._sigterm: Any = None
 
     # -- lifecycle
     def __enter__(self) -> EmulatedNetwork:
+        from .runs import sigterm_as_interrupt
+
+        self._sigterm = sigterm_as_interrupt(lambda: self._stopping)
+        self._sigterm.__enter__()
         try:
             self.start()
         except BaseException:
             self.stop()
+            self._sigterm.__exit__(None, None, None)
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._sigterm is not None:
+                self._sigterm.__exit__(None, None, None)
+                self._sigterm = None
 
     def start(self) -> None:
         mn = import_mininet()
@@ -477,15 +518,27 @@ class EmulatedNetwork:
             log.info("waiting for another netweave emulation to finish (%s)", LOCK_PATH)
             fcntl.flock(self._lock_file, fcntl.LOCK_EX)
         self.lock_wait_s = time.monotonic() - t_lock
-        self._remove_leftovers()
+        from .runs import EmuRun, reap_dead_runs
+
+        self.reaped = reap_dead_runs()
+        try:
+            self.run = EmuRun.register(self.plan.prefix, self.plan.root_links())
+        except RuntimeError as exc:
+            raise EmulationError(str(exc)) from None
+        self.workdir = self.run.work
+        taken = sorted(set(_root_links()) & set(self.plan.root_links()))
+        if taken:
+            raise EmulationError(f"interfaces {taken[:4]} already exist and belong to no dead run of ours; choose another prefix")
         net = mn.net.Mininet(topo=None, switch=mn.nodelib.LinuxBridge, controller=None, link=mn.link.Link, build=False,
                              autoSetMacs=False, waitConnected=False)
         self.net = net
         for name in self.plan.hosts:
             first = self.plan.interfaces_of(name)[0]
             self.nodes[name] = net.addHost(name, ip=f"{first.ip}/{first.prefix}")
+            self.run.record_pid(self.nodes[name].pid)  # the shell that holds the host's namespace
         for s in self.plan.switches:
             self.nodes[s.name] = net.addSwitch(s.name)
+            self.run.record_pid(self.nodes[s.name].pid)
         for i in self.plan.interfaces:
             net.addLink(self.nodes[i.host], self.nodes[i.switch], intfName1=i.dev, intfName2=i.switch_dev,
                         params1={"ip": f"{i.ip}/{i.prefix}"})
@@ -498,34 +551,44 @@ class EmulatedNetwork:
         self.apply_htb()
 
     def stop(self) -> None:
+        self._stopping = True  # a SIGTERM from now on must not cut the clean-up short
         try:
             if self.net is not None:
+                if self.run is not None:
+                    self.run.set_phase("stopping")
                 self.net.stop()
         finally:
             self.net = None
+            if self.run is not None:
+                from .runs import reap_run
+
+                reap_run(self.run.dir)  # whatever Mininet did not stop (processes started in hosts), then the record
+                self.run = None
             if self._lock_file is not None:
                 fcntl.flock(self._lock_file, fcntl.LOCK_UN)
                 self._lock_file.close()
                 self._lock_file = None
-            shutil.rmtree(self.workdir, ignore_errors=True)
+            self._stopping = False
 
-    def _remove_leftovers(self) -> None:
-        """Delete root-namespace bridges/veths carrying this plan's names (left by a killed run); nothing else."""
-        ours = {s.name for s in self.plan.switches} | {i.switch_dev for i in self.plan.interfaces}
-        for name in sorted(_root_links() & ours):
-            log.warning("removing leftover interface %s from an earlier emulation", name)
-            _run(["ip", "link", "del", name], check=False)
+    def set_phase(self, phase: str) -> None:
+        """Record what the run is doing (``RUNS_DIR/<prefix>/phase``), for operators and tests."""
+        if self.run is not None:
+            self.run.set_phase(phase)
 
     # -- commands
     def host(self, name: str) -> Any:
         return self.nodes[name]
 
     def host_cmd(self, name: str, cmd: str) -> str:
-        return self.nodes[name].cmd(cmd)
+        with self._cmd_lock:
+            return self.nodes[name].cmd(cmd)
 
     def popen(self, name: str, args: list[str], **kwargs: Any) -> subprocess.Popen:
-        """Start a process inside emulated host ``name`` (its network namespace)."""
-        return self.nodes[name].popen(args, **kwargs)
+        """Start a process inside emulated host ``name`` (its network namespace); the run records it for clean-up."""
+        proc = self.nodes[name].popen(args, **kwargs)
+        if self.run is not None:
+            self.run.record_pid(proc.pid)
+        return proc
 
     def ip_of(self, emu_host: str, switch: str | None = None) -> str:
         ifaces = self.plan.interfaces_of(emu_host)

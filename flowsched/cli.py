@@ -78,7 +78,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", required=True)
     p.add_argument("--dry-run", action="store_true", help="record tc batches instead of running them")
     p.add_argument("--duration", type=float, default=None)
-    p.add_argument("--until-applied", action="store_true", help="stop after the first plan is applied")
+    p.add_argument("--until-applied", action="store_true",
+                   help="stop once a plan is in force: applied, or found intact in the kernel (a restart with a state file)")
+    p.add_argument("--state", default=None, help="state file keeping the epoch in force across restarts "
+                   "(default: the configuration's agents.HOST.state, agent-HOST.state.json beside it; none with --dry-run)")
     add_json_flag(p)
     p.set_defaults(func=cmd_agent)
 
@@ -150,15 +153,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    from .enforce import apply_tc, host_tc_commands
+    from .enforce import EnforceError, apply_tc, host_tc_commands, verify_tc
     from .plan import read_plan
 
     plan = read_plan(args.plan)
     lines = host_tc_commands(plan, args.host, args.dev, rate_mbit=args.rate_mbit, time_scale=args.time_scale)
     if not args.dry_run:
-        apply_tc(lines, args.dev, netns=args.netns)
-    emit(args, {"host": args.host, "dev": args.dev, "applied": not args.dry_run, "commands": lines},
-         "\n".join(f"tc {x}" for x in lines) if args.dry_run else f"installed {len(lines)} tc lines on {args.dev}")
+        apply_tc(lines, args.dev, netns=args.netns)  # transactional: a refused tree leaves the device's current one
+        problems = verify_tc(lines, args.dev, netns=args.netns)
+        if problems:
+            raise EnforceError(f"installed, but the kernel does not hold the tree: {'; '.join(problems[:3])}", where=args.dev)
+    emit(args, {"host": args.host, "dev": args.dev, "applied": not args.dry_run, "verified": not args.dry_run, "commands": lines},
+         "\n".join(f"tc {x}" for x in lines) if args.dry_run else f"installed {len(lines)} tc lines on {args.dev} (read back: identical)")
     return 0
 
 
@@ -338,10 +344,12 @@ def cmd_agent(args: argparse.Namespace) -> int:
     dev = ac.dev or "eth0"
     applier = DryRunApplier(dev, ac.rate_mbit) if args.dry_run else TcApplier(dev, ac.rate_mbit, netns=ac.netns)
     meter = None if args.dry_run else (lambda: {str(p): v["sent_bytes"] for p, v in class_bytes(dev, netns=ac.netns).items()})
-    with Agent(args.host, config, applier, meter=meter) as agent:
-        progress(f"agent {args.host} on {ac.bind}, scheduler {config.scheduler_bind}")
-        _run_until(agent, (lambda: bool(agent.applied)) if args.until_applied else (lambda: False), args.duration)
-        data = {"host": args.host, "epoch": agent.epoch, "applied": agent.applied, "rejected": agent.rejected,
-                "commands": applier.applied[-1][1] if applier.applied else []}
+    state = None if args.dry_run else (args.state or ac.state)  # a dry run changes no kernel, so it must not record an epoch in force
+    with Agent(args.host, config, applier, meter=meter, state_path=state) as agent:
+        progress(f"agent {args.host} on {ac.bind}, scheduler {config.scheduler_bind}, epoch in force {agent.epoch}")
+        in_force = lambda: agent.epoch >= 0 and bool(agent.applied or agent.verified)  # noqa: E731
+        _run_until(agent, in_force if args.until_applied else (lambda: False), args.duration)
+        data = {"host": args.host, "epoch": agent.epoch, "floor": agent.floor, "applied": agent.applied, "verified": agent.verified,
+                "rejected": list(agent.rejected), "commands": applier.applied[-1][1] if applier.applied else []}
     emit(args, data, f"agent {args.host}: applied epochs {agent.applied or 'none'}, rejected {len(agent.rejected)} messages")
-    return 0 if agent.applied or not args.until_applied else 1
+    return 0 if in_force() or not args.until_applied else 1

@@ -11,22 +11,36 @@ Channels (both authenticated with CURVE, keys from :func:`generate_keys`)
     with their own key pairs. The scheduler's ZAP handler admits only the agents'
     public keys of the configuration, and every message must name the host whose
     key sent it (the ZAP ``User-Id``), so one agent cannot speak for another.
-    Agents send ``hello`` at start (with the epoch they hold, -1 after a restart),
-    ``heartbeat`` every ``heartbeat_s`` (also with their epoch), ``report``
-    (measured bytes/s per class or job) and ``done`` (a job's completion).
+    Agents send ``hello`` at start and ``heartbeat`` every ``heartbeat_s``,
+    both with the epoch *in force* (-1: none), ``report`` (measured bytes/s
+    per class or job) and ``done`` (a job's completion).
 
 Consistency
     A plan carries an ``epoch`` that grows with every publication. An agent
     validates a message completely (JSON, schema, host, epoch, the whole plan
     via :func:`flowsched.plan.plan_from_dict`) before it touches the kernel,
-    refuses older epochs (stale) and messages for another host, and applies a
-    plan with one applier call that builds the whole tc batch and then runs it
-    (:func:`flowsched.enforce.apply_tc`). Refusals are logged and kept in
-    ``rejected``. Whenever a hello or heartbeat shows an agent behind the
-    current epoch, the scheduler pushes the plan again: that is how a restarted
-    agent resynchronises, and how a push lost while an agent was down is
-    repaired. Sends to unreachable agents are dropped, not queued
-    (``ZMQ_IMMEDIATE``), so no old plan is delivered late.
+    and refuses messages for another host and epochs below the highest it
+    ever had in force (stale). It applies a plan with one applier call,
+    which is transactional (:func:`flowsched.enforce.apply_tc`: a tree tc
+    refuses leaves the previous one in place, and the nack says so).
+    *The acked state is what the kernel has*: after every apply, on every
+    repeated push of the epoch in force, at start and every ``verify_s``, an
+    applier that can read the kernel back (``applier.verify(plan, host)``,
+    :class:`flowsched.enforce.TcApplier`) compares the device with the plan;
+    on a difference the agent applies the plan again (and says so in the ack:
+    ``repaired``), and when that does not help it nacks and reports epoch -1
+    (nothing in force). *The epoch survives restarts*: with a ``state`` file
+    the agent writes the epoch in force, the highest epoch it ever had in
+    force and that plan atomically after every change and reads them at
+    start, so after a restart it refuses older plans, and a push of the
+    current one is verified, not applied again. Refusals are logged and kept
+    in ``rejected`` (the newest :data:`MAX_KEPT`). Whenever a hello or
+    heartbeat shows an agent behind the current epoch, the scheduler pushes
+    the plan again: that is how a push lost while an agent was down, or a
+    tree the agent could not keep, is repaired. Sends to unreachable agents
+    are dropped, not queued (``ZMQ_IMMEDIATE``), so no old plan is delivered
+    late. The scheduler keeps the newest :data:`MAX_KEPT` reports, completions
+    and nacks per host (a deque; older ones are dropped and counted).
 
 Messages are JSON objects with ``"proto": 1``. Every socket binds only to its
 configured address; wildcard addresses (``*``, ``0.0.0.0``, ``::``) are refused
@@ -38,7 +52,13 @@ Configuration file (JSON or YAML)::
      "keys": "keys/",                               # relative to the file
      "heartbeat_s": 1.0,
      "scheduler": {"bind": "tcp://10.0.0.1:5710"},
-     "agents": {"node0": {"bind": "tcp://10.0.0.10:5711", "dev": "eth0", "rate_mbit": 1000}}}
+     "agents": {"node0": {"bind": "tcp://10.0.0.10:5711", "dev": "eth0", "rate_mbit": 1000,
+                          "state": "node0.state.json"}}}   # default: agent-HOST.state.json beside the file
+
+Agent state file (``netweave-flow-agent-state`` version 1, JSON, written with
+:func:`topology.io.atomic_write_text`): ``{"host", "epoch", "floor", "plan"}``
+with ``epoch`` the epoch in force (-1: none), ``floor`` the highest epoch ever
+in force (older pushes are stale) and ``plan`` the plan in force (or null).
 """
 
 from __future__ import annotations
@@ -50,6 +70,7 @@ import queue
 import re
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +82,7 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from topology.errors import InputError
+from topology.io import atomic_write_text
 
 from .plan import FlowPlan, FlowPlanError, plan_from_dict, validate_plan
 
@@ -72,6 +94,11 @@ CONFIG_VERSION = 1
 SCHEDULER_KEY = "scheduler"
 _POLL_MS = 10
 _WILDCARD_HOSTS = {"*", "0.0.0.0", "::", "[::]", ""}
+STATE_FORMAT = "netweave-flow-agent-state"
+STATE_VERSION = 1
+#: How many reports, completions and nacks the scheduler keeps per host, and refusals each service keeps (the newest).
+#: A report is ~1 kB in memory, so a host costs at most ~1 MB however long the scheduler runs.
+MAX_KEPT = 1000
 
 
 class ControlError(InputError):
@@ -163,6 +190,7 @@ class AgentConfig:
     dev: str | None = None
     rate_mbit: float | None = None
     netns: str | None = None
+    state: Path | None = None  # the agent's state file (None: the epoch is kept in memory only)
 
 
 @dataclass
@@ -207,10 +235,13 @@ def load_config(path: str | os.PathLike[str]) -> ControlConfig:
     for h, a in data["agents"].items():
         if not isinstance(a, dict) or "bind" not in a:
             raise ControlError("expected {bind: tcp://HOST:PORT, dev: IFACE, rate_mbit: N}", source=src, where=f"agents.{h}")
-        extra = set(a) - {"bind", "dev", "rate_mbit", "netns"}
+        extra = set(a) - {"bind", "dev", "rate_mbit", "netns", "state"}
         if extra:
-            raise ControlError("unknown field (expected bind, dev, rate_mbit, netns)", source=src, where=f"agents.{h}.{sorted(extra)[0]}")
-        agents[str(h)] = AgentConfig(a["bind"], a.get("dev"), a.get("rate_mbit"), a.get("netns"))
+            raise ControlError("unknown field (expected bind, dev, rate_mbit, netns, state)", source=src, where=f"agents.{h}.{sorted(extra)[0]}")
+        if not isinstance(a.get("state", ""), str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", str(h)):
+            raise ControlError("expected a host name of letters, digits, '.', '_' or '-' and a state file path", source=src, where=f"agents.{h}")
+        state = Path(path).resolve().parent / a.get("state", f"agent-{h}.state.json")
+        agents[str(h)] = AgentConfig(a["bind"], a.get("dev"), a.get("rate_mbit"), a.get("netns"), state)
     keys = Path(data["keys"])
     if not keys.is_absolute():
         keys = Path(path).resolve().parent / keys
@@ -287,7 +318,7 @@ class _Service:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.cond = threading.Condition()
-        self.rejected: list[str] = []
+        self.rejected: deque[str] = deque(maxlen=MAX_KEPT)
 
     def start(self) -> _Service:
         self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
@@ -383,13 +414,14 @@ class _Service:
 class AgentState:
     """What the scheduler knows of one agent."""
 
-    epoch: int = -1  # last epoch the agent acknowledged or announced
+    epoch: int = -1  # the epoch in force on the agent, as it last acknowledged or announced
     last_seen: float | None = None
     heartbeats: int = 0
     pushed: float = 0.0  # monotonic time of the last push
-    reports: list[dict[str, Any]] = field(default_factory=list)
-    done: list[dict[str, Any]] = field(default_factory=list)
-    nacks: list[str] = field(default_factory=list)
+    reports: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_KEPT))  # the newest MAX_KEPT
+    done: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=MAX_KEPT))
+    nacks: deque[str] = field(default_factory=lambda: deque(maxlen=MAX_KEPT))
+    received: int = 0  # reports received in all (``len(reports)`` stops at MAX_KEPT)
 
 
 class Scheduler(_Service):
@@ -465,7 +497,7 @@ class Scheduler(_Service):
     def status(self) -> dict[str, Any]:
         alive = self.alive()
         return {"epoch": None if self.plan is None else self.plan.epoch,
-                "agents": {h: {"epoch": a.epoch, "alive": alive[h], "heartbeats": a.heartbeats, "reports": len(a.reports),
+                "agents": {h: {"epoch": a.epoch, "alive": alive[h], "heartbeats": a.heartbeats, "reports": a.received,
                                "done": [d["job"] for d in a.done]} for h, a in self.agents.items()},
                 "rejected": list(self.rejected)}
 
@@ -515,20 +547,22 @@ class Scheduler(_Service):
             a.last_seen = time.monotonic()
             kind = msg["type"]
             if kind == "ack":
-                a.epoch = max(a.epoch, msg["epoch"])
+                a.epoch = msg["epoch"]
             elif kind == "nack":
                 a.nacks.append(msg["reason"])
+                if isinstance(msg.get("epoch"), int) and not isinstance(msg["epoch"], bool):
+                    a.epoch = msg["epoch"]  # what the agent still has in force
                 log.warning("agent %s refused a plan: %s", sender, msg["reason"])
             elif kind in ("hello", "heartbeat"):
                 if kind == "heartbeat":
                     a.heartbeats += 1
-                if kind == "hello":
-                    a.epoch = msg["epoch"]  # a restarted agent starts over
+                a.epoch = msg["epoch"]  # the agent's word on what is in force (-1 after it lost its tree)
                 cur = self.plan.epoch if self.plan else -1
                 behind = msg["epoch"] < cur and sender in (self.plan.hosts if self.plan else {}) and (
                     kind == "hello" or time.monotonic() - a.pushed >= self.repush_s)
             elif kind == "report":
                 a.reports.append(msg)
+                a.received += 1
             elif kind == "done":
                 a.done.append(msg)
             self.cond.notify_all()
@@ -539,31 +573,82 @@ class Scheduler(_Service):
 # -- the agent -----------------------------------------------------------------------------------------------
 
 
-class Agent(_Service):
-    """One host's agent: applies the plans the scheduler sends, reports, heartbeats.
+def read_agent_state(path: str | os.PathLike[str], host: str) -> dict[str, Any] | None:
+    """The state an agent left in ``path`` (None when there is no file); :class:`ControlError` names what is wrong."""
+    src = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ControlError(f"cannot read the agent state ({exc})", source=src) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ControlError(f"not JSON ({exc})", source=src) from None
+    if not isinstance(data, dict) or data.get("format") != STATE_FORMAT or data.get("version") != STATE_VERSION:
+        raise ControlError(f"expected format {STATE_FORMAT!r} version {STATE_VERSION}", source=src, where="format")
+    if data.get("host") != host:
+        raise ControlError(f"the state is host {data.get('host')!r}'s, not {host!r}'s", source=src, where="host")
+    for key in ("epoch", "floor"):
+        if not isinstance(data.get(key), int) or isinstance(data.get(key), bool) or data[key] < -1:
+            raise ControlError(f"expected an integer >= -1, got {data.get(key)!r}", source=src, where=key)
+    plan = None
+    if data.get("plan") is not None:
+        try:
+            plan = plan_from_dict(data["plan"], source=src)
+        except FlowPlanError as exc:
+            raise ControlError(f"the stored plan is invalid: {exc.message}", source=src, where=f"plan.{exc.where or ''}") from None
+    if (plan is None) != (data["epoch"] == -1) or (plan is not None and plan.epoch != data["epoch"]) or data["epoch"] > data["floor"]:
+        raise ControlError("epoch, floor and plan disagree (expected epoch = plan.epoch <= floor, or epoch -1 and no plan)", source=src,
+                           where="epoch")
+    return {"epoch": data["epoch"], "floor": data["floor"], "plan": plan}
 
-    ``applier(plan, host)`` must build the whole batch and then install it (or
-    raise); :class:`flowsched.enforce.DryRunApplier` records instead.
+
+class Agent(_Service):
+    """One host's agent: applies the plans the scheduler sends, checks that the kernel holds them, reports, heartbeats.
+
+    ``applier(plan, host)`` installs the plan's whole batch or raises, leaving
+    the previous tree in place (:class:`flowsched.enforce.TcApplier`);
+    :class:`flowsched.enforce.DryRunApplier` records instead. When the applier
+    has ``verify(plan, host) -> problems`` the agent checks the kernel after
+    every apply, on repeated pushes, at start and every ``verify_s`` seconds
+    (default: 5 heartbeats), and applies again on a difference.
+    ``state_path``: the state file that keeps the epoch across restarts (see
+    the module docstring); None keeps it in memory only.
     ``meter()``, when given, returns cumulative bytes per class (e.g. from
     :func:`flowsched.enforce.class_bytes`); the agent then reports per-class
     rates with each heartbeat.
+
+    Attributes: ``epoch`` (in force, -1 none), ``floor`` (highest epoch ever in
+    force), ``applied`` (epochs this process installed, repairs included) and
+    ``verified`` (epochs found intact in the kernel without installing).
     """
 
     name = "flow-agent"
 
     def __init__(self, host: str, config: ControlConfig, applier: Callable[[FlowPlan, str], list[str]], *,
-                 meter: Callable[[], Mapping[str, float]] | None = None):
+                 meter: Callable[[], Mapping[str, float]] | None = None, state_path: str | os.PathLike[str] | None = None,
+                 verify_s: float | None = None):
         super().__init__()
         if host not in config.agents:
             raise ControlError(f"host {host!r} is not among the configured agents ({', '.join(config.agents)})", where="host")
         self.host, self.config, self.applier, self.meter = host, config, applier, meter
         self.name = f"flow-agent-{host}"
+        self.state_path = Path(state_path) if state_path is not None else None
+        self.verify_s = 5 * config.heartbeat_s if verify_s is None else verify_s
         self.epoch = -1
+        self.floor = -1
         self.plan: FlowPlan | None = None
+        stored = read_agent_state(self.state_path, host) if self.state_path is not None else None
+        if stored is not None:
+            self.epoch, self.floor, self.plan = stored["epoch"], stored["floor"], stored["plan"]
         self.applied: list[int] = []
+        self.verified: list[int] = []
         self._scheduler_key = load_public(config.keys, SCHEDULER_KEY)
         self._seq = 0
         self._next_beat = 0.0
+        self._next_verify = 0.0
         self._last_meter: tuple[float, dict[str, float]] | None = None
         self._cmd: zmq.Socket | None = None
         self._rep: zmq.Socket | None = None
@@ -583,8 +668,11 @@ class Agent(_Service):
         rep.setsockopt(zmq.SNDHWM, 64)
         rep.connect(self.config.scheduler_bind)
         self._cmd, self._rep = cmd, rep
+        if self.plan is not None:  # a restart: is the stored plan still what the kernel has?
+            self._keep_in_force("start")
         self._send({"type": "hello", "host": self.host, "epoch": self.epoch})
         self._next_beat = time.monotonic() + self.config.heartbeat_s
+        self._next_verify = time.monotonic() + self.verify_s
 
     # public API (any thread)
     def report(self, rates: Mapping[str, float]) -> None:
@@ -594,6 +682,61 @@ class Agent(_Service):
     def complete(self, job: str) -> None:
         """Tell the scheduler that ``job`` finished on this host."""
         self._ops.put(("send", {"type": "done", "host": self.host, "job": str(job), "time": time.time()}))
+
+    # state
+    def _set_in_force(self, plan: FlowPlan | None) -> None:
+        """Record what the kernel holds now (``None``: nothing of ours), persist it, wake waiters."""
+        with self.cond:
+            self.plan = plan
+            self.epoch = -1 if plan is None else plan.epoch
+            self.floor = max(self.floor, self.epoch)
+            self.cond.notify_all()
+        if self.state_path is not None:
+            state = {"format": STATE_FORMAT, "version": STATE_VERSION, "host": self.host, "epoch": self.epoch, "floor": self.floor,
+                     "plan": None if plan is None else plan.to_dict()}
+            atomic_write_text(self.state_path, json.dumps(state, indent=1) + "\n")
+
+    def _verify(self, plan: FlowPlan) -> list[str] | None:
+        """The applier's differences between the kernel and ``plan`` (None: the applier cannot read the kernel)."""
+        verify = getattr(self.applier, "verify", None)
+        if verify is None:
+            return None
+        try:
+            return list(verify(plan, self.host))
+        except Exception as exc:  # reading the kernel failed: that is a difference too
+            return [f"cannot read the kernel back: {exc}"]
+
+    def _install(self, plan: FlowPlan) -> tuple[int, list[str]]:
+        """Apply ``plan`` and check it, applying once more on a difference: ``(tc lines, problems left)``; raises if tc refuses."""
+        lines = self.applier(plan, self.host)
+        problems = self._verify(plan) or []
+        if problems:
+            log.warning("%s: the kernel differs from epoch %d after applying it (%s); applying again", self.name, plan.epoch, problems[0])
+            lines = self.applier(plan, self.host)
+            problems = self._verify(plan) or []
+        with self.cond:
+            self.applied.append(plan.epoch)
+        return len(lines), problems
+
+    def _keep_in_force(self, why: str) -> tuple[int, list[str]]:
+        """Verify the plan in force and repair it if the kernel lost it: ``(tc lines run, problems left)``."""
+        plan = self.plan
+        assert plan is not None
+        problems = self._verify(plan)
+        if problems is None or not problems:
+            if problems is not None:
+                with self.cond:
+                    self.verified.append(plan.epoch)
+            return 0, []
+        log.warning("%s: %s: the kernel no longer holds epoch %d (%s); applying it again", self.name, why, plan.epoch, problems[0])
+        try:
+            n, left = self._install(plan)
+        except Exception as exc:
+            n, left = 0, [f"applying it again failed: {exc}"]
+        if left:
+            self._reject(f"epoch {plan.epoch} is not in force and could not be restored: {left[0]}")
+            self._set_in_force(None)
+        return n, left
 
     # loop internals
     def _send(self, msg: dict[str, Any]) -> None:
@@ -609,6 +752,9 @@ class Agent(_Service):
 
     def _tick(self) -> None:
         now = time.monotonic()
+        if self.plan is not None and now >= self._next_verify:
+            self._next_verify = now + self.verify_s
+            self._keep_in_force("periodic check")
         if now < self._next_beat:
             return
         self._next_beat = now + self.config.heartbeat_s
@@ -630,6 +776,10 @@ class Agent(_Service):
         assert self._cmd is not None
         self._cmd.send_multipart([ident, encode(msg)], zmq.NOBLOCK)
 
+    def _nack(self, ident: zmq.Frame, reason: str) -> None:
+        self._reject(reason)
+        self._reply(ident, {"type": "nack", "host": self.host, "reason": reason, "epoch": self.epoch})
+
     def _on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
         if len(frames) != 2:
             return self._reject(f"expected 2 frames, got {len(frames)}")
@@ -642,8 +792,8 @@ class Agent(_Service):
                 raise MessageError(f"type {msg['type']!r} is not allowed on the command channel")
             if msg["host"] != self.host:
                 raise MessageError(f"plan for host {msg['host']!r} sent to {self.host!r}")
-            if msg["epoch"] < self.epoch:
-                raise MessageError(f"stale plan: epoch {msg['epoch']} is older than the applied {self.epoch}")
+            if msg["epoch"] < self.floor:
+                raise MessageError(f"stale plan: epoch {msg['epoch']} is older than epoch {self.floor}, which was in force")
             try:
                 plan = plan_from_dict(msg["plan"], source="message")
             except FlowPlanError as exc:
@@ -652,28 +802,39 @@ class Agent(_Service):
                 raise MessageError(f"message epoch {msg['epoch']} differs from the plan's {plan.epoch}")
             if set(plan.hosts) != {self.host}:
                 raise MessageError(f"the plan must hold exactly this host, it holds {sorted(plan.hosts)}")
+            if msg["epoch"] == self.epoch and self.plan is not None and plan.to_dict() != self.plan.to_dict():
+                raise MessageError(f"epoch {msg['epoch']} is in force with a different plan; a changed plan needs a new epoch")
         except MessageError as exc:
-            self._reject(str(exc))
-            self._reply(ident, {"type": "nack", "host": self.host, "reason": str(exc)})
-            return
-        if msg["epoch"] == self.epoch:  # a repeated push: already applied
-            self._reply(ident, {"type": "ack", "host": self.host, "epoch": self.epoch, "commands": 0})
+            return self._nack(ident, str(exc))
+        if msg["epoch"] == self.epoch:  # a repeated push of the plan in force: check the kernel, repair if needed
+            n, left = self._keep_in_force("repeated push")
+            if left:
+                return self._nack(ident, f"epoch {plan.epoch} could not be kept in force: {left[0]}")
+            self._reply(ident, {"type": "ack", "host": self.host, "epoch": self.epoch, "commands": n, "verified": self._verify_known(),
+                                "repaired": n > 0})
             return
         try:
-            lines = self.applier(plan, self.host)
-        except Exception as exc:  # the applier removes a half-installed tree itself (enforce.apply_tc)
-            self._reject(f"applying epoch {plan.epoch} failed: {exc}")
-            self._reply(ident, {"type": "nack", "host": self.host, "reason": f"apply failed: {exc}"})
-            return
-        with self.cond:
-            self.epoch, self.plan = plan.epoch, plan
-            self.applied.append(plan.epoch)
-            self.cond.notify_all()
-        log.info("%s: applied epoch %d (%d tc lines)", self.name, plan.epoch, len(lines))
-        self._reply(ident, {"type": "ack", "host": self.host, "epoch": plan.epoch, "commands": len(lines)})
+            n, left = self._install(plan)
+        except Exception as exc:  # the applier left the previous tree in place (enforce.apply_tc) and says so
+            if self.plan is not None:
+                self._keep_in_force("after a failed apply")
+            kept = f"epoch {self.epoch} stays in force" if self.plan is not None else "no plan is in force"
+            return self._nack(ident, f"apply failed: {exc}; {kept}")
+        if left:
+            self._set_in_force(None)
+            return self._nack(ident, f"epoch {plan.epoch} was applied but the kernel does not hold it ({'; '.join(left[:3])}); "
+                                     "no plan is in force")
+        self._set_in_force(plan)
+        log.info("%s: applied epoch %d (%d tc lines)", self.name, plan.epoch, n)
+        self._reply(ident, {"type": "ack", "host": self.host, "epoch": plan.epoch, "commands": n,
+                            "verified": self._verify_known(), "repaired": False})
+
+    def _verify_known(self) -> bool:
+        return getattr(self.applier, "verify", None) is not None
 
 
 __all__ = [
-    "CONFIG_FORMAT", "PROTO", "Agent", "AgentConfig", "AgentState", "ControlConfig", "ControlError", "MessageError", "Scheduler",
-    "agent_key_name", "check_endpoint", "decode", "encode", "generate_keys", "load_config", "load_keypair", "load_public",
+    "CONFIG_FORMAT", "MAX_KEPT", "PROTO", "STATE_FORMAT", "Agent", "AgentConfig", "AgentState", "ControlConfig", "ControlError", "MessageError",
+    "Scheduler", "agent_key_name", "check_endpoint", "decode", "encode", "generate_keys", "load_config", "load_keypair", "load_public",
+    "read_agent_state",
 ]

@@ -12,11 +12,16 @@ Two planes (``shared/research/flowsched.md`` §0, §4):
   because ``IP_TOS`` rewrites the socket priority) and :func:`pace_socket`
   (``SO_MAX_PACING_RATE``; TCP paces internally without the fq qdisc).
 
-Applying is all-or-nothing as far as tc allows: the whole batch is generated and
-checked first, the old root qdisc is removed, then one ``tc -batch`` installs the
-tree; if tc fails midway the root is removed again (the port falls back to the
-kernel default, unshaped) and :class:`EnforceError` is raised, so a port never
-keeps half a tree.
+Applying is transactional (:func:`apply_tc`): the new batch is first run on a
+fresh *staging* device (an ``ifb`` created next to the port and deleted after),
+so a tree that tc refuses (a bad rate, a duplicate class) never touches the
+port, which keeps its previous tree. Only a batch that tc accepted there is
+swapped in: one ``tc -batch`` removes the old root and installs the new tree
+(traffic meets the kernel's default qdisc only while that one process runs).
+Should the swap still fail, the previous batch is installed again and the
+error says whether that worked. :func:`verify_tc` reads the device back
+(``tc -j qdisc/filter show``; classes from text, which iproute2 6.1 prints
+for htb even under ``-j``) and lists every difference from the batch.
 
 >>> from flowsched.plan import FlowPlan, FlowRule, HostPlan
 >>> p = FlowPlan({"h0": HostPlan([FlowRule("a", 0, rate=2.5e6), FlowRule("b", 3, dscp=46)], link_rate=12.5e6)})
@@ -32,10 +37,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import struct
 import subprocess
 import tempfile
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,9 +51,12 @@ from emu.htb import (
     NUM_PRIORITIES,
     PRIORITY_DSCP,
     HtbSpec,
+    batch_state,
     class_counters,
+    compare_states,
     htb_teardown_command,
     htb_tree_commands,
+    kernel_state,
     leaf_classid,
     parse_tc_classes,
 )
@@ -115,6 +125,7 @@ def host_tc_commands(plan: FlowPlan, host: str, dev: str, *, rate_mbit: float | 
     ``wire_overhead`` multiplies them (HTB counts frames, plans count payload).
     """
     validate_plan(plan)
+    check_dev_name(dev)
     plan.rules(host)  # an unknown host is an error, not an empty tree
     if rate_mbit is None:
         link = plan.hosts[host].link_rate
@@ -177,50 +188,152 @@ def network_tc_commands(plan: FlowPlan, net_plan: Any) -> list[PortBatch]:
 # -- applying ------------------------------------------------------------------------------------------
 
 
-def _prefix(netns: str | None) -> list[str]:
-    return ["ip", "netns", "exec", netns] if netns else []
+_DEV_NAME = re.compile(r"[A-Za-z0-9_.@:+-]{1,15}")
 
 
-def apply_tc(lines: Sequence[str], dev: str, *, netns: str | None = None, node: Any = None) -> None:
-    """Install a batch on ``dev``: remove its root qdisc, then run the whole batch with one ``tc -batch``.
+def check_dev_name(dev: str, where: str = "dev") -> str:
+    """``dev`` if it is a valid interface name (1-15 of letters, digits and ``_.@:+-``), else :class:`EnforceError`.
 
-    ``netns``: run inside that network namespace (``ip netns exec``); ``node``: a
-    Mininet node (its ``cmd``). On failure the root qdisc is removed again and
-    :class:`EnforceError` is raised with tc's message.
+    >>> check_dev_name("eth0")
+    'eth0'
     """
+    if not isinstance(dev, str) or not _DEV_NAME.fullmatch(dev):
+        raise EnforceError(f"expected an interface name of 1-15 letters, digits or _.@:+-, got {dev!r}", where=where)
+    return dev
+
+
+class _Shell:
+    """Runs ``tc``/``ip`` where the device lives: here, inside ``ip netns exec NETNS``, or in a Mininet node's shell."""
+
+    def __init__(self, netns: str | None = None, node: Any = None):
+        self.netns, self.node = netns, node
+
+    def run(self, args: Sequence[str], stdin: str | None = None, *, merge_stderr: bool = True) -> tuple[int, str]:
+        """``(exit status, stdout)``; stderr is appended to the output when ``merge_stderr`` (error messages)."""
+        if self.node is None:
+            prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+            res = subprocess.run([*prefix, *args], input=stdin, capture_output=True, text=True)
+            return res.returncode, res.stdout + (res.stderr if merge_stderr else "")
+        path = None
+        try:
+            if stdin is not None:  # the node's shell shares our file system
+                fd, path = tempfile.mkstemp(prefix="netweave-tc-", suffix=".batch")
+                with os.fdopen(fd, "w") as f:
+                    f.write(stdin)
+                args = [path if a == "-" else a for a in args]
+            out = self.node.cmd(f"{shlex.join(args)} {'2>&1' if merge_stderr else '2>/dev/null'}; echo \"@@rc=$?\"")
+        finally:
+            if path is not None:
+                os.unlink(path)
+        body, _, rc = out.rstrip().rpartition("@@rc=")
+        return (int(rc) if rc.strip().isdigit() else 1), body
+
+
+def _one_line(text: str) -> str:
+    """tc's (multi-line) message as one line."""
+    return "; ".join(x.strip() for x in text.splitlines() if x.strip())[:500]
+
+
+def _check_batch(lines: Sequence[str], dev: str) -> None:
+    check_dev_name(dev)
     if not lines:
         raise EnforceError("empty tc batch", where=dev)
-    if any("\n" in line for line in lines):
-        raise EnforceError("a tc batch line contains a newline", where=dev)
-    text = "\n".join(lines) + "\n"
-    teardown = htb_teardown_command(dev)
-    if node is not None:
-        fd, path = tempfile.mkstemp(prefix="netweave-tc-", suffix=".batch")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(text)
-            node.cmd(f"tc {teardown} 2>/dev/null")
-            out = node.cmd(f"tc -batch {path} 2>&1; echo rc=$?")
-            if not out.strip().endswith("rc=0"):
-                node.cmd(f"tc {teardown} 2>/dev/null")
-                raise EnforceError(f"tc -batch failed: {out.strip()}", where=dev)
-        finally:
-            os.unlink(path)
+    for line in lines:
+        if "\n" in line or "\r" in line:
+            raise EnforceError("a tc batch line contains a newline", where=dev)
+        if f" dev {dev} " not in f" {line} ":
+            raise EnforceError(f"a batch line does not name the device {dev}: {line!r}", where=dev)
+
+
+def _swap(lines: Sequence[str], dev: str, sh: _Shell) -> str | None:
+    """Replace ``dev``'s tree by ``lines`` in one ``tc -batch``; None on success, else tc's message."""
+    rc, out = sh.run(["tc", "-j", "qdisc", "show", "dev", dev], merge_stderr=False)
+    if rc != 0:
+        return f"cannot read the qdiscs of {dev} (exit {rc})"
+    try:
+        root = kernel_state(out, "", "[]").root
+    except ValueError:
+        return f"cannot parse the qdiscs of {dev}: {out[:200]!r}"
+    teardown = [htb_teardown_command(dev)] if root and root[1] not in ("0:", "") else []  # the kernel's default root has handle 0:
+    rc, out = sh.run(["tc", "-batch", "-"], "\n".join([*teardown, *lines]) + "\n")
+    return None if rc == 0 else f"exit {rc}: {_one_line(out)}"
+
+
+def _stage(lines: Sequence[str], dev: str, sh: _Shell) -> str | None:
+    """Run the batch on a fresh ``ifb`` device beside ``dev``; None when tc accepted every line, else its message."""
+    stage = f"nwstg{uuid.uuid4().hex[:8]}"
+    rc, out = sh.run(["ip", "link", "add", stage, "type", "ifb"])
+    if rc != 0:
+        raise EnforceError(f"cannot create the staging device {stage} (ifb): {_one_line(out)}", where=dev)
+    try:
+        staged = [f" {line} ".replace(f" dev {dev} ", f" dev {stage} ").strip() for line in lines]
+        rc, out = sh.run(["tc", "-batch", "-"], "\n".join(staged) + "\n")
+        return None if rc == 0 else _one_line(out).replace(stage, dev)
+    finally:
+        sh.run(["ip", "link", "del", stage])
+
+
+def apply_tc(lines: Sequence[str], dev: str, *, netns: str | None = None, node: Any = None, previous: Sequence[str] | None = None,
+             stage: bool = True) -> None:
+    """Install a batch on ``dev`` transactionally: check it on a staging device, then swap it in.
+
+    ``netns``: run inside that network namespace (``ip netns exec``); ``node``:
+    a Mininet node (its ``cmd``). When tc refuses the batch on the staging
+    device, ``dev`` is not touched and :class:`EnforceError` says so. When the
+    swap itself fails, ``previous`` (the batch that was in force) is installed
+    again, or, without one, the half tree is removed; the error says which and
+    whether it worked.
+    """
+    _check_batch(lines, dev)
+    sh = _Shell(netns, node)
+    if stage:
+        refused = _stage(lines, dev, sh)
+        if refused is not None:
+            raise EnforceError(f"tc refused the new tree on a staging device ({refused}); {dev} keeps its previous tree", where=dev)
+    failed = _swap(lines, dev, sh)
+    if failed is None:
         return
-    subprocess.run([*_prefix(netns), "tc", *teardown.split()], capture_output=True, text=True)  # absent root: nothing to remove
-    res = subprocess.run([*_prefix(netns), "tc", "-batch", "-"], input=text, capture_output=True, text=True)
-    if res.returncode != 0:
-        subprocess.run([*_prefix(netns), "tc", *teardown.split()], capture_output=True, text=True)
-        raise EnforceError(f"tc -batch failed ({res.returncode}): {(res.stderr or res.stdout).strip()}", where=dev)
+    if previous:
+        _check_batch(previous, dev)
+        again = _swap(previous, dev, sh)
+        outcome = "the previous tree is back" if again is None else f"restoring the previous tree failed too ({again}): {dev} is not shaped"
+    else:
+        sh.run(["tc", *htb_teardown_command(dev).split()])
+        outcome = f"{dev} has no tree (there was no previous one to restore)"
+    raise EnforceError(f"tc -batch failed ({failed}); {outcome}", where=dev)
+
+
+def read_tc_state(dev: str, *, netns: str | None = None, node: Any = None) -> tuple[str, str, str]:
+    """``(tc -j qdisc show, tc class show, tc -j filter show)`` of ``dev``."""
+    check_dev_name(dev)
+    sh = _Shell(netns, node)
+    out = []
+    for args in (["-j", "qdisc"], ["class"], ["-j", "filter"]):
+        rc, text = sh.run(["tc", *args, "show", "dev", dev], merge_stderr=False)
+        if rc != 0:
+            raise EnforceError(f"tc {' '.join(args)} show dev {dev} failed (exit {rc})", where=dev)
+        out.append(text)
+    return out[0], out[1], out[2]
+
+
+def verify_tc(lines: Sequence[str], dev: str, *, netns: str | None = None, node: Any = None) -> list[str]:
+    """Differences between what ``lines`` install and what ``dev`` holds now (empty: the kernel has exactly that tree)."""
+    try:
+        have = kernel_state(*read_tc_state(dev, netns=netns, node=node))
+    except ValueError as exc:  # unparsable tc output
+        return [f"{dev}: cannot parse tc's output ({exc})"]
+    except EnforceError as exc:
+        return [str(exc)]
+    return compare_states(batch_state(lines), have, dev=dev)
 
 
 def tc_show(dev: str, what: str = "class", *, netns: str | None = None, stats: bool = True) -> str:
     """Output of ``tc [-s] {qdisc|class|filter} show dev DEV``."""
-    cmd = [*_prefix(netns), "tc", *(["-s"] if stats else []), what, "show", "dev", dev]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        raise EnforceError(f"{' '.join(cmd)} failed: {res.stderr.strip()}", where=dev)
-    return res.stdout
+    cmd = ["tc", *(["-s"] if stats else []), what, "show", "dev", check_dev_name(dev)]
+    rc, out = _Shell(netns).run(cmd, merge_stderr=False)
+    if rc != 0:
+        raise EnforceError(f"{' '.join(cmd)} failed (exit {rc})", where=dev)
+    return out
 
 
 def class_bytes(dev: str, *, netns: str | None = None) -> dict[int, dict[str, Any]]:
@@ -251,17 +364,32 @@ class DryRunApplier:
 
 
 class TcApplier(DryRunApplier):
-    """Applier that installs the batch with :func:`apply_tc` (root, or inside ``netns`` / a Mininet ``node``)."""
+    """Applier that installs the batch with :func:`apply_tc` (root, or inside ``netns`` / a Mininet ``node``).
+
+    It remembers the last batch the kernel was seen to hold (applied, or
+    verified by :meth:`verify`) and hands it to :func:`apply_tc` as the tree
+    to restore should a swap fail.
+    """
 
     def __init__(self, dev: str, rate_mbit: float | None = None, *, netns: str | None = None, node: Any = None, **kwargs: Any):
-        super().__init__(dev, rate_mbit, **kwargs)
+        super().__init__(check_dev_name(dev), rate_mbit, **kwargs)
         self.netns, self.node = netns, node
+        self.in_force: list[str] | None = None
 
     def __call__(self, plan: FlowPlan, host: str) -> list[str]:
         lines = self.commands(plan, host)
-        apply_tc(lines, self.dev, netns=self.netns, node=self.node)
+        apply_tc(lines, self.dev, netns=self.netns, node=self.node, previous=self.in_force)
+        self.in_force = lines
         self.applied.append((plan.epoch, lines))
         return lines
+
+    def verify(self, plan: FlowPlan, host: str) -> list[str]:
+        """Differences between ``plan``'s tree and the device's (empty: the kernel holds the plan)."""
+        lines = self.commands(plan, host)
+        problems = verify_tc(lines, self.dev, netns=self.netns, node=self.node)
+        if not problems:
+            self.in_force = lines
+        return problems
 
 
 Applier = Callable[[FlowPlan, str], list[str]]
@@ -336,6 +464,6 @@ def apply_rule_to_socket(sock: socket.socket, plan: FlowPlan, host: str, job: st
 
 __all__ = [
     "SO_MAX_PACING_RATE", "Applier", "DryRunApplier", "EnforceError", "PortBatch", "TcApplier", "apply_rule_to_socket", "apply_tc",
-    "ceiling_commands", "class_bytes", "class_ceilings", "dscp_filter_commands", "host_tc_commands", "mark_socket", "network_tc_commands",
-    "pace_socket", "port_commands", "socket_marks", "tc_show",
+    "ceiling_commands", "check_dev_name", "class_bytes", "class_ceilings", "dscp_filter_commands", "host_tc_commands", "mark_socket",
+    "network_tc_commands", "pace_socket", "port_commands", "read_tc_state", "socket_marks", "tc_show", "verify_tc",
 ]

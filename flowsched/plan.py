@@ -79,6 +79,9 @@ FORMAT = "netweave-flow-plan"
 VERSION = 1
 POLICIES = ("sincronia", "parrot", "geryon", "fair")
 _RULE_KEYS = ("job", "priority", "dscp", "rate", "tensor", "comm", "peer", "port")
+#: Highest link rate or rule rate a plan may carry (bytes/s): 1e12 B/s = 8 Tb/s, ten times an 800 Gb/s NIC. tc cannot
+#: build HTB classes much faster than that (the burst of 1 ms of the link overflows the kernel's 32-bit byte count).
+MAX_RATE = 1e12
 
 
 class FlowPlanError(InputError):
@@ -214,8 +217,8 @@ def validate_plan(plan: FlowPlan, *, source: str | None = None) -> None:
     for host, hp in plan.hosts.items():
         if not isinstance(host, str) or not host:
             raise _err(f"host names must be non-empty strings, got {host!r}", "hosts", source)
-        if hp.link_rate is not None and (not _is_num(hp.link_rate) or hp.link_rate <= 0):
-            raise _err(f"expected a positive number of bytes/s, got {hp.link_rate!r}", f"hosts.{host}.link_rate", source)
+        if hp.link_rate is not None and (not _is_num(hp.link_rate) or not 0 < hp.link_rate <= MAX_RATE):
+            raise _err(f"expected a positive number of bytes/s up to {MAX_RATE:g} (8 Tb/s), got {hp.link_rate!r}", f"hosts.{host}.link_rate", source)
         seen: set[tuple] = set()
         for i, r in enumerate(hp.rules):
             where = f"hosts.{host}.rules[{i}]"
@@ -225,8 +228,8 @@ def validate_plan(plan: FlowPlan, *, source: str | None = None) -> None:
                 raise _err(f"expected an integer class 0..{NUM_PRIORITIES - 1} (0 = most urgent), got {r.priority!r}", f"{where}.priority", source)
             if not _is_int(r.dscp) or not 0 <= r.dscp <= 63:
                 raise _err(f"expected an integer DSCP 0..63, got {r.dscp!r}", f"{where}.dscp", source)
-            if r.rate is not None and (not _is_num(r.rate) or r.rate <= 0):
-                raise _err(f"expected a positive number of bytes/s, got {r.rate!r}", f"{where}.rate", source)
+            if r.rate is not None and (not _is_num(r.rate) or not 0 < r.rate <= MAX_RATE):
+                raise _err(f"expected a positive number of bytes/s up to {MAX_RATE:g} (8 Tb/s), got {r.rate!r}", f"{where}.rate", source)
             for k in ("tensor", "peer"):
                 v = getattr(r, k)
                 if v is not None and (not isinstance(v, str) or not v):

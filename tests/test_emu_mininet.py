@@ -58,15 +58,16 @@ def test_network_trees_calibration_and_cleanup():
     with EmulatedNetwork(plan) as net:
         report = net.verify_htb()
         assert report["ok"] and report["interfaces"] == 6
-        assert "0% packet loss" in net.host_cmd("nwh0", f"ping -c1 -W2 {plan.interfaces[2].ip}")
+        assert "0% packet loss" in net.host_cmd(plan.interfaces[0].host, f"ping -c1 -W2 {plan.interfaces[2].ip}")
         cal = net.calibrate(seconds=1.0, raise_on_error=False)
         assert cal["expected_mbit"] == pytest.approx(100.0)
         if not IN_CI and not cal["ok"]:
             pytest.skip(f"calibration off on a shared machine: {cal['problems']}")
         assert cal["ok"], cal
         shells = [net.host(h).shell.pid for h in plan.hosts]
-        net.remove_htb("nws0-eth2")
-        with pytest.raises(FidelityError, match="nws0-eth2"):
+        port = plan.interfaces[1].switch_dev
+        net.remove_htb(port)
+        with pytest.raises(FidelityError, match=port):
             net.verify_htb()
     assert _our_root_links(plan) == set()
     for pid in shells:  # the hosts' shells (and so their namespaces) are gone

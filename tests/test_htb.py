@@ -240,6 +240,6 @@ def test_routes_are_rail_aligned():
     tx, rx = route_flow(plan, topo, "node0/gpu1", "node3/gpu6")  # cross-rail: the source GPU's rail
     assert tx.leaf == "su0/leaf1" == rx.leaf
     assert route_flow(plan, topo, "node1/gpu0", "node1/gpu5") is None  # inside a server: modelled, not emulated
-    agg = plan_network(topo, time_scale=8000, nic_mode="aggregate")
+    agg = plan_network(topo, time_scale=8000, nic_mode="aggregate", prefix="nw")
     tx, rx = route_flow(agg, topo, "node0/gpu1", "node3/gpu6")
     assert tx.dev == "nwh0-eth0" and rx.dev == "nwh3-eth0"
