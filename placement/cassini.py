@@ -216,7 +216,11 @@ def time_shifts(profiles: Mapping[str, CommProfile], capacity: Mapping[Edge, flo
                 s, row = 0.0, mat[0]
             else:
                 excess = np.maximum(base[None, :] + rate * mat - cap[e], 0.0).sum(axis=1)
-                k = int(np.argmin(excess))
+                # ties (several rotations without excess are common) go to the least overlap with the load placed so far:
+                # lining two jobs up costs nothing now but leaves no room for the next one
+                overlap = mat @ base
+                best = excess.min()
+                k = int(np.argmin(np.where(excess <= best + 1e-9 * max(1.0, cap[e]), overlap, np.inf)))
                 s, row = float(rot[k]), mat[k]
             w[(j, e)] = s
             base += rate * row

@@ -80,12 +80,13 @@ class AllocationResult:
     cells: list[str] = field(default_factory=list)
     chain: str | None = None
     preempted: list[str] = field(default_factory=list)
+    downgraded: list[str] = field(default_factory=list)  # lazily preempted guaranteed jobs, still running as opportunistic
     reason: dict[str, Any] | None = None
     plan: list[tuple] | None = None  # exact pieces, for committing a candidate
 
     def to_dict(self) -> dict[str, Any]:
         return {"job": self.job, "ok": self.ok, "gpus": self.gpus, "cells": self.cells, "chain": self.chain,
-                "preempted": self.preempted, "reason": self.reason}
+                "preempted": self.preempted, "downgraded": self.downgraded, "reason": self.reason}
 
 
 class VirtualCell:
@@ -130,6 +131,8 @@ class _Job:
     virtual: list[VirtualCell]  # guaranteed pieces
     physical: list[Cell]  # opportunistic pieces (and the physical counterparts of guaranteed ones)
     seq: int = 0
+    lazy: bool = False  # when preempted inside its VC, downgrade to opportunistic instead of stopping (HiveD's lazy preemption)
+    plan: list[tuple] | None = None  # its pieces, to put it back exactly
 
 
 class _Chain:
@@ -138,6 +141,7 @@ class _Chain:
     def __init__(self, tree: CellTree):
         self.tree = tree
         n, nl = len(tree.cells), len(tree.levels)
+        self.node_level = next((i for i, lv in enumerate(tree.levels) if lv.node_level), 0)
         self.bind_free: list[dict[int, Cell]] = [{} for _ in range(nl)]
         self.occ_free: list[dict[int, Cell]] = [{} for _ in range(nl)]
         for top in tree.tops:
@@ -337,6 +341,8 @@ class HivedScheduler:
                  trees: dict[str, CellTree] | None = None, relax: bool = True):
         self.topo = topo
         self.forge = forge
+        if relax not in (True, False, "node"):
+            raise InputError(f"relax must be true, false or 'node', got {relax!r}", where="relax")
         self.relax = relax
         self.trees = trees or cell_hierarchy(topo, forge=forge)
         self.chains = {name: _Chain(t) for name, t in self.trees.items()}
@@ -443,12 +449,17 @@ class HivedScheduler:
 
     # -- allocation ------------------------------------------------------------------------
     def allocate(self, job: str, gpus: int, *, vc: str | None = None, priority: int = 0, chain: str | None = None,
-                 plan: list[tuple] | None = None, exclude: set[str] | None = None, dry: bool = False) -> AllocationResult:
+                 plan: list[tuple] | None = None, exclude: set[str] | None = None, dry: bool = False, lazy: bool = False) -> AllocationResult:
         """Place a gang of ``gpus`` GPUs for ``job``: in VC ``vc`` (guaranteed) or anywhere (``vc=None``, opportunistic).
 
         ``plan`` commits a candidate found by :meth:`candidates`; ``exclude`` names
         cells the first piece must avoid (used to enumerate alternatives); ``dry``
         finds the placement (and whom it would preempt) and changes nothing.
+        ``lazy``: when a higher-priority job of its VC preempts this (guaranteed)
+        job, it is downgraded to opportunistic on the same GPUs instead of
+        stopped, and stopped only if the preemptor needs those very GPUs
+        (HiveD's ``lazyPreemptionEnable``). A request its VC can never hold
+        fails at once with ``reason["never"] = True``.
         """
         if job in self.jobs:
             raise InputError(f"job {job!r} is already running")
@@ -466,6 +477,10 @@ class HivedScheduler:
             if not chains:
                 return AllocationResult(job, False, reason={"resource": "quota", "level": None, "chain": chain,
                                                             "message": f"VC {vc} has no quota in chain {chain or 'any'}"})
+        if plan is None and vc is not None:
+            never = self.never_fits(gpus, vc, chain)
+            if never is not None:
+                return AllocationResult(job, False, reason=never)
         last: dict[str, Any] | None = None
         for name in chains:
             if plan is not None and plan and plan[0][0] != name:
@@ -477,11 +492,28 @@ class HivedScheduler:
                 if not res.ok and not dry and res.reason and res.reason.get("resource") == "quota":
                     pre = self._try_priority_preemption(job, gpus, vc, priority, name)
                     if pre is not None:
-                        return pre
+                        res = pre
             if res.ok:
+                if not dry and vc is not None:
+                    self.jobs[job].lazy = lazy
                 return res
             last = res.reason
         return AllocationResult(job, False, reason=last)
+
+    def _may_split(self, tree: CellTree, lv: int) -> bool:
+        """Whether a piece of level ``lv`` that finds no free cell may be split into smaller cells (see ``relax``)."""
+        if self.relax is True:
+            return lv > 0
+        if self.relax == "node":
+            return lv > self.chains[tree.chain].node_level
+        return False
+
+    def _downgrade(self, victim: _Job) -> None:
+        """Lazy preemption: the freed guaranteed job keeps its GPUs as an opportunistic job (HiveD's lazyPreemptAffinityGroup)."""
+        plan = [(victim.chain, c.level, c.address) for c in victim.physical]
+        res = self._alloc_opportunistic(victim.id, 0, victim.chain, plan, set())
+        assert res.ok, res.reason
+        self.jobs[victim.id].seq = victim.seq
 
     def _physical_of(self, v: VirtualCell) -> Cell | None:
         if v.parent is None:
@@ -503,7 +535,7 @@ class HivedScheduler:
                 v = self._vtake_path(ch, vch, plan[i][2], plan[i][3], plan[i][4])
             else:
                 v = self._valloc(ch, vch, lv, taken, exclude if i == 0 else set())
-            if v is None and plan is None and self.relax and lv > 0:
+            if v is None and plan is None and self._may_split(tree, lv):
                 # relaxed affinity (HiveD's scheduler accepts any cells, preferring affine ones): split the piece
                 first_fail = lv if first_fail is None else first_fail
                 work[0:0] = decompose(tree, tree.levels[lv].size, below=lv)
@@ -534,7 +566,7 @@ class HivedScheduler:
         leaves = [leaf for p in phys for leaf in range(p.lo, p.hi)]
         self._occupy(ch, job, phys, opportunistic=False)
         self._seq += 1
-        self.jobs[job] = _Job(job, vc, priority, chain, leaves, taken, phys, self._seq)
+        self.jobs[job] = _Job(job, vc, priority, chain, leaves, taken, phys, self._seq, plan=plan_out)
         return self._result(job, chain, phys, sorted(victims), plan_out)
 
     def _vc_has_only_bad(self, ch: _Chain, vch: _VCChain, lv: int) -> bool:
@@ -725,7 +757,7 @@ class HivedScheduler:
             while work:
                 lv = work.pop(0)
                 c = self._occ_choice(ch, lv, cells[0] if cells else None, exclude if not cells else set())
-                if c is None and self.relax and lv > 0:
+                if c is None and self._may_split(tree, lv):
                     first_fail = lv if first_fail is None else first_fail
                     work[0:0] = decompose(tree, tree.levels[lv].size, below=lv)
                     continue
@@ -748,56 +780,73 @@ class HivedScheduler:
         self.jobs[job] = _Job(job, None, OPPORTUNISTIC, chain, leaves, [], cells, self._seq)
         return self._result(job, chain, cells, [], [(chain, c.level, c.address) for c in cells])
 
-    def _occ_choice(self, ch: _Chain, lv: int, anchor: Cell | None, exclude: set[str]) -> Cell | None:
-        """Buddy choice on the occupancy list: the lowest level with an idle cell, first outside VC-bound cells."""
+    def _occ_choice(self, ch: _Chain, lv: int, anchor: Cell | None, exclude: set[str], inside: Cell | None = None) -> Cell | None:
+        """Buddy choice on the occupancy list for an opportunistic piece, keeping away from guaranteed work.
+
+        Three tiers, as HiveD's opportunistic scheduler, which "stays away from
+        guaranteed pods" node by node: (0) a level-``lv`` idle cell in a node
+        that holds no VC-bound cell, (1) one outside every bound cell, (2) any
+        idle cell (a guaranteed job may preempt it later). Within a tier, the
+        lowest level with such a cell wins (buddy best fit), then affinity to
+        ``anchor``. ``inside`` restricts the choice to one cell's subtree.
+        """
+        node_lv = ch.node_level
+        memo: dict[tuple[int, int], bool] = {}
+
+        def ok(c: Cell, tier: int, inside_bound: bool, tainted: bool) -> bool:
+            """Whether idle cell ``c`` holds a full level-``lv`` cell of this tier or better."""
+            if inside is not None and not (c.lo < inside.hi and inside.lo < c.hi):
+                return False
+            if c.level == lv:
+                if not c.full or (inside is not None and not (inside.lo <= c.lo and c.hi <= inside.hi)):
+                    return False
+                return tier >= (2 if inside_bound or ch.bound_in[c.index] else 1 if tainted else 0)
+            if inside_bound and tier < 2:
+                return False
+            if (tier >= 2 or (ch.bound_in[c.index] == 0 and not tainted)) and c.full and inside is None:
+                return True  # a full cell has full descendants at every lower level
+            key = (c.index, tier)
+            if key not in memo:
+                memo[key] = any(ok(k, tier, ch.bound[k.index] is not None,
+                                   tainted or (k.level == node_lv and ch.bound_in[k.index] > 0)) for k in c.children if k.level >= lv)
+            return memo[key]
+
+        def flags(c: Cell) -> tuple[bool, bool]:
+            inside_bound = any(ch.bound[a.index] is not None for a in ch.ancestors(c))
+            node = c
+            while node.level < node_lv and node.parent is not None:
+                node = node.parent
+            return inside_bound, c.level <= node_lv and ch.bound_in[node.index] > 0
+
         def key(c: Cell) -> tuple:
             return (self._affinity(anchor, c), c.index)
 
-        for outside_only in (True, False):
+        for tier in (0, 1, 2):
             for lvl in range(lv, len(ch.occ_free)):
-                best, bkey = None, None
+                best, bkey, bflags = None, None, None
                 for n, c in enumerate(ch.occ_free[lvl].values()):
                     if n >= SCAN_LIMIT and best is not None:
                         break
-                    if (lvl == lv and (not c.full or c.address in exclude)) or (lvl > lv and ch.count_at(c, lv) == 0):
+                    if lvl == lv and c.address in exclude:
                         continue
-                    if outside_only and self._inside_bound(ch, c) and (lvl == lv or not self._has_unbound_part(ch, c, lv)):
+                    f = flags(c)
+                    if not ok(c, tier, *f):
                         continue
                     k = key(c)
                     if bkey is None or k < bkey:
-                        best, bkey = c, k
+                        best, bkey, bflags = c, k, f
                 if best is None:
                     continue
-                c = best
+                c, (inside_bound, tainted) = best, bflags
                 while c.level > lv:
-                    kids = [k for k in c.children if ((k.level > lv and ch.count_at(k, lv)) or (k.level == lv and k.full))
-                            and not (outside_only and ch.bound_in[k.index] and (k.level == lv or not self._has_unbound_part(ch, k, lv)))]
-                    if not kids:
-                        break
-                    c = min(kids, key=key)
-                if c.level == lv:
-                    return c
+                    kids = []
+                    for k in c.children:
+                        fk = (inside_bound or ch.bound[k.index] is not None, tainted or (k.level == node_lv and ch.bound_in[k.index] > 0))
+                        if k.level >= lv and ok(k, tier, *fk):
+                            kids.append((key(k), k, fk))
+                    _, c, (inside_bound, tainted) = min(kids, key=lambda t: t[0])
+                return c
         return None
-
-    def _has_unbound_part(self, ch: _Chain, c: Cell, lv: int) -> bool:
-        """Whether ``c`` (not itself inside a bound cell) has a full level-``lv`` descendant free of bindings."""
-        if ch.bound[c.index] is not None:
-            return False
-        if ch.bound_in[c.index] == 0:
-            return True
-        if c.level == lv:
-            return False
-        return any(self._has_unbound_part(ch, k, lv) for k in c.children if k.level > lv or k.full)
-
-    def _inside_bound(self, ch: _Chain, c: Cell) -> int:
-        if ch.bound_in[c.index]:
-            return 1
-        a = c.parent
-        while a is not None:
-            if ch.bound[a.index] is not None:
-                return 1
-            a = a.parent
-        return 0
 
     def _occupy(self, ch: _Chain, job: str, cells: list[Cell], *, opportunistic: bool) -> None:
         for c in cells:
@@ -813,22 +862,108 @@ class HivedScheduler:
                                 cells=[c.address for c in cells], chain=chain, preempted=preempted, plan=plan)
 
     def _try_priority_preemption(self, job: str, gpus: int, vc: str, priority: int, chain: str) -> AllocationResult | None:
-        """Intra-VC preemption: free lower-priority jobs of the same VC, lowest priority and newest first, until the job fits."""
-        victims = sorted((j for j in self.jobs.values() if j.vc == vc and j.chain == chain and j.priority < priority),
-                         key=lambda j: (j.priority, -j.seq))
+        """Intra-VC preemption: free lower-priority jobs of the same VC, lowest priority and newest first, until the job fits.
+
+        Victims are counted before anything changes: when the VC's free GPUs plus
+        every lower-priority job's GPUs cannot cover the request, nothing is
+        touched. Otherwise victims are freed one by one until the job fits; if it
+        still does not (bad hardware, or ``relax=False`` and the wrong shapes),
+        the victims are put back on their exact cells.
+        """
+        vch = self.vcs[vc][chain]
+        used, victims = 0, []
+        for j in self.jobs.values():
+            if j.vc == vc and j.chain == chain:
+                used += len(j.leaves)
+                if j.priority < priority:
+                    victims.append(j)
         if not victims:
             return None
-        saved = self.to_state()
-        freed = []
+        victims.sort(key=lambda j: (j.priority, -j.seq))
+        short = gpus - (self._quota_gpus(vch) - used)
+        if sum(len(v.leaves) for v in victims) < short:
+            return None
+        freed: list[_Job] = []
         for v in victims:
+            lazy = v.lazy
             self.free(v.id)
-            freed.append(v.id)
+            freed.append(v)
+            if lazy:
+                self._downgrade(v)
+            if sum(len(f.leaves) for f in freed) < short:
+                continue
             res = self._alloc_guaranteed(job, gpus, vc, priority, chain, None, set())
             if res.ok:
-                res.preempted = sorted(set(freed) | set(res.preempted))
+                lazily = [f.id for f in freed if f.lazy and f.id in self.jobs]
+                res.preempted = sorted({f.id for f in freed if f.id not in lazily} | set(res.preempted))
+                res.downgraded = lazily
                 return res
-        self._restore(saved)
+        for v in reversed(freed):  # undo: every victim back on its cells, with its sequence number
+            if v.id in self.jobs:
+                self.free(v.id)
+            back = self._alloc_guaranteed(v.id, 0, vc, v.priority, chain, v.plan, set())
+            assert back.ok, (v.id, v.plan, back.reason)
+            self.jobs[v.id].seq, self.jobs[v.id].lazy = v.seq, v.lazy
         return None
+
+    def _quota_gpus(self, vch: _VCChain) -> int:
+        return sum(vch.tree.levels[lv].size * n for lv, n in vch.quota.items())
+
+    def never_fits(self, gpus: int, vc: str | None, chain: str | None = None) -> dict[str, Any] | None:
+        """Why a request can never be placed, however the cluster drains (None when it can).
+
+        A guaranteed request must fit its VC's whole quota: by GPU count when
+        pieces may be split (``relax=True``), else by cells, as the virtual buddy
+        allocator would cut them from an empty VC. An opportunistic request must
+        fit the chain's GPUs.
+
+        >>> import topology
+        >>> s = HivedScheduler(topology.default_cluster(), {"a": {"host": 1}})
+        >>> s.never_fits(16, "a")["message"]
+        'VC a can never hold 16 GPUs: its quota in chain H100-SXM5-80GB is 8 GPUs (host x1)'
+        >>> s.never_fits(8, "a") is None
+        True
+        """
+        chains = [self._tree(chain).chain] if chain else list(self.trees)
+        if vc is None:
+            if any(gpus <= len(self.trees[c].leaves) for c in chains):
+                return None
+            return {"resource": "gpus", "level": None, "chain": chain, "never": True,
+                    "message": f"needs {gpus} GPUs, no GPU chain has that many"}
+        why, level = None, None
+        for name in chains:
+            vch = self.vcs.get(vc, {}).get(name)
+            if vch is None:
+                continue
+            tree = vch.tree
+            desc = ", ".join(f"{tree.levels[lv].name} x{n}" for lv, n in sorted(vch.quota.items(), reverse=True))
+            if self._quota_gpus(vch) < gpus:
+                level = tree.levels[decompose(tree, gpus)[0]].name
+                why = f"VC {vc} can never hold {gpus} GPUs: its quota in chain {name} is {self._quota_gpus(vch)} GPUs ({desc})"
+                continue
+            if self.relax is True:
+                return None
+            free = [vch.quota.get(lv, 0) for lv in range(len(tree.levels))]
+            work, fits = decompose(tree, gpus), True
+            while work:
+                lv = work.pop(0)
+                up = next((u for u in range(lv, len(free)) if free[u]), None)
+                if up is None:
+                    if self._may_split(tree, lv):
+                        work[0:0] = decompose(tree, tree.levels[lv].size, below=lv)
+                        continue
+                    fits, level = False, tree.levels[lv].name
+                    why = (f"VC {vc} can never hold a {tree.levels[lv].name!r} cell: its quota in chain {name} is {desc}, "
+                           f"and that piece may not be split")
+                    break
+                free[up] -= 1
+                for lower in range(lv, up):  # each split leaves the other children free
+                    free[lower] += tree.levels[lower + 1].fanout - 1
+            if fits:
+                return None
+        if why is None:
+            why = f"VC {vc} has no quota in chain {chain or 'any'}"
+        return {"resource": "quota", "level": level, "chain": chain, "vc": vc, "never": True, "message": why}
 
     def free(self, job: str) -> list[str]:
         """Release a job's GPUs and cells (buddies merge back); returns its GPU ids."""
@@ -925,7 +1060,7 @@ class HivedScheduler:
                 pieces = [[c.level, c.address] for c in j.physical]
             else:
                 pieces = [[v.level, v.path(), self.vcs[j.vc][j.chain].roots[v.root_index].physical.address] for v in j.virtual]
-            jobs.append({"id": j.id, "vc": j.vc, "priority": j.priority, "chain": j.chain, "pieces": pieces, "seq": j.seq})
+            jobs.append({"id": j.id, "vc": j.vc, "priority": j.priority, "chain": j.chain, "pieces": pieces, "seq": j.seq, "lazy": j.lazy})
         bad = [ch.tree.leaves[i] for ch in self.chains.values() for i, b in enumerate(ch.leaf_bad) if b]
         return {"format": STATE_FORMAT, "version": 1, "topology": self.topo.name, "forge": self.forge, "relax": self.relax,
                 "virtual_clusters": self.vc_spec, "bad_gpus": bad, "bindings": bindings, "jobs": jobs,
@@ -944,7 +1079,7 @@ class HivedScheduler:
         if state.get("version") != 1:
             raise InputError(f"unsupported version {state.get('version')!r}, expected 1", source=source, where="version")
         s = cls(topo, state.get("virtual_clusters") or {}, forge=bool(state.get("forge", True)), trees=trees,
-                relax=bool(state.get("relax", True)))
+                relax=state.get("relax", True))
         try:
             for g in state.get("bad_gpus", []):
                 for ch, leaf in s._leaves_named([g]):
@@ -965,6 +1100,7 @@ class HivedScheduler:
                 if not res.ok:
                     raise InputError(f"job {item['id']!r} cannot be restored: {res.reason}", source=source, where=where)
                 s.jobs[item["id"]].seq = item.get("seq", i)
+                s.jobs[item["id"]].lazy = bool(item.get("lazy", False))
             s._seq = int(state.get("seq", len(s.jobs)))
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             if isinstance(exc, InputError):
