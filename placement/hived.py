@@ -119,6 +119,18 @@ class _VCChain:
                 self.roots.append(v)
                 self.free[level][id(v)] = v
         self.quota = dict(quota)
+        self.jobs: dict[str, _Job] = {}  # the VC's running jobs in this chain (for intra-VC preemption)
+        self.gpus_at: dict[int, int] = {}  # GPUs those jobs use, by priority
+
+    def add_job(self, j: _Job) -> None:
+        self.jobs[j.id] = j
+        self.gpus_at[j.priority] = self.gpus_at.get(j.priority, 0) + len(j.leaves)
+
+    def drop_job(self, j: _Job) -> None:
+        del self.jobs[j.id]
+        self.gpus_at[j.priority] -= len(j.leaves)
+        if not self.gpus_at[j.priority]:
+            del self.gpus_at[j.priority]
 
 
 @dataclass
@@ -149,6 +161,15 @@ class _Chain:
             self.occ_free[top.level][top.index] = top
         self.bound: list[VirtualCell | None] = [None] * n
         self.bound_in = [0] * n  # bound roots in the subtree
+        self.covered = [0] * n  # bound roots among the cell and its ancestors (> 0: inside a bound cell)
+        self.sizes = [c.hi - c.lo for c in tree.cells]
+        # the node-level cell holding each cell at or below the node level (None above it)
+        self.node_of: list[int | None] = [None] * n
+        for c in reversed(tree.cells):  # parents before children
+            if c.level == self.node_level:
+                self.node_of[c.index] = c.index
+            elif c.level < self.node_level and c.parent is not None:
+                self.node_of[c.index] = self.node_of[c.parent.index]
         self.busy = [0] * n  # leaves used by a job or bad
         self.bad = [0] * n
         self.opp = [0] * n  # leaves used by opportunistic jobs
@@ -158,7 +179,15 @@ class _Chain:
         for c in tree.cells:
             if c.level == 0:
                 self.leaf_cell[c.lo] = c
-        self.desc_at = {}  # (cell index, level) -> number of descendants at level (full cells only)
+        # descendants of each cell at each level, bottom-up (cells are stored children first): O(1) lookups on the hot path
+        self.desc_at: list[list[int]] = [[0] * nl for _ in range(n)]
+        for c in tree.cells:
+            row = self.desc_at[c.index]
+            row[c.level] = 1
+            for k in c.children:
+                for lv, cnt in enumerate(self.desc_at[k.index]):
+                    if cnt:
+                        row[lv] += cnt
         # cells are stored in post-order, so a subtree is the index range [first[c], c]
         self.first = [0] * n
         for c in tree.cells:
@@ -171,16 +200,8 @@ class _Chain:
             c = c.parent
 
     def count_at(self, cell: Cell, level: int) -> int:
-        key = (cell.index, level)
-        if key not in self.desc_at:
-            if cell.level == level:
-                v = 1
-            elif cell.level < level:
-                v = 0
-            else:
-                v = sum(self.count_at(k, level) for k in cell.children)
-            self.desc_at[key] = v
-        return self.desc_at[key]
+        """Number of descendants of ``cell`` at ``level`` (1 for the cell's own level, 0 above it)."""
+        return self.desc_at[cell.index][level]
 
     # -- occupancy buddy: maximal idle (no job, healthy) cells --------------------------
     def mark_busy(self, leaf: int) -> None:
@@ -228,9 +249,13 @@ class _Chain:
 
     def add_subtree(self, counter: list[int], cell: Cell, sign: int) -> None:
         """Count every leaf of ``cell`` once more (``sign=+1``) or less in ``counter`` for the cell, its subtree and ancestors."""
-        cells = self.tree.cells
-        for i in range(self.first[cell.index], cell.index + 1):
-            counter[i] += sign * (cells[i].hi - cells[i].lo)
+        lo, hi = self.first[cell.index], cell.index + 1
+        if hi - lo == 1:
+            counter[lo] += sign
+        elif sign > 0:
+            counter[lo:hi] = [x + n for x, n in zip(counter[lo:hi], self.sizes[lo:hi], strict=True)]
+        else:
+            counter[lo:hi] = [x - n for x, n in zip(counter[lo:hi], self.sizes[lo:hi], strict=True)]
         a = cell.parent
         while a is not None:
             counter[a.index] += sign * cell.size
@@ -487,12 +512,18 @@ class HivedScheduler:
                 continue
             if vc is None:
                 res = self._alloc_opportunistic(job, gpus, name, plan, exclude or set(), dry)
+            elif plan is None and self._quota_gpus(self.vcs[vc][name]) - sum(self.vcs[vc][name].gpus_at.values()) < gpus:
+                tree = self.trees[name]
+                lv = decompose(tree, gpus)[0]
+                res = AllocationResult(job, False, chain=name, reason={  # by count alone: only preemption can help
+                    "resource": "quota", "level": tree.levels[lv].name, "chain": name, "vc": vc,
+                    "message": f"VC {vc} quota exhausted: fewer than {gpus} GPUs of its quota are free"})
             else:
                 res = self._alloc_guaranteed(job, gpus, vc, priority, name, plan, exclude or set(), dry)
-                if not res.ok and not dry and res.reason and res.reason.get("resource") == "quota":
-                    pre = self._try_priority_preemption(job, gpus, vc, priority, name)
-                    if pre is not None:
-                        res = pre
+            if vc is not None and not res.ok and not dry and res.reason and res.reason.get("resource") == "quota":
+                pre = self._try_priority_preemption(job, gpus, vc, priority, name)
+                if pre is not None:
+                    res = pre
             if res.ok:
                 if not dry and vc is not None:
                     self.jobs[job].lazy = lazy
@@ -567,6 +598,7 @@ class HivedScheduler:
         self._occupy(ch, job, phys, opportunistic=False)
         self._seq += 1
         self.jobs[job] = _Job(job, vc, priority, chain, leaves, taken, phys, self._seq, plan=plan_out)
+        vch.add_job(self.jobs[job])
         return self._result(job, chain, phys, sorted(victims), plan_out)
 
     def _vc_has_only_bad(self, ch: _Chain, vch: _VCChain, lv: int) -> bool:
@@ -732,6 +764,8 @@ class HivedScheduler:
         ch.bound[cell.index] = v
         for a in ch.ancestors(cell):
             ch.bound_in[a.index] += 1
+        lo = ch.first[cell.index]
+        ch.covered[lo:cell.index + 1] = [x + 1 for x in ch.covered[lo:cell.index + 1]]
 
     def _unbind(self, ch: _Chain, v: VirtualCell) -> None:
         cell = v.physical
@@ -739,6 +773,8 @@ class HivedScheduler:
         ch.bound[cell.index] = None
         for a in ch.ancestors(cell):
             ch.bound_in[a.index] -= 1
+        lo = ch.first[cell.index]
+        ch.covered[lo:cell.index + 1] = [x - 1 for x in ch.covered[lo:cell.index + 1]]
         ch.bind_give(cell)
 
     def _alloc_opportunistic(self, job: str, gpus: int, chain: str, plan: list[tuple] | None, exclude: set[str],
@@ -750,6 +786,11 @@ class HivedScheduler:
             for c in cells:
                 if ch.busy[c.index]:
                     raise InputError(f"job {job!r}: planned cell {c.address} is no longer idle")
+        elif self.idle_gpus(chain) < gpus:
+            lv = decompose(tree, gpus)[0]
+            return AllocationResult(job, False, chain=chain, reason={
+                "resource": "gpus", "level": tree.levels[lv].name, "chain": chain,
+                "message": f"only {self.idle_gpus(chain)} idle healthy GPUs in chain {chain}, {gpus} needed"})
         else:
             cells: list[Cell] = []
             work = decompose(tree, gpus)
@@ -812,11 +853,8 @@ class HivedScheduler:
             return memo[key]
 
         def flags(c: Cell) -> tuple[bool, bool]:
-            inside_bound = any(ch.bound[a.index] is not None for a in ch.ancestors(c))
-            node = c
-            while node.level < node_lv and node.parent is not None:
-                node = node.parent
-            return inside_bound, c.level <= node_lv and ch.bound_in[node.index] > 0
+            node = ch.node_of[c.index]
+            return ch.covered[c.index] > 0, node is not None and (ch.bound_in[node] > 0 or ch.covered[node] > 0)
 
         def key(c: Cell) -> tuple:
             return (self._affinity(anchor, c), c.index)
@@ -871,18 +909,10 @@ class HivedScheduler:
         the victims are put back on their exact cells.
         """
         vch = self.vcs[vc][chain]
-        used, victims = 0, []
-        for j in self.jobs.values():
-            if j.vc == vc and j.chain == chain:
-                used += len(j.leaves)
-                if j.priority < priority:
-                    victims.append(j)
-        if not victims:
-            return None
-        victims.sort(key=lambda j: (j.priority, -j.seq))
-        short = gpus - (self._quota_gpus(vch) - used)
-        if sum(len(v.leaves) for v in victims) < short:
-            return None
+        short = gpus - (self._quota_gpus(vch) - sum(vch.gpus_at.values()))
+        if not any(p < priority for p in vch.gpus_at) or sum(n for p, n in vch.gpus_at.items() if p < priority) < short:
+            return None  # freeing every lower-priority job of the VC would not make room: touch nothing
+        victims = sorted((j for j in vch.jobs.values() if j.priority < priority), key=lambda j: (j.priority, -j.seq))
         freed: list[_Job] = []
         for v in victims:
             lazy = v.lazy
@@ -979,6 +1009,7 @@ class HivedScheduler:
                 ch.add_subtree(ch.opp, c, -1)
         if j.vc is not None:
             vch = self.vcs[j.vc][j.chain]
+            vch.drop_job(j)
             for v in j.virtual:
                 self._vfree(ch, vch, v)
         return [ch.tree.leaves[leaf] for leaf in j.leaves]
