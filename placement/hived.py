@@ -49,8 +49,10 @@ O(levels) as well.
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +66,35 @@ OPPORTUNISTIC = -1
 MIN_GUARANTEED, MAX_GUARANTEED = 0, 1000
 STATE_FORMAT = "netweave-hived-state"
 SCAN_LIMIT = 48  # free-list entries examined per choice (HiveD scans all; a bound keeps choices O(1))
+
+
+PHASES = ("search", "walk", "bind", "preempt", "occupy", "release", "other")
+
+
+def _phase(name: str) -> Callable:
+    """Charge a method's own time (callees' phases excluded) to ``name`` in ``self.phase_s``, when that is a dict.
+
+    ``release`` (freeing a job) counts as its own phase only when called
+    directly; a free inside preemption stays part of ``preempt``.
+    """
+    def deco(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(self: HivedScheduler, *args: Any, **kwargs: Any) -> Any:
+            if self.phase_s is None or (name == "release" and self._phase_stack):
+                return fn(self, *args, **kwargs)
+            stack, now = self._phase_stack, time.perf_counter()
+            if stack:
+                self.phase_s[stack[-1]] += now - self._phase_t0
+            stack.append(name)
+            self._phase_t0 = now
+            try:
+                return fn(self, *args, **kwargs)
+            finally:
+                now = time.perf_counter()
+                self.phase_s[stack.pop()] += now - self._phase_t0
+                self._phase_t0 = now
+        return wrapper
+    return deco
 
 
 class QuotaError(InputError):
@@ -378,6 +409,10 @@ class HivedScheduler:
             self.vcs[vc] = {chain: _VCChain(vc, self.trees[chain], q) for chain, q in quota.items()}
         self.jobs: dict[str, _Job] = {}
         self._seq = 0
+        self.spare_opportunistic = True  # binding splits a larger clean cell rather than take one with opportunistic work
+        self.phase_s: dict[str, float] | None = None  # set to dict.fromkeys(PHASES, 0.0) to time allocations by phase
+        self._phase_stack: list[str] = []
+        self._phase_t0 = 0.0
         self.host_of_gpu = {g: self.topo.host_of(g) for g in self.topo.gpus()}
         for chain, report in self._walk(healthy=False).items():
             if report["deficits"]:
@@ -417,6 +452,7 @@ class HivedScheduler:
         return list(self.chains.values()) if chain is None else [self.chains[self._tree(chain).chain]]
 
     # -- the safety walk -----------------------------------------------------------------
+    @_phase('walk')
     def _walk(self, *, healthy: bool, chain: str | None = None) -> dict[str, dict[str, Any]]:
         """HiveD's top-down cell-count check against every VC's unbound quota."""
         out = {}
@@ -473,6 +509,7 @@ class HivedScheduler:
         return {"ok": ok, "chains": walk, "virtual_clusters": vcs}
 
     # -- allocation ------------------------------------------------------------------------
+    @_phase('other')
     def allocate(self, job: str, gpus: int, *, vc: str | None = None, priority: int = 0, chain: str | None = None,
                  plan: list[tuple] | None = None, exclude: set[str] | None = None, dry: bool = False, lazy: bool = False) -> AllocationResult:
         """Place a gang of ``gpus`` GPUs for ``job``: in VC ``vc`` (guaranteed) or anywhere (``vc=None``, opportunistic).
@@ -592,14 +629,18 @@ class HivedScheduler:
             for v in reversed(taken):
                 self._vfree(ch, vch, v)
             return result
-        for victim in sorted(victims):
-            self.free(victim)
+        self._stop_victims(sorted(victims))
         leaves = [leaf for p in phys for leaf in range(p.lo, p.hi)]
         self._occupy(ch, job, phys, opportunistic=False)
         self._seq += 1
         self.jobs[job] = _Job(job, vc, priority, chain, leaves, taken, phys, self._seq, plan=plan_out)
         vch.add_job(self.jobs[job])
         return self._result(job, chain, phys, sorted(victims), plan_out)
+
+    @_phase("preempt")
+    def _stop_victims(self, victims: list[str]) -> None:
+        for victim in victims:
+            self.free(victim)
 
     def _vc_has_only_bad(self, ch: _Chain, vch: _VCChain, lv: int) -> bool:
         """True when the VC still has free quota of level >= ``lv`` but bad hardware makes all of it unusable."""
@@ -615,6 +656,7 @@ class HivedScheduler:
                     return False
         return any_free
 
+    @_phase('search')
     def _valloc(self, ch: _Chain, vch: _VCChain, lv: int, near: list[VirtualCell], exclude: set[str]) -> VirtualCell | None:
         """Virtual buddy allocation inside a VC, binding the preassigned cell on first use."""
         anchor = self._physical_of(near[0]) if near else None
@@ -633,6 +675,9 @@ class HivedScheduler:
                     key = (0, self._affinity(anchor, p), ch.bad[p.index], ch.opp[p.index])
                 if best_key is None or key < best_key:
                     best, best_key = v, key
+            if (best is not None and unbound is not None and lvl == lv and self.spare_opportunistic and ch.opp[self._physical_of(best).index]
+                    and self._bind_safely(ch, unbound, lvl, lv, exclude, clean=True)):
+                best = unbound  # the free virtual cell would preempt opportunistic work: bind another preassigned cell to a clean cell
             if best is None and unbound is not None and self._bind_safely(ch, unbound, lvl, lv, exclude):
                 best = unbound  # bound now: a healthy physical cell with a healthy level-lv part, safe for the other VCs
             if best is None:
@@ -709,7 +754,8 @@ class HivedScheduler:
         """Buddy allocation on the binding free list: a full cell of ``level`` with a healthy level-``need`` part."""
         return next(self._bind_candidates(ch, level, need, exclude), None)
 
-    def _bind_safely(self, ch: _Chain, v: VirtualCell, level: int, need: int, exclude: set[str], *, keep: bool = True) -> bool:
+    def _bind_safely(self, ch: _Chain, v: VirtualCell, level: int, need: int, exclude: set[str], *, keep: bool = True,
+                     clean: bool = False) -> bool:
         """Bind root ``v`` to the first candidate that keeps HiveD's safety walk feasible; False when none does.
 
         Preferring healthy cells (and cells with fewer opportunistic jobs) over
@@ -717,9 +763,12 @@ class HivedScheduler:
         therefore checked with the walk and undone when it breaks it. When only
         bad hardware could serve the request without breaking another VC's
         guarantee, nothing is bound: the request fails (HiveD's "doomed bad
-        cell" case) instead of taking another VC's cells. ``keep=False`` only tests.
+        cell" case) instead of taking another VC's cells. ``keep=False`` only tests;
+        ``clean=True`` considers only cells without opportunistic work.
         """
         for c in self._bind_candidates(ch, level, need, exclude):
+            if clean and ch.opp[c.index]:
+                return False  # candidates come clean ones first
             self._bind(ch, v, c)
             if not self._walk(healthy=False, chain=ch.tree.chain)[ch.tree.chain]["deficits"]:
                 if not keep:
@@ -729,13 +778,21 @@ class HivedScheduler:
         return False
 
     def _bind_candidates(self, ch: _Chain, level: int, need: int, exclude: set[str]):
-        """Binding choices in preference order: lowest level first (buddy), then healthy, then fewest opportunistic GPUs."""
+        """Binding choices in preference order: cells without opportunistic work first (when ``spare_opportunistic``),
+        then lowest level (buddy), healthy, fewest opportunistic GPUs.
+
+        HiveD's buddy allocation takes a free cell of the level when there is one,
+        preferring the fewest opportunistic GPUs; splitting a larger clean cell
+        instead, when the walk allows it, preempts fewer opportunistic jobs
+        (``spare_opportunistic=False`` restores HiveD's order).
+        """
         def ok(c: Cell) -> bool:
             return c.full and ch.bad[c.index] < ch.count_at(c, need) and c.address not in exclude and not (level == need and ch.bad[c.index])
 
         def key(c: Cell) -> tuple:
             return (ch.bad[c.index] > 0, ch.opp[c.index], ch.bad[c.index], c.index)
 
+        dirty: list[Cell] = []  # cells with opportunistic work: taken only when no clean cell of any level can be split
         for lvl in range(level, len(ch.bind_free)):
             cands = []
             for n, c in enumerate(ch.bind_free[lvl].values()):
@@ -749,7 +806,11 @@ class HivedScheduler:
             for c in sorted(cands, key=key):
                 while c.level > level:
                     c = min((k for k in c.children if self._has_bindable(ch, k, level, ok, bool(exclude))), key=key)
-                yield c
+                if ch.opp[c.index] and self.spare_opportunistic:
+                    dirty.append(c)
+                else:
+                    yield c
+        yield from sorted(dirty, key=lambda c: (ch.bad[c.index] > 0, ch.opp[c.index], c.level, c.index))
 
     def _has_bindable(self, ch: _Chain, c: Cell, level: int, ok, excluding: bool) -> bool:
         if c.level == level:
@@ -758,6 +819,7 @@ class HivedScheduler:
             return True  # a healthy full cell has healthy full descendants at every lower level
         return any(self._has_bindable(ch, k, level, ok, excluding) for k in c.children)
 
+    @_phase('bind')
     def _bind(self, ch: _Chain, v: VirtualCell, cell: Cell) -> None:
         ch.bind_take(cell)
         v.physical = cell
@@ -767,6 +829,7 @@ class HivedScheduler:
         lo = ch.first[cell.index]
         ch.covered[lo:cell.index + 1] = [x + 1 for x in ch.covered[lo:cell.index + 1]]
 
+    @_phase('bind')
     def _unbind(self, ch: _Chain, v: VirtualCell) -> None:
         cell = v.physical
         v.physical = None
@@ -821,6 +884,7 @@ class HivedScheduler:
         self.jobs[job] = _Job(job, None, OPPORTUNISTIC, chain, leaves, [], cells, self._seq)
         return self._result(job, chain, cells, [], [(chain, c.level, c.address) for c in cells])
 
+    @_phase('search')
     def _occ_choice(self, ch: _Chain, lv: int, anchor: Cell | None, exclude: set[str], inside: Cell | None = None) -> Cell | None:
         """Buddy choice on the occupancy list for an opportunistic piece, keeping away from guaranteed work.
 
@@ -886,6 +950,7 @@ class HivedScheduler:
                 return c
         return None
 
+    @_phase('occupy')
     def _occupy(self, ch: _Chain, job: str, cells: list[Cell], *, opportunistic: bool) -> None:
         for c in cells:
             for leaf in range(c.lo, c.hi):
@@ -899,6 +964,7 @@ class HivedScheduler:
         return AllocationResult(job, True, gpus=[tree.leaves[leaf] for c in cells for leaf in range(c.lo, c.hi)],
                                 cells=[c.address for c in cells], chain=chain, preempted=preempted, plan=plan)
 
+    @_phase('preempt')
     def _try_priority_preemption(self, job: str, gpus: int, vc: str, priority: int, chain: str) -> AllocationResult | None:
         """Intra-VC preemption: free lower-priority jobs of the same VC, lowest priority and newest first, until the job fits.
 
@@ -995,6 +1061,7 @@ class HivedScheduler:
             why = f"VC {vc} has no quota in chain {chain or 'any'}"
         return {"resource": "quota", "level": level, "chain": chain, "vc": vc, "never": True, "message": why}
 
+    @_phase('release')
     def free(self, job: str) -> list[str]:
         """Release a job's GPUs and cells (buddies merge back); returns its GPU ids."""
         j = self.jobs.pop(job, None)
@@ -1161,10 +1228,6 @@ class HivedScheduler:
         except OSError as exc:
             raise InputError(f"cannot read ({exc.strerror})", source=str(path)) from None
         return cls.from_state(topo, state, source=str(path))
-
-    def _restore(self, state: Mapping[str, Any]) -> None:
-        other = HivedScheduler.from_state(self.topo, state, trees=self.trees)
-        self.__dict__.update(other.__dict__)
 
     # -- reporting ---------------------------------------------------------------------------
     def job_gpus(self, job: str) -> list[str]:

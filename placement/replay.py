@@ -297,7 +297,9 @@ class Replay:
         while progress:
             progress = False
             blocked: set[str | None] = set()
-            for name in list(self.queue):
+            # guaranteed jobs before opportunistic ones (higher priority first, as HiveD): an opportunistic job must not take
+            # the cells a waiting guaranteed job is about to preempt it from
+            for name in sorted(self.queue, key=lambda n: self.jobs[n].spec.vc is None or not self.use_vcs):
                 r = self.jobs[name]
                 q = self._queue_of(r)
                 if q in blocked or r.running:
