@@ -60,7 +60,7 @@ from topology.errors import InputError
 from topology.io import atomic_write_text
 from topology.model import Topology
 
-from .cells import Cell, CellTree, cell_hierarchy
+from .cells import Cell, CellTree, cell_hierarchy, lowest_common_level
 
 OPPORTUNISTIC = -1
 MIN_GUARANTEED, MAX_GUARANTEED = 0, 1000
@@ -121,10 +121,11 @@ class AllocationResult:
 
 
 class VirtualCell:
-    __slots__ = ("vc", "level", "parent", "pos", "children", "physical", "job", "root_index")
+    __slots__ = ("vc", "level", "parent", "pos", "children", "physical", "job", "root_index", "pid")
 
-    def __init__(self, vc: str, level: int, parent: VirtualCell | None, pos: int, root_index: int):
+    def __init__(self, vc: str, level: int, parent: VirtualCell | None, pos: int, root_index: int, pid: str | None = None):
         self.vc, self.level, self.parent, self.pos, self.root_index = vc, level, parent, pos, root_index
+        self.pid = pid  # the pinned cell (its address) this virtual cell belongs to; None for ordinary quota
         self.children: list[VirtualCell] | None = None
         self.physical: Cell | None = None  # set on preassigned (root) cells only
         self.job: str | None = None
@@ -152,6 +153,7 @@ class _VCChain:
         self.quota = dict(quota)
         self.jobs: dict[str, _Job] = {}  # the VC's running jobs in this chain (for intra-VC preemption)
         self.gpus_at: dict[int, int] = {}  # GPUs those jobs use, by priority
+        self.pinned: dict[str, VirtualCell] = {}  # pinned cell address -> its root, bound for good
 
     def add_job(self, j: _Job) -> None:
         self.jobs[j.id] = j
@@ -384,6 +386,9 @@ def decompose(tree: CellTree, gpus: int, below: int | None = None) -> list[int]:
     return out
 
 
+_NO_VC = _VCChain("", CellTree("", [], [], [], []), {})  # an empty VC chain, for lookups
+
+
 class HivedScheduler:
     """HiveD's allocator over a topology: VCs, buddy cells, gangs, preemption, bad hardware.
 
@@ -394,25 +399,30 @@ class HivedScheduler:
     """
 
     def __init__(self, topo: Topology, virtual_clusters: Mapping[str, Any] | None = None, *, forge: bool = True,
-                 trees: dict[str, CellTree] | None = None, relax: bool = True):
+                 trees: dict[str, CellTree] | None = None, relax: bool | str = True, pinned: Mapping[str, Any] | None = None):
         self.topo = topo
         self.forge = forge
         if relax not in (True, False, "node"):
             raise InputError(f"relax must be true, false or 'node', got {relax!r}", where="relax")
         self.relax = relax
         self.trees = trees or cell_hierarchy(topo, forge=forge)
+        self.spare_opportunistic = True  # binding splits a larger clean cell rather than take one with opportunistic work
+        self.phase_s: dict[str, float] | None = None  # set to dict.fromkeys(PHASES, 0.0) to time allocations by phase
+        self._phase_stack: list[str] = []
+        self._phase_t0 = 0.0
         self.chains = {name: _Chain(t) for name, t in self.trees.items()}
         self.vc_spec = {str(k): v for k, v in (virtual_clusters or {}).items()}
         self.vcs: dict[str, dict[str, _VCChain]] = {}
         for vc, spec in self.vc_spec.items():
             quota = _parse_quota(spec, self.trees, vc)
             self.vcs[vc] = {chain: _VCChain(vc, self.trees[chain], q) for chain, q in quota.items()}
+        self.pinned_spec = {str(vc): [list(p) if isinstance(p, (list, tuple)) else p for p in cells] for vc, cells in (pinned or {}).items()}
+        for vc, cells in self.pinned_spec.items():
+            self._pin(vc, cells)
         self.jobs: dict[str, _Job] = {}
+        self.groups: dict[str, list[str]] = {}  # pod group -> its pods' job names (allocate_group)
+        self._group_of: dict[str, str] = {}
         self._seq = 0
-        self.spare_opportunistic = True  # binding splits a larger clean cell rather than take one with opportunistic work
-        self.phase_s: dict[str, float] | None = None  # set to dict.fromkeys(PHASES, 0.0) to time allocations by phase
-        self._phase_stack: list[str] = []
-        self._phase_t0 = 0.0
         self.host_of_gpu = {g: self.topo.host_of(g) for g in self.topo.gpus()}
         for chain, report in self._walk(healthy=False).items():
             if report["deficits"]:
@@ -421,6 +431,30 @@ class HivedScheduler:
                     f"illegal virtual cluster assignment: chain {chain} level {d['level']!r} is short of {d['missing']} cell(s) "
                     f"(VCs demand {d['demand']}, the cluster can provide {d['available']} after higher levels)",
                     where="virtual_clusters")
+
+    def _pin(self, vc: str, cells: Any) -> None:
+        """Bind each pinned cell to a preassigned virtual cell of ``vc`` for good (HiveD's ``initPinnedCells``)."""
+        where = f"pinned.{vc}"
+        if not isinstance(cells, list):
+            raise InputError("expected a list of cell addresses (or [chain, address] pairs)", where=where)
+        for k, item in enumerate(cells):
+            chain, addr = (item if isinstance(item, list) and len(item) == 2 else (None, item))
+            matches = [(c, t) for c, t in self.trees.items() if (chain is None or c == chain) and addr in t.by_address]
+            if len(matches) != 1:
+                raise InputError(f"{'no' if not matches else 'more than one'} cell with address {addr!r}", where=f"{where}[{k}]")
+            chain, tree = matches[0]
+            cell = tree.by_address[addr]
+            vch = self.vcs.setdefault(vc, {}).setdefault(chain, _VCChain(vc, tree, {}))
+            if addr in vch.pinned:
+                raise InputError(f"cell {addr!r} is pinned twice", where=f"{where}[{k}]")
+            root = VirtualCell(vc, cell.level, None, 0, len(vch.roots), pid=addr)
+            try:
+                self._bind(self.chains[chain], root, cell)
+            except InputError:
+                raise InputError(f"cell {addr!r} overlaps another pinned cell", where=f"{where}[{k}]") from None
+            vch.roots.append(root)
+            vch.pinned[addr] = root
+            vch.free[cell.level][id(root)] = root
 
     # -- public queries -----------------------------------------------------------------
     def levels(self, chain: str | None = None) -> list[str]:
@@ -452,7 +486,7 @@ class HivedScheduler:
         return list(self.chains.values()) if chain is None else [self.chains[self._tree(chain).chain]]
 
     # -- the safety walk -----------------------------------------------------------------
-    @_phase('walk')
+    @_phase("walk")
     def _walk(self, *, healthy: bool, chain: str | None = None) -> dict[str, dict[str, Any]]:
         """HiveD's top-down cell-count check against every VC's unbound quota."""
         out = {}
@@ -509,9 +543,10 @@ class HivedScheduler:
         return {"ok": ok, "chains": walk, "virtual_clusters": vcs}
 
     # -- allocation ------------------------------------------------------------------------
-    @_phase('other')
+    @_phase("other")
     def allocate(self, job: str, gpus: int, *, vc: str | None = None, priority: int = 0, chain: str | None = None,
-                 plan: list[tuple] | None = None, exclude: set[str] | None = None, dry: bool = False, lazy: bool = False) -> AllocationResult:
+                 plan: list[tuple] | None = None, exclude: set[str] | None = None, dry: bool = False, lazy: bool = False,
+                 pinned: str | None = None) -> AllocationResult:
         """Place a gang of ``gpus`` GPUs for ``job``: in VC ``vc`` (guaranteed) or anywhere (``vc=None``, opportunistic).
 
         ``plan`` commits a candidate found by :meth:`candidates`; ``exclude`` names
@@ -520,8 +555,10 @@ class HivedScheduler:
         ``lazy``: when a higher-priority job of its VC preempts this (guaranteed)
         job, it is downgraded to opportunistic on the same GPUs instead of
         stopped, and stopped only if the preemptor needs those very GPUs
-        (HiveD's ``lazyPreemptionEnable``). A request its VC can never hold
-        fails at once with ``reason["never"] = True``.
+        (HiveD's ``lazyPreemptionEnable``). ``pinned`` (a cell address the VC
+        pins) places the job inside that pinned cell; without it, a guaranteed
+        job uses only the VC's ordinary quota (HiveD's ``pinnedCellId``). A
+        request its VC can never hold fails at once with ``reason["never"] = True``.
         """
         if job in self.jobs:
             raise InputError(f"job {job!r} is already running")
@@ -534,13 +571,17 @@ class HivedScheduler:
         elif not MIN_GUARANTEED <= priority <= MAX_GUARANTEED:
             raise InputError(f"job {job!r}: guaranteed priority must be in {MIN_GUARANTEED}..{MAX_GUARANTEED}, got {priority}")
         chains = [self._tree(chain).chain] if chain else list(self.trees)
+        if pinned is not None:
+            if vc is None or not any(pinned in v.pinned for v in self.vcs[vc].values()):
+                raise InputError(f"job {job!r}: VC {vc} pins no cell {pinned!r}")
+            chains = [c for c in chains if pinned in self.vcs[vc].get(c, _NO_VC).pinned]
         if vc is not None:
             chains = [c for c in chains if c in self.vcs[vc]]
             if not chains:
                 return AllocationResult(job, False, reason={"resource": "quota", "level": None, "chain": chain,
                                                             "message": f"VC {vc} has no quota in chain {chain or 'any'}"})
         if plan is None and vc is not None:
-            never = self.never_fits(gpus, vc, chain)
+            never = self.never_fits(gpus, vc, chain, pinned=pinned)
             if never is not None:
                 return AllocationResult(job, False, reason=never)
         last: dict[str, Any] | None = None
@@ -549,16 +590,16 @@ class HivedScheduler:
                 continue
             if vc is None:
                 res = self._alloc_opportunistic(job, gpus, name, plan, exclude or set(), dry)
-            elif plan is None and self._quota_gpus(self.vcs[vc][name]) - sum(self.vcs[vc][name].gpus_at.values()) < gpus:
+            elif plan is None and not (vch := self.vcs[vc][name]).pinned and self._quota_gpus(vch) - sum(vch.gpus_at.values()) < gpus:
                 tree = self.trees[name]
                 lv = decompose(tree, gpus)[0]
                 res = AllocationResult(job, False, chain=name, reason={  # by count alone: only preemption can help
                     "resource": "quota", "level": tree.levels[lv].name, "chain": name, "vc": vc,
                     "message": f"VC {vc} quota exhausted: fewer than {gpus} GPUs of its quota are free"})
             else:
-                res = self._alloc_guaranteed(job, gpus, vc, priority, name, plan, exclude or set(), dry)
+                res = self._alloc_guaranteed(job, gpus, vc, priority, name, plan, exclude or set(), dry, pid=pinned)
             if vc is not None and not res.ok and not dry and res.reason and res.reason.get("resource") == "quota":
-                pre = self._try_priority_preemption(job, gpus, vc, priority, name)
+                pre = self._try_priority_preemption(job, gpus, vc, priority, name, pinned)
                 if pre is not None:
                     res = pre
             if res.ok:
@@ -590,7 +631,7 @@ class HivedScheduler:
         return None if p is None else p.children[v.pos]
 
     def _alloc_guaranteed(self, job: str, gpus: int, vc: str, priority: int, chain: str, plan: list[tuple] | None,
-                          exclude: set[str], dry: bool = False) -> AllocationResult:
+                          exclude: set[str], dry: bool = False, pid: str | None = None) -> AllocationResult:
         ch, vch = self.chains[chain], self.vcs[vc][chain]
         tree = ch.tree
         work = decompose(tree, gpus) if plan is None else [p[1] for p in plan]
@@ -602,7 +643,7 @@ class HivedScheduler:
             if plan is not None:
                 v = self._vtake_path(ch, vch, plan[i][2], plan[i][3], plan[i][4])
             else:
-                v = self._valloc(ch, vch, lv, taken, exclude if i == 0 else set())
+                v = self._valloc(ch, vch, lv, taken, exclude if i == 0 else set(), pid)
             if v is None and plan is None and self._may_split(tree, lv):
                 # relaxed affinity (HiveD's scheduler accepts any cells, preferring affine ones): split the piece
                 first_fail = lv if first_fail is None else first_fail
@@ -656,15 +697,33 @@ class HivedScheduler:
                     return False
         return any_free
 
-    @_phase('search')
-    def _valloc(self, ch: _Chain, vch: _VCChain, lv: int, near: list[VirtualCell], exclude: set[str]) -> VirtualCell | None:
-        """Virtual buddy allocation inside a VC, binding the preassigned cell on first use."""
+    @_phase("search")
+    def _valloc(self, ch: _Chain, vch: _VCChain, lv: int, near: list[VirtualCell], exclude: set[str], pid: str | None = None) -> VirtualCell | None:
+        """Virtual buddy allocation inside a VC, binding the preassigned cell on first use; ``pid``: inside that pinned cell only."""
         anchor = self._physical_of(near[0]) if near else None
+        if anchor is not None:
+            # a later piece of a gang: the bound free cell closest to the first piece at any level (lowest common ancestor
+            # first, then the lowest level), as HiveD's search for the lowest LCA; else the buddy order below
+            close, close_key = None, None
+            for lvl in range(lv, len(vch.free)):
+                for n, v in enumerate(vch.free[lvl].values()):
+                    if n >= SCAN_LIMIT and close is not None:
+                        break
+                    p = self._physical_of(v) if v.pid == pid else None
+                    if p is None or ch.bad[p.index] >= ch.count_at(p, lv) or (lvl == lv and (ch.bad[p.index] or p.address in exclude)):
+                        continue
+                    key = (self._affinity(anchor, p), lvl, ch.bad[p.index], ch.opp[p.index])
+                    if close_key is None or key < close_key:
+                        close, close_key = v, key
+            if close is not None and close_key[0] <= ch.node_level:  # within the first piece's node: stay there
+                return self._vsplit_down(ch, vch, close, lv, anchor, exclude)
         for lvl in range(lv, len(vch.free)):
             best, best_key, unbound = None, None, None
             for n, v in enumerate(vch.free[lvl].values()):
                 if n >= SCAN_LIMIT and best is not None:
                     break
+                if v.pid != pid:
+                    continue
                 p = self._physical_of(v)
                 if p is None:  # an unbound preassigned cell; all are alike, so consider the first one only
                     unbound = unbound or v
@@ -682,28 +741,31 @@ class HivedScheduler:
                 best = unbound  # bound now: a healthy physical cell with a healthy level-lv part, safe for the other VCs
             if best is None:
                 continue
-            v = best
-            del vch.free[lvl][id(v)]
-            while v.level > lv:  # split down, choosing the healthiest, least-busy child
-                self._vsplit(vch, v)
-                p = self._physical_of(v)
-                kids = v.children
-                choices = [k for k in kids if ch.bad[p.children[k.pos].index] < ch.count_at(p.children[k.pos], lv)]
-                if v.level - 1 == lv:
-                    choices = [k for k in choices if not ch.bad[p.children[k.pos].index]]
-                def rank(k: VirtualCell, p: Cell = p) -> tuple:
-                    pc = p.children[k.pos]
-                    return (pc.address in exclude, self._affinity(anchor, pc), ch.bad[pc.index], ch.opp[pc.index], k.pos)
-
-                k = min(choices, key=rank)
-                del vch.free[k.level][id(k)]
-                v = k
-            return v
+            return self._vsplit_down(ch, vch, best, lv, anchor, exclude)
         return None
+
+    def _vsplit_down(self, ch: _Chain, vch: _VCChain, v: VirtualCell, lv: int, anchor: Cell | None, exclude: set[str]) -> VirtualCell:
+        """Take free virtual cell ``v`` and split it down to level ``lv``, choosing the closest, healthiest, least-busy child."""
+        del vch.free[v.level][id(v)]
+        while v.level > lv:
+            self._vsplit(vch, v)
+            p = self._physical_of(v)
+            choices = [k for k in v.children if ch.bad[p.children[k.pos].index] < ch.count_at(p.children[k.pos], lv)]
+            if v.level - 1 == lv:
+                choices = [k for k in choices if not ch.bad[p.children[k.pos].index]]
+
+            def rank(k: VirtualCell, p: Cell = p) -> tuple:
+                pc = p.children[k.pos]
+                return (pc.address in exclude, self._affinity(anchor, pc), ch.bad[pc.index], ch.opp[pc.index], k.pos)
+
+            k = min(choices, key=rank)
+            del vch.free[k.level][id(k)]
+            v = k
+        return v
 
     def _vsplit(self, vch: _VCChain, v: VirtualCell) -> None:
         fan = vch.tree.levels[v.level].fanout
-        v.children = [VirtualCell(v.vc, v.level - 1, v, i, v.root_index) for i in range(fan)]
+        v.children = [VirtualCell(v.vc, v.level - 1, v, i, v.root_index, v.pid) for i in range(fan)]
         for k in v.children:
             vch.free[k.level][id(k)] = k
 
@@ -735,7 +797,7 @@ class HivedScheduler:
             v = v.parent
             v.children = None
             vch.free[v.level][id(v)] = v
-        if v.parent is None and v.physical is not None and v.children is None:
+        if v.parent is None and v.physical is not None and v.children is None and v.pid is None:  # pinned cells stay bound
             self._unbind(ch, v)
 
     def _affinity(self, anchor: Cell | None, p: Cell) -> int:
@@ -819,7 +881,7 @@ class HivedScheduler:
             return True  # a healthy full cell has healthy full descendants at every lower level
         return any(self._has_bindable(ch, k, level, ok, excluding) for k in c.children)
 
-    @_phase('bind')
+    @_phase("bind")
     def _bind(self, ch: _Chain, v: VirtualCell, cell: Cell) -> None:
         ch.bind_take(cell)
         v.physical = cell
@@ -829,7 +891,7 @@ class HivedScheduler:
         lo = ch.first[cell.index]
         ch.covered[lo:cell.index + 1] = [x + 1 for x in ch.covered[lo:cell.index + 1]]
 
-    @_phase('bind')
+    @_phase("bind")
     def _unbind(self, ch: _Chain, v: VirtualCell) -> None:
         cell = v.physical
         v.physical = None
@@ -884,7 +946,7 @@ class HivedScheduler:
         self.jobs[job] = _Job(job, None, OPPORTUNISTIC, chain, leaves, [], cells, self._seq)
         return self._result(job, chain, cells, [], [(chain, c.level, c.address) for c in cells])
 
-    @_phase('search')
+    @_phase("search")
     def _occ_choice(self, ch: _Chain, lv: int, anchor: Cell | None, exclude: set[str], inside: Cell | None = None) -> Cell | None:
         """Buddy choice on the occupancy list for an opportunistic piece, keeping away from guaranteed work.
 
@@ -923,7 +985,29 @@ class HivedScheduler:
         def key(c: Cell) -> tuple:
             return (self._affinity(anchor, c), c.index)
 
+        def descend(c: Cell, f: tuple[bool, bool], tier: int) -> Cell:
+            inside_bound, tainted = f
+            while c.level > lv:
+                kids = []
+                for k in c.children:
+                    fk = (inside_bound or ch.bound[k.index] is not None, tainted or (k.level == node_lv and ch.bound_in[k.index] > 0))
+                    if k.level >= lv and ok(k, tier, *fk):
+                        kids.append((key(k), k, fk))
+                _, c, (inside_bound, tainted) = min(kids, key=lambda t: t[0])
+            return c
+
         for tier in (0, 1, 2):
+            if anchor is not None:  # a later piece of a gang: an idle cell in the first piece's node, at any level, comes first
+                near, nkey, nflags = None, None, None
+                for lvl in range(lv, min(node_lv, len(ch.occ_free) - 1) + 1):
+                    for c in ch.occ_free[lvl].values():
+                        if self._affinity(anchor, c) > node_lv:
+                            continue
+                        f = flags(c)
+                        if ok(c, tier, *f) and (nkey is None or (self._affinity(anchor, c), lvl) < nkey):
+                            near, nkey, nflags = c, (self._affinity(anchor, c), lvl), f
+                if near is not None:
+                    return descend(near, nflags, tier)
             for lvl in range(lv, len(ch.occ_free)):
                 best, bkey, bflags = None, None, None
                 for n, c in enumerate(ch.occ_free[lvl].values()):
@@ -939,18 +1023,10 @@ class HivedScheduler:
                         best, bkey, bflags = c, k, f
                 if best is None:
                     continue
-                c, (inside_bound, tainted) = best, bflags
-                while c.level > lv:
-                    kids = []
-                    for k in c.children:
-                        fk = (inside_bound or ch.bound[k.index] is not None, tainted or (k.level == node_lv and ch.bound_in[k.index] > 0))
-                        if k.level >= lv and ok(k, tier, *fk):
-                            kids.append((key(k), k, fk))
-                    _, c, (inside_bound, tainted) = min(kids, key=lambda t: t[0])
-                return c
+                return descend(best, bflags, tier)
         return None
 
-    @_phase('occupy')
+    @_phase("occupy")
     def _occupy(self, ch: _Chain, job: str, cells: list[Cell], *, opportunistic: bool) -> None:
         for c in cells:
             for leaf in range(c.lo, c.hi):
@@ -964,8 +1040,8 @@ class HivedScheduler:
         return AllocationResult(job, True, gpus=[tree.leaves[leaf] for c in cells for leaf in range(c.lo, c.hi)],
                                 cells=[c.address for c in cells], chain=chain, preempted=preempted, plan=plan)
 
-    @_phase('preempt')
-    def _try_priority_preemption(self, job: str, gpus: int, vc: str, priority: int, chain: str) -> AllocationResult | None:
+    @_phase("preempt")
+    def _try_priority_preemption(self, job: str, gpus: int, vc: str, priority: int, chain: str, pid: str | None = None) -> AllocationResult | None:
         """Intra-VC preemption: free lower-priority jobs of the same VC, lowest priority and newest first, until the job fits.
 
         Victims are counted before anything changes: when the VC's free GPUs plus
@@ -975,10 +1051,12 @@ class HivedScheduler:
         the victims are put back on their exact cells.
         """
         vch = self.vcs[vc][chain]
-        short = gpus - (self._quota_gpus(vch) - sum(vch.gpus_at.values()))
+        short = 0 if vch.pinned else gpus - (self._quota_gpus(vch) - sum(vch.gpus_at.values()))
         if not any(p < priority for p in vch.gpus_at) or sum(n for p, n in vch.gpus_at.items() if p < priority) < short:
             return None  # freeing every lower-priority job of the VC would not make room: touch nothing
-        victims = sorted((j for j in vch.jobs.values() if j.priority < priority), key=lambda j: (j.priority, -j.seq))
+        victims = sorted((j for j in vch.jobs.values() if j.priority < priority and j.virtual[0].pid == pid), key=lambda j: (j.priority, -j.seq))
+        if not victims:
+            return None
         freed: list[_Job] = []
         for v in victims:
             lazy = v.lazy
@@ -988,7 +1066,7 @@ class HivedScheduler:
                 self._downgrade(v)
             if sum(len(f.leaves) for f in freed) < short:
                 continue
-            res = self._alloc_guaranteed(job, gpus, vc, priority, chain, None, set())
+            res = self._alloc_guaranteed(job, gpus, vc, priority, chain, None, set(), pid=pid)
             if res.ok:
                 lazily = [f.id for f in freed if f.lazy and f.id in self.jobs]
                 res.preempted = sorted({f.id for f in freed if f.id not in lazily} | set(res.preempted))
@@ -1005,7 +1083,7 @@ class HivedScheduler:
     def _quota_gpus(self, vch: _VCChain) -> int:
         return sum(vch.tree.levels[lv].size * n for lv, n in vch.quota.items())
 
-    def never_fits(self, gpus: int, vc: str | None, chain: str | None = None) -> dict[str, Any] | None:
+    def never_fits(self, gpus: int, vc: str | None, chain: str | None = None, *, pinned: str | None = None) -> dict[str, Any] | None:
         """Why a request can never be placed, however the cluster drains (None when it can).
 
         A guaranteed request must fit its VC's whole quota: by GPU count when
@@ -1026,6 +1104,12 @@ class HivedScheduler:
                 return None
             return {"resource": "gpus", "level": None, "chain": chain, "never": True,
                     "message": f"needs {gpus} GPUs, no GPU chain has that many"}
+        if pinned is not None:
+            cells = [v.pinned[pinned].physical for v in self.vcs.get(vc, {}).values() if pinned in v.pinned]
+            if cells and cells[0].size < gpus:
+                return {"resource": "quota", "level": None, "chain": chain, "vc": vc, "never": True,
+                        "message": f"pinned cell {pinned} of VC {vc} has {cells[0].size} GPUs, {gpus} requested"}
+            return None
         why, level = None, None
         for name in chains:
             vch = self.vcs.get(vc, {}).get(name)
@@ -1061,9 +1145,21 @@ class HivedScheduler:
             why = f"VC {vc} has no quota in chain {chain or 'any'}"
         return {"resource": "quota", "level": level, "chain": chain, "vc": vc, "never": True, "message": why}
 
-    @_phase('release')
+    @_phase("release")
     def free(self, job: str) -> list[str]:
-        """Release a job's GPUs and cells (buddies merge back); returns its GPU ids."""
+        """Release a job's GPUs and cells (buddies merge back); returns its GPU ids.
+
+        A pod group (:meth:`allocate_group`) is released whole, by its name or by
+        any of its pods' (a preempted pod stops its whole gang).
+        """
+        group = self.groups.pop(job, None) or self.groups.pop(self._group_of.get(job, ""), None)
+        if group is not None:
+            out = []
+            for pod in group:
+                self._group_of.pop(pod, None)
+                if pod in self.jobs:
+                    out += self.free(pod)
+            return out
         j = self.jobs.pop(job, None)
         if j is None:
             raise InputError(f"unknown job {job!r}")
@@ -1080,6 +1176,83 @@ class HivedScheduler:
             for v in j.virtual:
                 self._vfree(ch, vch, v)
         return [ch.tree.leaves[leaf] for leaf in j.leaves]
+
+    # -- pod groups -----------------------------------------------------------------------------
+    def allocate_group(self, job: str, pods: list[int], *, vc: str | None = None, priority: int = 0, within: str | None = None,
+                       chain: str | None = None, lazy: bool = False, attempts: int = 8) -> AllocationResult:
+        """Place a gang of pods of different sizes (HiveD's affinity group): each pod inside one node-level cell,
+        all pods inside one cell of level ``within`` when given (V2's ``withinOneCell``); all or nothing.
+
+        Pods are placed largest first, each as a job ``<job>/pod<i>``, by the
+        same buddy choices as :meth:`allocate`; a pod whose pieces straddle two
+        nodes, or a group that leaves its ``within`` cell, is retried with that
+        pod's first cell excluded (up to ``attempts`` times per pod), so a
+        placement that exists may be missed when the cluster is fragmented (no
+        backtracking search, unlike HiveD's). On failure every change is undone.
+
+        >>> import topology
+        >>> s = HivedScheduler(topology.default_cluster(), {"a": {"hostx2": 1}})
+        >>> r = s.allocate_group("g", [6, 6, 2], vc="a", within="hostx2")
+        >>> r.ok, len(r.gpus), sorted({g.split("/")[0] for g in r.gpus})
+        (True, 14, ['node0', 'node1'])
+        """
+        if job in self.jobs or job in self.groups:
+            raise InputError(f"job {job!r} is already running")
+        if not pods or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in pods):
+            raise InputError(f"job {job!r}: pods must be a non-empty list of positive GPU counts, got {pods!r}")
+        saved = self.to_state()
+        order = sorted(range(len(pods)), key=lambda i: -pods[i])
+        names = [f"{job}/pod{i}" for i in range(len(pods))]
+        placed: dict[int, AllocationResult] = {}
+        region: Cell | None = None
+        reason = None
+        for i in order:
+            exclude: set[str] = set()
+            res = None
+            for _ in range(attempts):
+                res = self.allocate(names[i], pods[i], vc=vc, priority=priority, chain=chain, exclude=exclude, lazy=lazy)
+                if not res.ok:
+                    break
+                tree = self.trees[res.chain]
+                leaves = [tree.leaf_of_gpu[g] for g in res.gpus]
+                node_lv = self.chains[res.chain].node_level
+                fits = lowest_common_level(tree, leaves) <= node_lv or pods[i] > tree.levels[node_lv].size
+                if fits and within is not None:
+                    cell = self._ancestor_at(tree, leaves[0], tree.level_index(within))
+                    fits = cell is not None and (region is None or cell is region) and all(cell.lo <= x < cell.hi for x in leaves)
+                    if fits:
+                        region = cell
+                if fits:
+                    break
+                self.free(names[i])
+                exclude.add(res.cells[0])
+                res = AllocationResult(names[i], False, reason={"resource": "affinity", "level": within, "chain": res.chain,
+                                                                 "message": f"pod {i} ({pods[i]} GPUs) found no cells within one node"
+                                                                            + (f" inside one {within!r} cell" if within else "")})
+            if res is None or not res.ok:
+                reason = res.reason if res is not None else None
+                break
+            placed[i] = res
+        if reason is not None or len(placed) < len(pods):
+            self.__dict__.update(HivedScheduler.from_state(self.topo, saved, trees=self.trees).__dict__)
+            return AllocationResult(job, False, reason=reason)
+        self.groups[job] = names
+        for n in names:
+            self._group_of[n] = job
+        out = AllocationResult(job, True, chain=placed[order[0]].chain)
+        for i in range(len(pods)):
+            r = placed[i]
+            out.gpus += r.gpus
+            out.cells += r.cells
+            out.preempted += [p for p in r.preempted if p not in out.preempted]
+            out.downgraded += r.downgraded
+        return out
+
+    def _ancestor_at(self, tree: CellTree, leaf: int, level: int) -> Cell | None:
+        c = self.chains[tree.chain].leaf_cell[leaf]
+        while c is not None and c.level < level:
+            c = c.parent
+        return c if c is not None and c.level == level else None
 
     # -- candidates (for CASSINI) ------------------------------------------------------------
     def candidates(self, job: str, gpus: int, *, vc: str | None = None, priority: int = 0, chain: str | None = None,
@@ -1161,7 +1334,8 @@ class HivedScheduler:
             jobs.append({"id": j.id, "vc": j.vc, "priority": j.priority, "chain": j.chain, "pieces": pieces, "seq": j.seq, "lazy": j.lazy})
         bad = [ch.tree.leaves[i] for ch in self.chains.values() for i, b in enumerate(ch.leaf_bad) if b]
         return {"format": STATE_FORMAT, "version": 1, "topology": self.topo.name, "forge": self.forge, "relax": self.relax,
-                "virtual_clusters": self.vc_spec, "bad_gpus": bad, "bindings": bindings, "jobs": jobs,
+                "virtual_clusters": self.vc_spec, "pinned": self.pinned_spec, "groups": self.groups, "bad_gpus": bad,
+                "bindings": bindings, "jobs": jobs,
                 "free_lists": self.free_lists(), "seq": self._seq}
 
     def save(self, path: str) -> None:
@@ -1177,7 +1351,7 @@ class HivedScheduler:
         if state.get("version") != 1:
             raise InputError(f"unsupported version {state.get('version')!r}, expected 1", source=source, where="version")
         s = cls(topo, state.get("virtual_clusters") or {}, forge=bool(state.get("forge", True)), trees=trees,
-                relax=state.get("relax", True))
+                relax=state.get("relax", True), pinned=state.get("pinned") or None)
         try:
             for g in state.get("bad_gpus", []):
                 for ch, leaf in s._leaves_named([g]):
@@ -1200,6 +1374,8 @@ class HivedScheduler:
                 s.jobs[item["id"]].seq = item.get("seq", i)
                 s.jobs[item["id"]].lazy = bool(item.get("lazy", False))
             s._seq = int(state.get("seq", len(s.jobs)))
+            s.groups = {str(g): [str(p) for p in pods] for g, pods in (state.get("groups") or {}).items()}
+            s._group_of = {p: g for g, pods in s.groups.items() for p in pods}
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             if isinstance(exc, InputError):
                 raise

@@ -87,8 +87,9 @@ def assert_each_vc_gets_all_its_quota_cells_at_once(s: HivedScheduler) -> None:
         guaranteed = {j.id for j in copy.jobs.values() if j.vc is not None}
         for chain, vch in chains.items():
             tree = vch.tree
-            for i, lv in enumerate(sorted((r.level for r in vch.roots), reverse=True)):
-                res = copy.allocate(f"quota-{vc}-{i}", tree.levels[lv].size, vc=vc, chain=chain)
+            for i, root in enumerate(sorted(vch.roots, key=lambda r: -r.level)):
+                lv = root.level
+                res = copy.allocate(f"quota-{vc}-{i}", tree.levels[lv].size, vc=vc, chain=chain, pinned=root.pid)
                 assert res.ok, (vc, tree.levels[lv].name, res.reason)
                 assert not set(res.preempted) & guaranteed
                 leaves = sorted(tree.leaf_of_gpu[g] for g in res.gpus)
