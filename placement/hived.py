@@ -22,23 +22,33 @@ Mechanism (as in HiveD):
   and number of missing cells (:class:`QuotaError`).
 * **Guaranteed** jobs (priority 0..1000) run only in their VC's cells; within a
   VC a higher priority preempts a lower one. **Opportunistic** jobs (priority
-  -1) use any idle GPU, preferring GPUs outside bound cells ("stay away from
-  guaranteed jobs"); a guaranteed job whose cells they occupy preempts them.
+  -1) use any idle GPU, preferring nodes without VC-bound cells, then GPUs
+  outside bound cells ("stay away from guaranteed jobs", node by node); a
+  guaranteed job whose cells they occupy preempts them.
 * Jobs are **gangs**: all of a job's cells are allocated or none.
 * **Bad hardware**: a failed GPU or host makes its cells bad (a cell is bad when
   any leaf is). Allocation avoids bad cells; when healthy free cells no longer
   cover every VC's quota the shortfall is *reported* per level and VC
   (:meth:`HivedScheduler.guarantee_report`), never silently absorbed.
 
-Deviations, stated: requests are GPU counts decomposed into cells of the
-derived levels (largest first), not HiveD's pod/leaf-cell affinity groups;
+Also as in HiveD: lazy preemption (a lazily preemptible guaranteed job is
+downgraded to opportunistic on its GPUs), pinned cells (bound for good), pod
+groups (:meth:`HivedScheduler.allocate_group`: each pod within one node-level
+cell, optionally all within one cell of a level), HiveD's configuration file
+(:mod:`placement.hived_config`).
+
+Deviations, stated: plain requests are GPU counts decomposed into cells of the
+derived levels (largest first), and by default a piece that finds no free cell
+is split into smaller cells even across nodes (``relax="node"`` is HiveD's
+rule); pod groups are placed greedily with retries, not by HiveD's
+backtracking search; binding prefers a clean larger cell to a cell with
+opportunistic work (``spare_opportunistic=False`` restores HiveD's order);
 virtual children bind to the physical children at the same position rather
 than by a search (equivalent, as virtual siblings are interchangeable and the
 choice among them avoids bad and busy counterparts); buddies may be
-non-identical (see :mod:`placement.cells`); lazy preemption and pinned cells
-are not implemented. Job placements use a second buddy structure over *idle*
-GPUs (the occupancy free list) so that opportunistic and baseline placement is
-O(levels) as well.
+non-identical (see :mod:`placement.cells`). Job placements use a second buddy
+structure over *idle* GPUs (the occupancy free list) so that opportunistic and
+baseline placement is O(levels) as well.
 
 >>> import topology
 >>> s = HivedScheduler(topology.default_cluster(), {"a": {"host": 2}, "b": {"numa": 3}})
@@ -394,8 +404,13 @@ class HivedScheduler:
 
     ``virtual_clusters`` maps a VC name to its quota, ``{level: count}`` or
     ``{chain: {level: count}}``; infeasible quotas raise :class:`QuotaError`.
-    ``relax``: when no cell of a piece's level is free, split the piece into
-    smaller cells (HiveD's relaxed affinity) instead of failing.
+    ``relax``: when no cell of a piece's level is free, ``True`` splits the
+    piece into smaller cells, possibly on several nodes (the planner's rule, not
+    HiveD's); ``"node"`` is HiveD's rule: pieces at or below the node level stay
+    whole (a pod stays within one node-level cell), larger ones split into
+    node-sized pieces; ``False`` never splits. ``pinned`` maps a VC to cells it
+    pins (addresses, or ``[chain, address]``): bound for good, used only by
+    requests that name them.
     """
 
     def __init__(self, topo: Topology, virtual_clusters: Mapping[str, Any] | None = None, *, forge: bool = True,
@@ -645,7 +660,7 @@ class HivedScheduler:
             else:
                 v = self._valloc(ch, vch, lv, taken, exclude if i == 0 else set(), pid)
             if v is None and plan is None and self._may_split(tree, lv):
-                # relaxed affinity (HiveD's scheduler accepts any cells, preferring affine ones): split the piece
+                # split the piece into smaller cells (see ``relax``: the planner's rule, or HiveD's within one node)
                 first_fail = lv if first_fail is None else first_fail
                 work[0:0] = decompose(tree, tree.levels[lv].size, below=lv)
                 continue

@@ -21,9 +21,13 @@ Policies (:data:`POLICIES`):
     that fit by GPU count run and the others are preempted (progress kept, no
     restart penalty; placement first-fit, i.e. consolidation relaxed).
 ``hived``
-    HiveD buddy cell allocation (:class:`~placement.hived.HivedScheduler`): FIFO,
-    each job placed by the buddy allocator (guaranteed in its VC when the
-    trace names VCs, opportunistic otherwise). No time shifts.
+    HiveD buddy cell allocation (:class:`~placement.hived.HivedScheduler`): each
+    job placed by the buddy allocator (guaranteed in its VC when the trace names
+    VCs, opportunistic otherwise). No time shifts. One FIFO queue per VC and one
+    for opportunistic jobs: a head that does not fit blocks only its own queue;
+    guaranteed queues go first; a request its VC can never hold is refused on
+    arrival; preempted opportunistic jobs keep their progress and return to the
+    head of their queue.
 ``hived+cassini``
     As ``hived``, but up to ``candidates`` buddy placements are ranked by
     CASSINI against the running jobs that share links with them, and the job's
