@@ -1012,15 +1012,18 @@ class HivedScheduler:
             return c
 
         for tier in (0, 1, 2):
-            if anchor is not None:  # a later piece of a gang: an idle cell in the first piece's node, at any level, comes first
+            if anchor is not None and anchor.level <= node_lv:
+                # a later piece of a gang: an idle cell in the first piece's node, at any level, comes first
+                node = anchor
+                while node.level < node_lv:
+                    node = node.parent
                 near, nkey, nflags = None, None, None
-                for lvl in range(lv, min(node_lv, len(ch.occ_free) - 1) + 1):
-                    for c in ch.occ_free[lvl].values():
-                        if self._affinity(anchor, c) > node_lv:
-                            continue
-                        f = flags(c)
-                        if ok(c, tier, *f) and (nkey is None or (self._affinity(anchor, c), lvl) < nkey):
-                            near, nkey, nflags = c, (self._affinity(anchor, c), lvl), f
+                for c in ch.tree.cells[ch.first[node.index]: node.index + 1]:  # the node's subtree (cells are stored in post-order)
+                    if c.level < lv or c.index not in ch.occ_free[c.level]:
+                        continue
+                    f = flags(c)
+                    if ok(c, tier, *f) and (nkey is None or (self._affinity(anchor, c), c.level) < nkey):
+                        near, nkey, nflags = c, (self._affinity(anchor, c), c.level), f
                 if near is not None:
                     return descend(near, nflags, tier)
             for lvl in range(lv, len(ch.occ_free)):
