@@ -287,23 +287,19 @@ def bench_preemption(quick: bool) -> None:
     trees = sched.trees
     quota_gpus = {vc: sum(trees[c].levels[lv].size * k for c, q in sched.vcs[vc].items() for lv, k in q.quota.items()) for vc in sched.vcs}
 
-    def h_alloc(name, n, vc):
-        r = sched.allocate(name, n, vc=vc)
-        return r.ok, list(r.preempted)
+    def run_hived(sched: HivedScheduler) -> dict:
+        def alloc(name, n, vc):
+            r = sched.allocate(name, n, vc=vc)
+            return r.ok, list(r.preempted)
 
-    t0 = time.perf_counter()
-    hived = _run_stream(stream, h_alloc, sched.free, sched.fragmentation, 512)
-    hived["wall_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = _run_stream(stream, alloc, sched.free, sched.fragmentation, 512)
+        return {**out, "wall_s": time.perf_counter() - t0}
+
+    hived = run_hived(sched)
     hived_order = HivedScheduler(topo, PREEMPT_VCS)
     hived_order.spare_opportunistic = False  # HiveD's own binding order: a free cell of the level first, fewest opportunistic GPUs
-
-    def o_alloc(name, n, vc):
-        r = hived_order.allocate(name, n, vc=vc)
-        return r.ok, list(r.preempted)
-
-    t0 = time.perf_counter()
-    order = _run_stream(stream, o_alloc, hived_order.free, hived_order.fragmentation, 512)
-    order["wall_s"] = time.perf_counter() - t0
+    order = run_hived(hived_order)
     ff = FirstFit(topo, quota_gpus)
     t0 = time.perf_counter()
     first = _run_stream(stream, ff.allocate, ff.free, ff.fragmentation, 512)

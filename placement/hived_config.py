@@ -1,20 +1,9 @@
 """HiveD's own configuration file: read it into cell trees and quotas, write it back exactly, export ours as one.
 
 A HiveD user brings ``hivedscheduler.yaml`` unchanged (``microsoft/hivedscheduler``,
-``pkg/api/types.go``)::
-
-    physicalCluster:
-      skuTypes: {H100: {gpu: 1, cpu: 14, memory: 240Gi}}       # OpenPAI's; kept as is
-      cellTypes:
-        H100-NODE: {childCellType: H100, childCellNumber: 8, isNodeLevel: true}
-        H100-2NODE: {childCellType: H100-NODE, childCellNumber: 2}
-      physicalCells:
-      - cellType: H100-2NODE
-        cellChildren: [{cellAddress: node0}, {cellAddress: node1, pinnedCellId: pin-a}]
-    virtualClusters:
-      vc1:
-        virtualCells: [{cellType: H100-2NODE.H100-NODE, cellNumber: 1}]
-        pinnedCells: [{pinnedCellId: pin-a}]
+``pkg/api/types.go``): ``physicalCluster`` (``skuTypes``, OpenPAI's, kept as is;
+``cellTypes``; ``physicalCells``) and ``virtualClusters`` (``virtualCells``,
+``pinnedCells``); :data:`EXAMPLE` is a small one.
 
 What it becomes (:meth:`HivedConfig.trees`, :meth:`HivedConfig.virtual_clusters`,
 :meth:`HivedConfig.pinned_cells`, :func:`scheduler_from_config`):
