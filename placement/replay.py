@@ -297,9 +297,9 @@ class Replay:
 
     def _schedule_hived(self) -> bool:
         """One FIFO queue per VC (opportunistic jobs form their own), as HiveD's intra-VC schedulers: a head that does not fit blocks its VC only."""
-        changed, progress = False, True
-        while progress:
-            progress = False
+        changed, again = False, True
+        while again:  # one pass, and another only when preempted jobs went back to a queue already passed
+            preemptions = self.stats["preemptions"]
             blocked: set[str | None] = set()
             # guaranteed jobs before opportunistic ones (higher priority first, as HiveD): an opportunistic job must not take
             # the cells a waiting guaranteed job is about to preempt it from
@@ -310,12 +310,13 @@ class Replay:
                     continue
                 if self._place_hived(r):
                     self.queue.remove(name)
-                    progress = changed = True
+                    changed = True
                 elif not self.running:  # the whole cluster is idle and it still does not fit: it never will
                     r.reason = r.reason or "does not fit the idle cluster"
                     self.queue.remove(name)
                 else:
                     blocked.add(q)
+            again = self.stats["preemptions"] > preemptions
         return changed
 
     def _las_queue(self, r: _Run) -> int:
