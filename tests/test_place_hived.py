@@ -124,9 +124,9 @@ def assert_each_vc_can_use_its_whole_quota(s: HivedScheduler) -> None:
     for vc, chains in s.vcs.items():
         copy = HivedScheduler.from_state(s.topo, state, trees=s.trees)
         for chain, vch in chains.items():
-            sizes = [vch.tree.levels[lv].size for lv in range(len(vch.free)) for _ in vch.free[lv]]
-            for i, n in enumerate(sorted(sizes, reverse=True)):
-                res = copy.allocate(f"probe-{vc}-{i}", n, vc=vc, chain=chain, priority=0)
+            sizes = [(vch.tree.levels[lv].size, v.pid or "") for lv in range(len(vch.free)) for v in vch.free[lv].values()]
+            for i, (n, pid) in enumerate(sorted(sizes, reverse=True)):
+                res = copy.allocate(f"probe-{vc}-{i}", n, vc=vc, chain=chain, priority=0, pinned=pid or None)
                 assert res.ok, (vc, n, res.reason)
                 assert not set(res.preempted) & {j.id for j in copy.jobs.values() if j.vc is not None}
 
@@ -286,8 +286,10 @@ TOPOLOGIES = {
     "dgx-h100x4": (topology.default_cluster(), {"a": {"host": 1, "numa": 1}, "b": {"hostx2": 1}, "c": {"gpux2": 1, "gpu": 1}}),
     "dgx-a100x6-partial-su": (topology.build_cluster(6, node="dgx-a100", hosts_per_su=4),
                               {"a": {"host": 2}, "b": {"numa": 3, "pcie": 1}, "c": {"hostx2": 1}}),
+    "dgx-h100x4-pinned": (topology.default_cluster(), {"a": {"host": 1}, "b": {"numa": 2}, "c": {"gpux2": 2}}),
 }
 TREES = {k: cell_hierarchy(t) for k, (t, _) in TOPOLOGIES.items()}
+PINNED = {"dgx-h100x4-pinned": {"a": ["node3"], "c": ["node2/numa1"]}}  # HiveD's pinned cells: bound for good
 
 
 def _as_sets(lists):
@@ -298,7 +300,8 @@ class HivedMachine(RuleBasedStateMachine):
     @initialize(which=st.sampled_from(sorted(TOPOLOGIES)))
     def setup(self, which):
         topo, vcs = TOPOLOGIES[which]
-        self.s = HivedScheduler(topo, vcs, trees=TREES[which])
+        self.s = HivedScheduler(topo, vcs, trees=TREES[which], pinned=PINNED.get(which))
+        self.pins = [(vc, addr) for vc, addrs in PINNED.get(which, {}).items() for addr in addrs]
         self.n = 0
         self.gpus = topo.gpus()
 
@@ -317,6 +320,18 @@ class HivedMachine(RuleBasedStateMachine):
         else:
             assert res.reason and res.reason["level"] is not None
             assert _as_sets(self.s.to_state()["free_lists"]) == _as_sets(before["free_lists"])  # a failed gang changes nothing
+
+    @precondition(lambda self: getattr(self, "pins", None))
+    @rule(data=st.data(), size=st.sampled_from([1, 2, 4, 8]), prio=st.integers(0, 3))
+    def allocate_pinned(self, data, size, prio):
+        vc, addr = data.draw(st.sampled_from(self.pins))
+        self.n += 1
+        res = self.s.allocate(f"j{self.n}", size, vc=vc, priority=prio, pinned=addr)
+        cell = self.s.vcs[vc]["H100-SXM5-80GB"].pinned[addr].physical
+        assert cell.address == addr  # a pinned cell never unbinds
+        if res.ok:
+            tree = self.s.trees["H100-SXM5-80GB"]
+            assert all(cell.lo <= tree.leaf_of_gpu[g] < cell.hi for g in res.gpus)
 
     @precondition(lambda self: self.s.jobs)
     @rule(data=st.data())
