@@ -300,12 +300,15 @@ def bench_preemption(quick: bool) -> None:
     hived_order = HivedScheduler(topo, PREEMPT_VCS)
     hived_order.spare_opportunistic = False  # HiveD's own binding order: a free cell of the level first, fewest opportunistic GPUs
     order = run_hived(hived_order)
+    kept_out = HivedScheduler(topo, PREEMPT_VCS)
+    kept_out.opportunistic_in_bound_cells = False  # opportunistic jobs wait rather than use idle GPUs of bound cells
+    outside = run_hived(kept_out)
     ff = FirstFit(topo, quota_gpus)
     t0 = time.perf_counter()
     first = _run_stream(stream, ff.allocate, ff.free, ff.fragmentation, 512)
     first["wall_s"] = time.perf_counter() - t0
     rows = [{"allocator": "hived", **hived}, {"allocator": "hived, HiveD's binding order", **order},
-            {"allocator": "first-fit (quotas in GPUs)", **first}]
+            {"allocator": "hived, opportunistic jobs kept out of bound cells", **outside}, {"allocator": "first-fit (quotas in GPUs)", **first}]
     for r in rows:
         r["preemptions_vs_first_fit"] = r["opportunistic_preemptions"] / max(1, first["opportunistic_preemptions"])
         r["fragmentation_vs_first_fit"] = r["fragmentation"] / first["fragmentation"]
@@ -318,7 +321,8 @@ def bench_preemption(quick: bool) -> None:
                         "opportunistic jobs keep their progress and go back to the head of their queue. fragmentation: time-averaged "
                         "share of idle GPUs outside fully idle hosts. *_vs_first_fit: ratio to the first-fit allocator on the same stream. "
                         "HiveD's binding order: spare_opportunistic=False (a free cell of the quota's level before splitting a "
-                        "larger clean one).")
+                        "larger clean one). Kept out of bound cells: opportunistic_in_bound_cells=False (HiveD lets them use "
+                        "idle GPUs of bound cells; kept out, they wait instead).")
 
 
 def main() -> None:

@@ -422,6 +422,7 @@ class HivedScheduler:
         self.relax = relax
         self.trees = trees or cell_hierarchy(topo, forge=forge)
         self.spare_opportunistic = True  # binding splits a larger clean cell rather than take one with opportunistic work
+        self.opportunistic_in_bound_cells = True  # as HiveD: opportunistic jobs may use idle GPUs of VC-bound cells (last resort)
         self.phase_s: dict[str, float] | None = None  # set to dict.fromkeys(PHASES, 0.0) to time allocations by phase
         self._phase_stack: list[str] = []
         self._phase_t0 = 0.0
@@ -1011,7 +1012,7 @@ class HivedScheduler:
                 _, c, (inside_bound, tainted) = min(kids, key=lambda t: t[0])
             return c
 
-        for tier in (0, 1, 2):
+        for tier in (0, 1, 2) if self.opportunistic_in_bound_cells else (0, 1):
             if anchor is not None and anchor.level <= node_lv:
                 # a later piece of a gang: an idle cell in the first piece's node, at any level, comes first
                 node = anchor

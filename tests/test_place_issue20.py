@@ -40,6 +40,16 @@ def test_opportunistic_job_avoids_a_node_with_a_bound_cell_so_the_vc_grows_witho
     assert g2.ok and g2.preempted == []
 
 
+def test_opportunistic_jobs_can_be_kept_out_of_bound_cells(cluster):
+    s = HivedScheduler(cluster, {"a": {"hostx2": 2}})
+    assert s.allocate("g", 4, vc="a").ok  # binds a hostx2 cell; the other half of the cluster is unbound
+    assert s.allocate("o1", 16).ok
+    assert s.allocate("o2", 4).ok  # only idle GPUs inside the bound cell are left: HiveD lets it use them
+    s.free("o2")
+    s.opportunistic_in_bound_cells = False
+    assert not s.allocate("o3", 4).ok
+
+
 # 3. a replay with VCs where a guaranteed job preempts an opportunistic one
 @pytest.mark.parametrize("policy", ["hived", "hived+cassini"])
 def test_replay_with_vcs_requeues_preempted_opportunistic_jobs(policy):
