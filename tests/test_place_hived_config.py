@@ -228,6 +228,7 @@ def test_pod_group_keeps_each_pod_in_one_node_and_the_group_in_one_cell(cluster)
     assert hostx2 in ({"node0", "node1"}, {"node2", "node3"})
     before = s.to_state()
     assert not s.allocate_group("too-big", [8, 8, 8], vc="a").ok and s.to_state() == before  # all or nothing
+    assert HivedScheduler.from_state(cluster, before).groups == {"g": ["g/pod0", "g/pod1", "g/pod2"]}
     assert s.free("g/pod1")  # a preempted or freed pod releases its whole gang
     assert not any(j.startswith("g/") for j in s.jobs) and not s.groups
 

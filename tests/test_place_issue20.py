@@ -136,3 +136,24 @@ def test_replays_with_vcs_finish_every_job_and_conserve_gpu_time(cluster, policy
     assert used == pytest.approx(sum(t.gpus * t.duration_s for t in trace), rel=1e-6)
     if policy.startswith("hived"):
         assert r.metrics["preemptions"] > 0  # guaranteed jobs did reclaim their cells from opportunistic ones
+
+
+# 7. the allocation time split by phase
+def test_phase_timer_splits_the_time_of_each_operation(cluster):
+    import time
+
+    from placement.hived import PHASES
+
+    s = HivedScheduler(cluster, {"a": {"host": 2}, "b": {"numa": 2}})
+    s.phase_s = dict.fromkeys(PHASES, 0.0)
+    t0 = time.perf_counter()
+    for i in range(6):
+        s.allocate(f"o{i}", 4)
+    s.allocate("g", 16, vc="a")  # preempts opportunistic jobs
+    s.allocate("h", 8, vc="b")
+    for j in list(s.jobs):
+        s.free(j)
+    total = time.perf_counter() - t0
+    assert set(s.phase_s) == set(PHASES) and all(v >= 0 for v in s.phase_s.values())
+    assert s.phase_s["search"] > 0 and s.phase_s["walk"] > 0 and s.phase_s["bind"] > 0 and s.phase_s["release"] > 0
+    assert sum(s.phase_s.values()) <= total
