@@ -81,6 +81,17 @@ def test_scheduler_names_a_request_its_vc_can_never_hold(cluster):
     assert s.allocate("fits", 8, vc="a").ok
 
 
+@pytest.mark.parametrize(("relax", "never"), [(True, False), ("node", True), (False, True)])
+def test_never_fits_by_cell_shape_when_pieces_may_not_split(cluster, relax, never):
+    # 8 GPUs in a VC of two numa cells: by count it fits; as one host piece it does not, unless pieces may split below a node
+    s = HivedScheduler(cluster, {"a": {"numa": 2}}, relax=relax)
+    why = s.never_fits(8, "a")
+    assert (why is not None) == never
+    assert s.allocate("j", 8, vc="a").ok != never
+    if never:
+        assert why["level"] == "host" and "may not be split" in why["message"]
+
+
 def test_vc_queues_are_independent(cluster):
     # VC a's head waits for its own running job; VC b's job behind it in arrival order starts at once
     trace = [TraceJob("a1", 0.0, 8, 100.0, 100.0, 0.0, vc="a"), TraceJob("a2", 1.0, 8, 10.0, 100.0, 0.0, vc="a"),
