@@ -24,7 +24,10 @@ Per-link shifts
     link's jobs are placed greedily, heaviest first, each at the rotation
     (a multiple of the arc) that minimises the link's excess given those
     already placed; jobs whose shift is fixed (already running) are placed
-    first at their shift. Exhaustive for two jobs, greedy beyond.
+    first at their shift. Ties (several rotations without excess are common)
+    go to the least overlap with the load placed so far, so that two jobs are
+    not lined up where a third then finds no room. Exhaustive for two jobs,
+    greedy beyond.
 Affinity graph and global shifts
     A bipartite graph of jobs and shared links; edge ``(j, l)`` carries job
     ``j``'s shift in link ``l``'s solution. A BFS from a reference job (shift
@@ -216,7 +219,11 @@ def time_shifts(profiles: Mapping[str, CommProfile], capacity: Mapping[Edge, flo
                 s, row = 0.0, mat[0]
             else:
                 excess = np.maximum(base[None, :] + rate * mat - cap[e], 0.0).sum(axis=1)
-                k = int(np.argmin(excess))
+                # ties (several rotations without excess are common) go to the least overlap with the load placed so far:
+                # lining two jobs up costs nothing now but leaves no room for the next one
+                overlap = mat @ base
+                best = excess.min()
+                k = int(np.argmin(np.where(excess <= best + 1e-9 * max(1.0, cap[e]), overlap, np.inf)))
                 s, row = float(rot[k]), mat[k]
             w[(j, e)] = s
             base += rate * row

@@ -8,6 +8,8 @@ Actions::
     netweave place check --topology T --jobs J                             VC quota safety check and guarantees
     netweave place trace --synthetic N --seed S --out trace.csv            (or --philly FILE / --pai FILE)
     netweave place replay --topology T --trace trace.csv --policy P[,P...] --out result.json [--plot jct.png] [--fluid-radius R]
+    netweave place import-hived hivedscheduler.yaml [--topology T] [--out FILE]   HiveD's own configuration: cells, quotas, pinned cells
+    netweave place export-hived --topology T [--jobs J] --out hivedscheduler.yaml  derived cells and quotas as HiveD's configuration
 
 ``--topology`` takes a topology file or ``default`` (4 DGX H100, rail-optimised).
 """
@@ -93,6 +95,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="re-simulate only jobs within R shared-link hops of each change (faster, approximate; default: exact)")
     add_json_flag(p)
     p.set_defaults(func=cmd_replay)
+
+    from .hived_cli import register_hived  # HiveD's configuration file in and out (placement/hived_cli.py)
+
+    register_hived(psub)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

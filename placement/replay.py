@@ -21,9 +21,13 @@ Policies (:data:`POLICIES`):
     that fit by GPU count run and the others are preempted (progress kept, no
     restart penalty; placement first-fit, i.e. consolidation relaxed).
 ``hived``
-    HiveD buddy cell allocation (:class:`~placement.hived.HivedScheduler`): FIFO,
-    each job placed by the buddy allocator (guaranteed in its VC when the
-    trace names VCs, opportunistic otherwise). No time shifts.
+    HiveD buddy cell allocation (:class:`~placement.hived.HivedScheduler`): each
+    job placed by the buddy allocator (guaranteed in its VC when the trace names
+    VCs, opportunistic otherwise). No time shifts. One FIFO queue per VC and one
+    for opportunistic jobs: a head that does not fit blocks only its own queue;
+    guaranteed queues go first; a request its VC can never hold is refused on
+    arrival; preempted opportunistic jobs keep their progress and return to the
+    head of their queue.
 ``hived+cassini``
     As ``hived``, but up to ``candidates`` buddy placements are ranked by
     CASSINI against the running jobs that share links with them, and the job's
@@ -272,23 +276,47 @@ class Replay:
         changed = False
         if self.policy == "las":
             return self._schedule_las()
+        if self.policy != "fifo":
+            return self._schedule_hived()
         while self.queue:
             r = self.jobs[self.queue[0]]
-            if self.policy == "fifo":
-                gpus = self._first_fit(r.spec.gpus)
-                ok = gpus is not None
-                if ok:
-                    self._start(r, gpus)
-            else:
-                ok = self._place_hived(r)
-            if not ok:
+            gpus = self._first_fit(r.spec.gpus)
+            if gpus is None:
                 if not self.running:  # the whole cluster is idle and it still does not fit: it never will
                     r.reason = r.reason or "does not fit the idle cluster"
                     self.queue.pop(0)
                     continue
                 break
+            self._start(r, gpus)
             self.queue.pop(0)
             changed = True
+        return changed
+
+    def _queue_of(self, r: _Run) -> str | None:
+        return r.spec.vc if self.use_vcs else None
+
+    def _schedule_hived(self) -> bool:
+        """One FIFO queue per VC (opportunistic jobs form their own), as HiveD's intra-VC schedulers: a head that does not fit blocks its VC only."""
+        changed, again = False, True
+        while again:  # one pass, and another only when preempted jobs went back to a queue already passed
+            preemptions = self.stats["preemptions"]
+            blocked: set[str | None] = set()
+            # guaranteed jobs before opportunistic ones (higher priority first, as HiveD): an opportunistic job must not take
+            # the cells a waiting guaranteed job is about to preempt it from
+            for name in sorted(self.queue, key=lambda n: self.jobs[n].spec.vc is None or not self.use_vcs):
+                r = self.jobs[name]
+                q = self._queue_of(r)
+                if q in blocked or r.running:
+                    continue
+                if self._place_hived(r):
+                    self.queue.remove(name)
+                    changed = True
+                elif not self.running:  # the whole cluster is idle and it still does not fit: it never will
+                    r.reason = r.reason or "does not fit the idle cluster"
+                    self.queue.remove(name)
+                else:
+                    blocked.add(q)
+            again = self.stats["preemptions"] > preemptions
         return changed
 
     def _las_queue(self, r: _Run) -> int:
@@ -359,7 +387,7 @@ class Replay:
                 r.running = False
                 del self.running[n]
                 self._give(r.gpus)
-                self.queue.insert(0, n)
+                self.queue.insert(0, n)  # the oldest work of its queue: it goes first when cells free up
                 self.stats["preemptions"] += 1
 
     # -- contention ---------------------------------------------------------------------------------
@@ -458,8 +486,13 @@ class Replay:
                 self._stop(r)
                 changed = True
             while i < len(self.arrivals) and self.arrivals[i].arrival_s <= self.now:
-                self.queue.append(self.arrivals[i].name)
+                r = self.jobs[self.arrivals[i].name]
                 i += 1
+                never = self.sched.never_fits(r.spec.gpus, self._queue_of(r)) if self.sched is not None else None
+                if never is not None:  # refused on arrival with the reason: it would block its queue forever
+                    r.reason = never["message"]
+                    continue
+                self.queue.append(r.trace.name)
                 changed = True
             if changed:
                 self._schedule()

@@ -70,18 +70,63 @@ def check_invariants(s: HivedScheduler, *, vc_guarantee: bool = True) -> None:
         assert_each_vc_can_use_its_whole_quota(s)
 
 
+def assert_each_vc_gets_all_its_quota_cells_at_once(s: HivedScheduler) -> None:
+    """On a copy: with every job of one VC stopped, each of its quota cells is allocated at once, whole, preempting only opportunistic work.
+
+    "Whole": the GPUs of a probe for a level-L quota cell are exactly one
+    physical level-L cell (no quota cell is split). With bad hardware the
+    guarantee may be degraded, but then :meth:`guarantee_report` says so, and the check is skipped.
+    """
+    if not s.guarantee_report()["ok"]:
+        return  # bad hardware degrades guarantees: visibly (the report), which test_bad_hardware_degrades_guarantees_visibly covers
+    state = s.to_state()
+    for vc, chains in s.vcs.items():
+        copy = HivedScheduler.from_state(s.topo, state, trees=s.trees)
+        for j in [j.id for j in copy.jobs.values() if j.vc == vc]:
+            copy.free(j)
+        guaranteed = {j.id for j in copy.jobs.values() if j.vc is not None}
+        for chain, vch in chains.items():
+            tree = vch.tree
+            for i, root in enumerate(sorted(vch.roots, key=lambda r: -r.level)):
+                lv = root.level
+                res = copy.allocate(f"quota-{vc}-{i}", tree.levels[lv].size, vc=vc, chain=chain, pinned=root.pid)
+                assert res.ok, (vc, tree.levels[lv].name, res.reason)
+                assert not set(res.preempted) & guaranteed
+                leaves = sorted(tree.leaf_of_gpu[g] for g in res.gpus)
+                whole = [c for c in tree.cells_at(lv) if c.lo == leaves[0] and c.hi == leaves[-1] + 1]
+                assert len(res.cells) == 1 and whole, (vc, tree.levels[lv].name, res.cells)
+
+
+def assert_opportunistic_pieces_avoid_bound_cells(s: HivedScheduler, job: str) -> None:
+    """A piece of an opportunistic job lies inside a VC-bound cell only when no idle cell of its level lies outside every bound cell.
+
+    Checked right after the job's placement: an idle, unbound cell that exists
+    now existed when the piece was chosen (an opportunistic placement binds
+    nothing and only makes cells busier).
+    """
+    j = s.jobs[job]
+    ch = s.chains[j.chain]
+    for c in j.physical:
+        if ch.covered[c.index]:
+            spare = [k for k in ch.tree.cells_at(c.level)
+                     if k.full and ch.busy[k.index] == 0 and not ch.covered[k.index] and not ch.bound_in[k.index]]
+            assert not spare, f"{job}: piece {c.address} inside a bound cell while {spare[0].address} is idle and unbound"
+
+
 def assert_each_vc_can_use_its_whole_quota(s: HivedScheduler) -> None:
     """The guarantee itself: on a copy, every free virtual cell of one VC can be allocated at once (opportunistic jobs preempted)."""
     healthy = all(not any(ch.leaf_bad) for ch in s.chains.values())
     if not healthy:
         return
+    if not s.guarantee_report()["ok"]:
+        return  # bad hardware degrades guarantees: visibly (the report), which test_bad_hardware_degrades_guarantees_visibly covers
     state = s.to_state()
     for vc, chains in s.vcs.items():
         copy = HivedScheduler.from_state(s.topo, state, trees=s.trees)
         for chain, vch in chains.items():
-            sizes = [vch.tree.levels[lv].size for lv in range(len(vch.free)) for _ in vch.free[lv]]
-            for i, n in enumerate(sorted(sizes, reverse=True)):
-                res = copy.allocate(f"probe-{vc}-{i}", n, vc=vc, chain=chain, priority=0)
+            sizes = [(vch.tree.levels[lv].size, v.pid or "") for lv in range(len(vch.free)) for v in vch.free[lv].values()]
+            for i, (n, pid) in enumerate(sorted(sizes, reverse=True)):
+                res = copy.allocate(f"probe-{vc}-{i}", n, vc=vc, chain=chain, priority=0, pinned=pid or None)
                 assert res.ok, (vc, n, res.reason)
                 assert not set(res.preempted) & {j.id for j in copy.jobs.values() if j.vc is not None}
 
@@ -241,8 +286,10 @@ TOPOLOGIES = {
     "dgx-h100x4": (topology.default_cluster(), {"a": {"host": 1, "numa": 1}, "b": {"hostx2": 1}, "c": {"gpux2": 1, "gpu": 1}}),
     "dgx-a100x6-partial-su": (topology.build_cluster(6, node="dgx-a100", hosts_per_su=4),
                               {"a": {"host": 2}, "b": {"numa": 3, "pcie": 1}, "c": {"hostx2": 1}}),
+    "dgx-h100x4-pinned": (topology.default_cluster(), {"a": {"host": 1}, "b": {"numa": 2}, "c": {"gpux2": 2}}),
 }
 TREES = {k: cell_hierarchy(t) for k, (t, _) in TOPOLOGIES.items()}
+PINNED = {"dgx-h100x4-pinned": {"a": ["node3"], "c": ["node2/numa1"]}}  # HiveD's pinned cells: bound for good
 
 
 def _as_sets(lists):
@@ -253,20 +300,38 @@ class HivedMachine(RuleBasedStateMachine):
     @initialize(which=st.sampled_from(sorted(TOPOLOGIES)))
     def setup(self, which):
         topo, vcs = TOPOLOGIES[which]
-        self.s = HivedScheduler(topo, vcs, trees=TREES[which])
+        self.s = HivedScheduler(topo, vcs, trees=TREES[which], pinned=PINNED.get(which))
+        self.pins = [(vc, addr) for vc, addrs in PINNED.get(which, {}).items() for addr in addrs]
         self.n = 0
         self.gpus = topo.gpus()
 
-    @rule(vc=st.sampled_from(["a", "b", "c", None]), size=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), prio=st.integers(0, 3))
-    def allocate(self, vc, size, prio):
+    @rule(vc=st.sampled_from(["a", "b", "c", None]), size=st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16]), prio=st.integers(0, 3),
+          lazy=st.booleans())
+    def allocate(self, vc, size, prio, lazy):
         self.n += 1
         before = self.s.to_state()
-        res = self.s.allocate(f"j{self.n}", size, vc=vc, priority=prio)
+        res = self.s.allocate(f"j{self.n}", size, vc=vc, priority=prio, lazy=lazy)
         if res.ok:
             assert len(res.gpus) == size
+            if vc is None:
+                assert_opportunistic_pieces_avoid_bound_cells(self.s, res.job)
+            for d in res.downgraded:  # lazily preempted: still running, now opportunistic, on GPUs the new job does not use
+                assert self.s.jobs[d].vc is None and not set(self.s.job_gpus(d)) & set(res.gpus)
         else:
             assert res.reason and res.reason["level"] is not None
             assert _as_sets(self.s.to_state()["free_lists"]) == _as_sets(before["free_lists"])  # a failed gang changes nothing
+
+    @precondition(lambda self: getattr(self, "pins", None))
+    @rule(data=st.data(), size=st.sampled_from([1, 2, 4, 8]), prio=st.integers(0, 3))
+    def allocate_pinned(self, data, size, prio):
+        vc, addr = data.draw(st.sampled_from(self.pins))
+        self.n += 1
+        res = self.s.allocate(f"j{self.n}", size, vc=vc, priority=prio, pinned=addr)
+        cell = self.s.vcs[vc]["H100-SXM5-80GB"].pinned[addr].physical
+        assert cell.address == addr  # a pinned cell never unbinds
+        if res.ok:
+            tree = self.s.trees["H100-SXM5-80GB"]
+            assert all(cell.lo <= tree.leaf_of_gpu[g] < cell.hi for g in res.gpus)
 
     @precondition(lambda self: self.s.jobs)
     @rule(data=st.data())
@@ -286,6 +351,7 @@ class HivedMachine(RuleBasedStateMachine):
     def buddy_and_vc_invariants(self):
         if hasattr(self, "s"):
             check_invariants(self.s)
+            assert_each_vc_gets_all_its_quota_cells_at_once(self.s)
 
 
 TestHivedMachine = HivedMachine.TestCase
