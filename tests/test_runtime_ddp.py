@@ -31,8 +31,9 @@ def _train(ex, model, rank, step_fn):
 def _worker(rank, port, plans, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    import netweave.runtime as nw
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import netweave.runtime as nw
 
     ex = example()
     try:
