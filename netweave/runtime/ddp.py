@@ -119,7 +119,10 @@ def _pieces(numel: int, elem: int, partition_bytes: float | None, param: int) ->
 
 
 class _Link:
-    """One link of ``bandwidth`` bytes/s, ``overhead`` s per launch, at most ``credit`` bytes in flight."""
+    """One link of ``bandwidth`` bytes/s, ``overhead`` s per launch, at most ``credit`` bytes in flight.
+
+    The same model as ``flowsched.intrajob``'s, kept here because the runtime imports no planner package.
+    """
 
     def __init__(self, bandwidth: float, overhead: float, credit: float | None):
         self.bandwidth, self.overhead, self.credit = bandwidth, overhead, math.inf if credit is None else credit
