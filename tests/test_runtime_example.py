@@ -41,7 +41,9 @@ def test_data_parallel_job_waits_its_offset_and_keeps_its_phase(tmp_path):
             assert offset + slot * period - 1e-3 <= start <= offset + slot * period + t["tolerance"] * period + 0.05, t
         assert len(out["losses"]) == 6 and all(x > 0 for x in out["iteration_s"])
     a, b = results(tmp_path)
-    assert a["timing"]["t0"] == b["timing"]["t0"]            # one reference time, rank 0's
+    assert a["timing"]["t0"] == b["timing"]["t0"]            # one reference time, rank 0's,
+    cycles = a["timing"]["t0"] / period                       # on the period's grid since the epoch (shared by all jobs)
+    assert abs(cycles - round(cycles)) < 1e-3
 
 
 def test_two_stage_pipeline_with_recomputation_learns(tmp_path):

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import plan as jp
 from .ddp import CommPlan, ModelMismatchError, PlannedAllReduce, digest, first_difference, make_plan, trainable_parameters
-from .phase import PhaseClock
+from .phase import PhaseClock, grid_start
 from .pipeline import PipelineRun, build_pipeline
 
 PLAN_ENV = "NETWEAVE_JOB_PLAN"
@@ -49,17 +49,19 @@ class Job:
         """The job's reference time: rank 0's clock (``time.time()``) once every rank is ready to train, broadcast.
 
         Taken when the training loop starts, not at the rendezvous, so that building the model and the
-        stages (seconds, and different per rank) does not eat the start offset.
+        stages (seconds, and different per rank) does not eat the start offset. With a period, it is rounded
+        up to a multiple of ``period_s`` since the Unix epoch (:func:`netweave.runtime.phase.grid_start`), so that
+        jobs started at different moments share one grid and their offsets are relative to each other.
         """
         import torch
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            return time.time()
+            return grid_start(time.time(), self.plan.period_s)
         stamp = torch.zeros(1, dtype=torch.float64, device=self.device if self.backend == "nccl" else "cpu")
         dist.barrier()
         if self.rank == 0:
-            stamp.fill_(time.time())
+            stamp.fill_(grid_start(time.time(), self.plan.period_s))
         dist.broadcast(stamp, src=0)
         return float(stamp.item())
 
