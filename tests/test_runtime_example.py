@@ -57,6 +57,20 @@ def test_two_stage_pipeline_with_recomputation_learns(tmp_path):
     assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
 
 
+def test_two_replicas_of_a_pipeline_reduce_each_stage_through_the_hook(tmp_path):
+    plan = one_host_plan(4, port=free_port(), pp=2, recompute=("none", "full"))
+    plan = replace(plan, data_parallel=jp.DataParallel("bytescheduler", 2048, 8192))
+    res = torchrun(plan, tmp_path, "--steps", "6", "--lr", "0.2", nproc=4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = results(tmp_path, 4)
+    # ranks 0, 1 hold stage 0 of replicas 0, 1; ranks 2, 3 stage 1: each stage's replicas trained identical parameters
+    assert out[0]["params_sha256"] == out[1]["params_sha256"] != out[2]["params_sha256"] == out[3]["params_sha256"]
+    assert all(o["comm_plan"] == "bytescheduler" for o in out)
+    for last in out[2:]:                                        # each replica's last stage: its own data, its loss falls
+        assert last["losses"][-1] < last["losses"][0]
+    assert out[2]["losses"] != out[3]["losses"]
+
+
 @pytest.mark.parametrize("csv", ["0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n", None])
 def test_model_that_does_not_fit_the_plan_is_one_line_exit_2(tmp_path, csv):
     # one rank, one stage of 5 layers; the example's model has depth + 2 = 4 blocks
