@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.nn as nn
@@ -171,12 +168,3 @@ def test_torchrun_world_size_must_agree_with_the_plan(tmp_path, monkeypatch):
     monkeypatch.delenv(nw.PLAN_ENV, raising=False)
     with pytest.raises(nw.PlanFormatError, match="NETWEAVE_JOB_PLAN"):
         nw.init()
-
-
-def test_runtime_imports_no_planner_and_torch_only_on_use():
-    heavy = ("topology", "networkx", "numpy", "placement", "pipesched", "flowsched", "emu")
-    code = ("import sys, netweave.runtime as nw; a = 'torch' in sys.modules; nw.init; "
-            "import netweave.runtime.job, netweave.runtime.ddp, netweave.runtime.pipeline; "
-            f"print(a, [m for m in {heavy!r} if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
-    assert out == "False []"

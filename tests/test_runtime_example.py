@@ -46,9 +46,22 @@ def test_data_parallel_job_waits_its_offset_and_keeps_its_phase(tmp_path):
     assert abs(cycles - round(cycles)) < 1e-3
 
 
-def test_two_stage_pipeline_with_recomputation_learns(tmp_path):
+def _pipeline_plan(kind: str) -> jp.JobPlan:
+    from pipesched.export import schedule_csv
+    from pipesched.schedules import one_f_one_b
+
     plan = one_host_plan(2, port=free_port(), pp=2, recompute=("full", "selective"))
-    res = torchrun(plan, tmp_path, "--steps", "12", "--lr", "0.2")
+    if kind == "csv":            # our schedule as torch's runtime CSV (_PipelineScheduleRuntime)
+        return replace(plan, pipeline=replace(plan.pipeline, torch_class=None, actions_csv=schedule_csv(one_f_one_b(2, 4))))
+    if kind == "interleaved":    # two stages per rank, one block each, under torch's ScheduleInterleaved1F1B
+        stages = tuple(jp.Stage(i, i % 2, (i, i + 1), (), "full" if i == 0 else "none") for i in range(4))
+        return replace(plan, pipeline=jp.Pipeline("interleaved", 4, stages, chunks=2, torch_class="ScheduleInterleaved1F1B"))
+    return plan
+
+
+@pytest.mark.parametrize("kind", ["Schedule1F1B", "csv", "interleaved"])
+def test_two_stage_pipeline_with_recomputation_learns(tmp_path, kind):
+    res = torchrun(_pipeline_plan(kind), tmp_path, "--steps", "12", "--lr", "0.2")
     assert res.returncode == 0, res.stderr[-3000:]
     first, last = results(tmp_path)
     assert first["mode"] == last["mode"] == "pipeline"
