@@ -163,8 +163,14 @@ def test_torchrun_world_size_must_agree_with_the_plan(tmp_path, monkeypatch):
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(nw.PlanFormatError, match=r"plan.json: world_size: torchrun started 3 ranks \(WORLD_SIZE\), the plan has 2"):
         nw.init(path)
-    monkeypatch.delenv("WORLD_SIZE")
-    monkeypatch.delenv("RANK")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("GROUP_RANK", "1")     # a second torchrun node, but the plan has one host
+    with pytest.raises(nw.PlanFormatError, match=r"ranks\[1\].host: rank 1 runs on torchrun node 1 \(GROUP_RANK\), the plan puts it on "
+                                                 "localhost, node 0"):
+        nw.init(path)
+    for var in ("WORLD_SIZE", "RANK", "GROUP_RANK"):
+        monkeypatch.delenv(var)
     monkeypatch.delenv(nw.PLAN_ENV, raising=False)
     with pytest.raises(nw.PlanFormatError, match="NETWEAVE_JOB_PLAN"):
         nw.init()

@@ -129,9 +129,9 @@ def _env_int(name: str) -> int | None:
 def init(plan: str | os.PathLike[str] | jp.JobPlan | None = None, *, device: Any = None, timeout_s: float = 600.0) -> Job:
     """Read the job plan (``plan``, default ``$NETWEAVE_JOB_PLAN``), start torch.distributed as the plan says.
 
-    Rank, world size and local rank come from torchrun's environment (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; the plan's rendezvous where those are unset) and must agree
-    with the plan. The device is ``cuda:LOCAL_RANK`` where CUDA is available (backend nccl), else the CPU
+    Rank, world size, local rank and node come from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; the plan's rendezvous where those are unset)
+    and must agree with the plan. The device is ``cuda:LOCAL_RANK`` where CUDA is available (backend nccl), else the CPU
     (gloo). On NCCL the job's ``traffic.traffic_class`` goes into the communicator's ``traffic_class`` where this
     torch exposes it (otherwise ``NCCL_IB_TC`` from the launch script carries it); gloo has no such knob (the
     launch script's socket marker does). An already-initialised process group is used as it is.
@@ -163,6 +163,11 @@ def init(plan: str | os.PathLike[str] | jp.JobPlan | None = None, *, device: Any
         raise jp.PlanFormatError(f"RANK {rank} is not in 0..{world - 1}", source="environment", where="RANK")
     planned = job_plan.ranks[rank]
     local_rank = planned.local_rank if local_rank is None else local_rank
+    node = _env_int("GROUP_RANK")   # torchrun's node rank
+    host = next(h for h in job_plan.hosts if h.host == planned.host)
+    if node is not None and node != host.node_rank:
+        raise jp.PlanFormatError(f"rank {rank} runs on torchrun node {node} (GROUP_RANK), the plan puts it on {host.host}, node "
+                                 f"{host.node_rank}", source=source, where=f"ranks[{rank}].host")
     if local_rank != planned.local_rank:
         raise jp.PlanFormatError(f"rank {rank} runs as LOCAL_RANK {local_rank}, the plan puts it at local rank {planned.local_rank} "
                                  f"on {planned.host}", source=source, where=f"ranks[{rank}].local_rank")
