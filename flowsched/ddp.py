@@ -34,6 +34,7 @@ from typing import Any
 
 from topology.errors import InputError
 
+from .gradients import layer_parameters
 from .intrajob import CommPlan, MiB
 
 
@@ -64,13 +65,20 @@ class GradientScheduler:
     """Execute a :class:`~flowsched.intrajob.CommPlan` on ``layers`` of a model.
 
     ``layers`` are the modules whose gradients the plan's layer indices refer
-    to, in forward order. With ``optimizer_factory`` (called once per layer with
-    that layer's parameters) each layer's parameters are updated right before
-    its next forward; otherwise call :meth:`synchronize` and step your optimizer.
+    to, in forward order (:func:`flowsched.gradients.gradient_layers` finds them,
+    parameters of non-leaf modules such as ``nn.MultiheadAttention.in_proj_weight``
+    included). Each trainable parameter under a layer belongs to the first layer
+    that has it (:func:`~flowsched.gradients.layer_parameters`). With ``model``,
+    every trainable parameter of the model must be in some layer: a parameter
+    that would never be reduced or stepped is an :class:`InputError`, not a silent
+    skip. With ``optimizer_factory`` (called once per layer with that layer's
+    parameters) each layer's parameters are updated right before its next
+    forward; otherwise call :meth:`synchronize` and step your optimizer.
 
     Usage (each rank)::
 
-        sched = GradientScheduler(layers, plan, optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        sched = GradientScheduler(gradient_layers(model), plan, model=model,
+                                  optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=0.1))
         for x, y in data:
             loss = loss_fn(model(x), y)      # waits per layer for last iteration's reduced gradients
             sched.begin_iteration()
@@ -86,6 +94,7 @@ class GradientScheduler:
         group: Any = None,
         optimizer_factory: Callable[[list[Any]], Any] | None = None,
         compress: str | None = None,
+        model: Any = None,
     ):
         import torch
         import torch.distributed as dist
@@ -97,7 +106,13 @@ class GradientScheduler:
         self.plan = plan
         self.group = group
         self.world = dist.get_world_size(group)
-        self.params = [[p for p in m.parameters() if p.requires_grad] for m in self.layers]
+        self.params = layer_parameters(self.layers)
+        if model is not None:
+            have = {id(p) for ps in self.params for p in ps}
+            missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in have]
+            if missing:
+                raise InputError(f"{len(missing)} trainable parameters are in none of the layers, first {missing[0]!r}; "
+                                 "use flowsched.gradients.gradient_layers(model)")
         self.elements = [sum(p.numel() for p in ps) for ps in self.params]
         self.dtype_bytes = [ps[0].element_size() if ps else 4 for ps in self.params]
         self.compress = {None: None, "fp16": torch.float16, "bf16": torch.bfloat16}[compress]
@@ -257,13 +272,25 @@ class GradientScheduler:
                     ev.set()
 
 
-def ddp_bucket_caps(plan: CommPlan) -> list[int]:
-    """DDP's ``bucket_cap_mb_list`` that reproduces a plan's block sizes (in MiB, rounded up).
+def ddp_bucket_caps(plan: CommPlan, group: Any = None) -> list[int]:
+    """DDP's ``bucket_cap_mb_list`` that reproduces a plan's block sizes (in MiB, rounded up), the same on every rank.
 
-    DDP fills buckets in gradient-ready order, so this matches plans whose blocks
-    are contiguous in that order (DDP and Prophet plans).
+    DDP needs identical bucket caps on all ranks (different caps give different buckets, and DDP dies),
+    but each rank's measured profile, and so its plan, differs. When torch.distributed is initialised,
+    rank 0's caps are therefore broadcast to the group and every rank returns those. DDP fills buckets
+    in gradient-ready order, so this matches plans whose blocks are contiguous in that order (DDP and
+    Prophet plans). ``netweave.runtime``'s hook partitions inside buckets instead and needs no caps.
     """
-    return [max(1, -(-int(t.nbytes) // MiB)) for t in plan.transfers]
+    caps = [max(1, -(-int(t.nbytes) // MiB)) for t in plan.transfers]
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return caps
+    if dist.is_available() and dist.is_initialized():
+        box: list[Any] = [caps]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+        caps = list(box[0])
+    return caps
 
 
 def timed_comm_hook(inner: Callable[[Any, Any], Any] | None = None, log: list | None = None) -> tuple[Callable[[Any, Any], Any], list]:
@@ -279,12 +306,13 @@ def timed_comm_hook(inner: Callable[[Any, Any], Any] | None = None, log: list | 
     inner = inner or default_hooks.allreduce_hook
     log = [] if log is None else log
 
-    def hook(state: Any, bucket: Any):
+    def hook(state, bucket):   # no annotations: DDP accepts only dist.GradBucket / Future[Tensor] ones
         issued = time.perf_counter()
+        index, nbytes = bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size()
         fut = inner(state, bucket)
 
         def record(f):
-            log.append((bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size(), issued, time.perf_counter()))
+            log.append((index, nbytes, issued, time.perf_counter()))
             return f.value()
 
         return fut.then(record)

@@ -157,6 +157,60 @@ def analytic_gradient_profile(
     return GradientProfile(list(names), list(param_bytes), ready.tolist(), list(forward), float(bw.sum()), bandwidth, overhead)
 
 
+def gradient_layers(module: Any) -> list[Any]:
+    """The layers of a model for per-layer gradient scheduling: the modules that own trainable parameters.
+
+    A module that owns a trainable parameter directly is a layer together with everything under it (its
+    forward runs its children: ``nn.MultiheadAttention`` owns ``in_proj_weight`` and runs ``out_proj``), so
+    parameters of non-leaf modules are never left out. Registration order (forward order for sequential
+    models); a module met twice (shared) counts once, and a module whose parameters all belong to an
+    earlier layer (tied weights) is no layer of its own. With :func:`layer_parameters` every trainable
+    parameter is in exactly one layer.
+
+    >>> import torch.nn as nn
+    >>> m = nn.Sequential(nn.Linear(4, 4), nn.MultiheadAttention(4, 2), nn.ReLU())
+    >>> [type(x).__name__ for x in gradient_layers(m)]
+    ['Linear', 'MultiheadAttention']
+    """
+    layers: list[Any] = []
+    seen: set[int] = set()
+    claimed: set[int] = set()
+
+    def visit(m: Any) -> None:
+        if id(m) in seen:
+            return
+        seen.add(id(m))
+        if any(p.requires_grad for p in m.parameters(recurse=False)):
+            new = [p for p in m.parameters() if p.requires_grad and id(p) not in claimed]
+            if new:
+                layers.append(m)
+                claimed.update(id(p) for p in new)
+            seen.update(id(sub) for sub in m.modules())
+            return
+        for child in m.children():
+            visit(child)
+
+    visit(module)
+    return layers
+
+
+def layer_parameters(layers: Sequence[Any]) -> list[list[Any]]:
+    """Each layer's trainable parameters (its own and its children's), each parameter in the first layer that has it.
+
+    Raises :class:`InputError` for a layer left with none (frozen, or all its parameters in earlier layers).
+    """
+    claimed: set[int] = set()
+    out = []
+    for i, layer in enumerate(layers):
+        ps = [p for p in layer.parameters() if p.requires_grad and id(p) not in claimed]
+        if not ps:
+            raise InputError(f"layer {i} ({type(layer).__name__}) has no trainable parameters that an earlier layer does not "
+                             "already have; leave it out (flowsched.gradients.gradient_layers finds the layers)")
+        claimed.update(id(p) for p in ps)
+        out.append(ps)
+    return out
+
+
 def measure_gradient_profile(
     module: Any,
     make_batch: Callable[[], tuple[Any, Any]],
@@ -170,26 +224,23 @@ def measure_gradient_profile(
 ) -> GradientProfile:
     """Measure a real module: per-layer gradient ready times and sizes, and forward times.
 
-    ``layers`` are the sub-modules that count as layers (default: the leaf
-    modules that own parameters, in registration order, which for sequential
-    models is forward order). Ready time of a layer = when the last of its
+    ``layers`` are the sub-modules that count as layers (default:
+    :func:`gradient_layers`, which covers every trainable parameter, those of
+    non-leaf modules included). Ready time of a layer = when the last of its
     parameters' gradients has been accumulated. Medians over ``iterations``.
     """
     import torch
 
     if layers is None:
-        layers = [m for m in module.modules() if not list(m.children()) and any(p.requires_grad for p in m.parameters(recurse=False))]
+        layers = gradient_layers(module)
     if not layers:
         raise InputError("the module has no layers with trainable parameters")
+    groups = layer_parameters(layers)
     names = []
-    by_param: dict[int, int] = {}
     sizes = []
-    for i, layer in enumerate(layers):
-        params = [p for p in layer.parameters(recurse=False) if p.requires_grad]
-        for p in params:
-            by_param[id(p)] = i
+    for layer, params in zip(layers, groups, strict=True):
         sizes.append(float(sum(p.numel() * p.element_size() for p in params)))
-        names.append(next((n for n, m in module.named_modules() if m is layer), f"layer{i}"))
+        names.append(next((n for n, m in module.named_modules() if m is layer), f"layer{len(names)}"))
 
     stamps: dict[int, float] = {}
     fwd_start: dict[int, float] = {}
@@ -198,9 +249,8 @@ def measure_gradient_profile(
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: fwd_start.__setitem__(i, time.perf_counter())))
         handles.append(layer.register_forward_hook(lambda m, a, o, i=i: fwd_time.__setitem__(i, time.perf_counter() - fwd_start[i])))
-        for p in layer.parameters(recurse=False):
-            if p.requires_grad:
-                handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: stamps.__setitem__(i, time.perf_counter())))
+        for p in groups[i]:
+            handles.append(p.register_post_accumulate_grad_hook(lambda p, i=i: stamps.__setitem__(i, time.perf_counter())))
     ready_runs, fwd_runs, bwd_runs = [], [], []
     try:
         for it in range(warmup + iterations):

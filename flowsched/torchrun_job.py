@@ -60,12 +60,6 @@ def build_model(layers: int, width: int, seed: int = 0) -> Any:
     return nn.Sequential(*mods[:-1])
 
 
-def _linear_layers(model: Any) -> list[Any]:
-    import torch
-
-    return [m for m in model if isinstance(m, torch.nn.Linear)]
-
-
 @contextlib.contextmanager
 def _compute_priority(delta: int):
     """Lower this (the training) thread's CPU priority by ``delta`` nice levels for the block; threads created
@@ -101,7 +95,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from emu.torchjob import init_gloo
 
     from .ddp import GradientScheduler
-    from .gradients import GradientProfile, measure_gradient_profile
+    from .gradients import GradientProfile, gradient_layers, measure_gradient_profile
     from .intrajob import ddp_plan, simulate_iteration, tune_bytescheduler, tune_prophet
 
     torch, dist = init_gloo(args, threads=args.threads)
@@ -145,7 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # 2. the gradient profile (no communication) and the optimizer step
     model = build_model(args.layers, args.width)
     profile = measure_gradient_profile(model, lambda: (x, y), loss_fn, bandwidth=bandwidth, overhead=tiny_s, warmup=2,
-                                       iterations=args.profile_iters, layers=_linear_layers(model))
+                                       iterations=args.profile_iters, layers=gradient_layers(model))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     steps = []
     for _ in range(5):
@@ -186,7 +180,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 del net
             else:
                 # the scheduler's thread starts here, before the training thread's priority is lowered
-                sched = GradientScheduler(_linear_layers(model), plans[method], optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+                sched = GradientScheduler(gradient_layers(model), plans[method], optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=1e-3),
+                                          model=model)
                 dist.barrier()
                 with _compute_priority(args.compute_nice):
                     for _it in range(args.warmup + args.iters + 1):
