@@ -441,6 +441,8 @@ def _pipeline_section(spec: JobSpec, p) -> jp.Pipeline:
     stages = tuple(jp.Stage(index=sid, rank=sched.stage_rank[sid], layers=tuple(spans[sid]),
                             recompute=p.partition.stages[sched.stage_layers[sid]].recompute) for sid in range(sched.num_stages))
     torch_class = TORCH_CLASSES.get(p.family)
+    if p.family == "interleaved" and sched.microbatches % max(1, sched.microbatches // sched.ranks):
+        torch_class = None  # torch's ScheduleInterleaved1F1B needs micro-batches in whole rounds; its runtime runs our CSV
     return jp.Pipeline(schedule=p.family, microbatches=sched.microbatches, stages=stages, chunks=p.chunks if p.family == "interleaved" else 1,
                        torch_class=torch_class, actions_csv=None if torch_class else schedule_csv(sched),
                        predicted_iteration_s=p.sim.makespan)
@@ -484,13 +486,19 @@ def _bundle(topo: Topology, spec: JobSpec, prof, i: int, row: Mapping[str, Any],
         prediction["dp_modelled_iteration_s"] = modelled
     prediction["iteration_s"] = period
     prediction["start_offset_s"] = row["start_offset_s"]
+    period_s: float | None = period
+    if prof is None and not spec.launch.given & {"compute", "compute_s", "compute_ms"}:
+        # no model and no compute time: the prediction rests on placement's default compute time; the runtime must
+        # not pace the job to it (it would slow a faster job down), so the plan's period stays unknown
+        period_s = None
+        prediction["note"] = "no model and no compute time in the jobs file: iteration_s uses the default compute time; period_s unset"
     traffic = jp.Traffic(traffic_class=nccl_class(priority), dscp=dscp_for_priority(priority), priority=priority)
     provenance = {"netweave": _version(), "command": "netweave launch", "topology": placement.get("topology"),
                   "jobs_file": str(Path(jobs_source).resolve()), "placement_policy": placement.get("policy"), "routing": placement.get("routing"),
                   "class_policy": "sincronia", "transport": transport, "backend": spec.launch.backend, "rank_layout": RANK_LAYOUT,
                   "model": None if prof is None else prof.name, "parallelism": "auto" if spec.launch.auto else "given"}
     plan = jp.JobPlan(job=spec.name, world_size=len(gpus), ranks=ranks, hosts=hosts, rendezvous=rdzv,
-                      parallelism=jp.Parallelism(spec.dp, spec.tp, spec.pp), start_offset_s=float(row["start_offset_s"]), period_s=period,
+                      parallelism=jp.Parallelism(spec.dp, spec.tp, spec.pp), start_offset_s=float(row["start_offset_s"]), period_s=period_s,
                       traffic=traffic, data_parallel=dp_section, pipeline=pipeline, prediction=prediction, provenance=provenance)
     jp.check(plan, source=f"{jobs_source}: jobs[{i}]")
     # the environment that carries the class: fabric knobs for NCCL jobs, the socket marker for gloo jobs

@@ -103,6 +103,7 @@ jobs:
     assert b.data_parallel.policy == "prophet" and b.data_parallel.params["tuned"] and b.data_parallel.partition_bytes > 0
     assert b.traffic.dscp == 8 * b.traffic.traffic_class and b.traffic.traffic_class == 7 - b.traffic.priority
     assert b.period_s > 0 and b.prediction["iteration_s"] == b.period_s and b.provenance["transport"] == "ib"
+    assert plans["a"].period_s is None and plans["a"].prediction["iteration_s"] > 0   # no model, no compute time: not paced
     # running a launch script: the exact torchrun argv and environment
     ran = run_script(out / "a" / "launch-node0.sh", work)
     assert ran["argv"] == ["--nnodes=1", "--nproc-per-node=4", "--node-rank=0", "--master-addr=node0",
@@ -114,7 +115,7 @@ jobs:
 
 
 def test_bundle_can_be_copied_and_overridden(work, capsys):
-    jobs = write(work / "jobs.yaml", "jobs: [{name: a, gpus: 16, script: train.py}]\n")
+    jobs = write(work / "jobs.yaml", "jobs: [{name: a, gpus: 16, script: train.py, compute_ms: 40, grad_bytes: 1GB}]\n")
     launch(capsys, "--topology", "default", "--jobs", str(jobs), "--out", str(work / "out"), "--address", "node0=10.1.0.1",
            "--ifname", "ib0")
     moved = work / "elsewhere" / "a"
@@ -125,7 +126,9 @@ def test_bundle_can_be_copied_and_overridden(work, capsys):
     assert ran["env"]["GLOO_SOCKET_IFNAME"] == "ib0" and ran["env"]["NCCL_SOCKET_IFNAME"] == "=ib0"
     ran = run_script(moved / "launch-node1.sh", work, NETWEAVE_MASTER_ADDR="127.0.0.1", NETWEAVE_MASTER_PORT="40000", NETWEAVE_IFNAME="")
     assert "--master-addr=127.0.0.1" in ran["argv"] and "--master-port=40000" in ran["argv"] and "GLOO_SOCKET_IFNAME" not in ran["env"]
-    assert jp.load(moved / "plan.json").rendezvous.addr == "10.1.0.1"
+    plan = jp.load(moved / "plan.json")
+    assert plan.rendezvous.addr == "10.1.0.1"
+    assert plan.period_s == pytest.approx(0.040 + plan.prediction["comm_s"]) and plan.prediction["comm_s"] > 0   # compute, then the all-reduce
 
 
 def test_sbatch_under_fake_slurm_gives_the_plans_node_ranks(work, capsys):
@@ -362,3 +365,25 @@ def test_any_jobs_file_is_planned_or_refused_with_an_input_error(tmp_path):
             assert "\n" not in str(exc)
 
     check()
+
+
+def test_launch_carries_placements_cassini_shift_and_rank_order(work, capsys):
+    """Differential: with link sharing forced (one buddy candidate), the bundles hold exactly what `place plan` computes
+    for the same jobs file: GPUs in rank order, CASSINI's non-zero shift, the master host and port."""
+    jobs = write(work / "jobs.yaml", """
+jobs:
+  - {name: gpt, gpus: 12, compute_s: 0.030, grad_bytes: 3e9, script: train.py}
+  - {name: bert, gpus: 12, compute_s: 0.030, grad_bytes: 3e9, script: train.py}
+  - {name: resnet, gpus: 4, compute_s: 0.050, grad_bytes: 1e8, script: train.py}
+""")
+    assert main(["place", "plan", "--topology", "default", "--jobs", str(jobs), "--candidates", "1", "--json"]) == 0
+    placed = {j["name"]: j for j in json.loads(capsys.readouterr().out)["jobs"]}
+    launch(capsys, "--topology", "default", "--jobs", str(jobs), "--out", str(work / "out"), "--candidates", "1")
+    shifts = []
+    for name, row in placed.items():
+        p = jp.load(work / "out" / name / "plan.json")
+        assert [r.device for r in p.ranks] == row["gpus"] and p.start_offset_s == pytest.approx(row["start_offset_s"])
+        assert (p.rendezvous.addr, p.rendezvous.port) == (row["launch"]["master_addr"], row["launch"]["master_port"])
+        assert p.period_s == pytest.approx(row["iteration_s"])
+        shifts.append(p.start_offset_s)
+    assert max(shifts) > 0

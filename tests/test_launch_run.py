@@ -1,7 +1,7 @@
 """Two jobs from one ``netweave launch`` output, started by their written launch scripts alone: real torchrun, gloo on
 this CPU, each job's two "hosts" on 127.0.0.1 through the address override. One job trains the example transformer
 through the runtime's DDP hook (Prophet, split buckets), the other is a 2-stage pipeline whose first stage the planner
-recomputes (a small memory budget)."""
+recomputes (a small memory budget). The LD_PRELOAD marker of each gloo job sets that job's DSCP on its sockets."""
 
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ jobs:
                 for h in plan.hosts:
                     log = logs.enter_context(open(tmp_path / f"{job}-{h.host}.log", "w"))
                     script = tmp_path / "out" / job / f"launch-{h.host}.sh"
-                    procs.append((job, h.host, subprocess.Popen(["bash", str(script)], env=env, stdout=log, stderr=subprocess.STDOUT)))
+                    job_env = {**env, "NETWEAVE_MARK_LOG": str(tmp_path / f"mark-{job}.log")}   # the socket marker's record
+                    procs.append((job, h.host, subprocess.Popen(["bash", str(script)], env=job_env, stdout=log, stderr=subprocess.STDOUT)))
             for job, host, p in procs:
                 rc = p.wait(timeout=300)
                 assert rc == 0, f"{job} on {host}:\n" + (tmp_path / f"{job}-{host}.log").read_text()[-3000:]
@@ -103,6 +104,11 @@ jobs:
     assert all(r["mode"] == "pipeline" for r in pipe)
     last = [r for r in pipe if r["losses"] and r["losses"][0] is not None][0]
     assert last["losses"][-1] < last["losses"][0]
+    # each job's sockets (gloo, the TCPStore) carry that job's class: the marker set the plan's DSCP on every one of them
+    assert plans["dp"].traffic.dscp != plans["pipe"].traffic.dscp
+    for job, plan in plans.items():
+        marks = [dict(kv.split("=") for kv in line.split()) for line in (tmp_path / f"mark-{job}.log").read_text().splitlines()]
+        assert len(marks) >= 4 and {(m["dscp"], m["rc"]) for m in marks} == {(str(plan.traffic.dscp), "0")}
     for r, plan in ((dp[0], plans["dp"]), (pipe[0], plans["pipe"])):   # the runtime ran on the bundle's plan: offset and period
         t = r["timing"]
         assert t["start_offset_s"] == pytest.approx(plan.start_offset_s) and t["period_s"] == pytest.approx(plan.period_s)
