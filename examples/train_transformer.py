@@ -6,12 +6,13 @@ A launch script of a ``netweave launch`` bundle runs it (it exports ``NETWEAVE_J
 
 The data is synthetic (a fixed token-to-token map to learn, drawn from ``--seed``), so every run with the same
 arguments trains the same way. Each rank writes a small JSON result: per-step loss, iteration times, the measured
-start against the plan's offset, and its rank.
+start against the plan's offset, its rank, and a digest of the parameters it trained (equal on the replicas of a stage).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -81,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--width", type=int, default=32)
     ap.add_argument("--depth", type=int, default=2, help="transformer blocks (a pipeline plan's layers are depth + 2)")
-    ap.add_argument("--batch", type=int, default=8, help="rows per step (per rank when data parallel)")
+    ap.add_argument("--batch", type=int, default=8, help="rows per step and data-parallel replica")
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="result-{rank}.json", help="result file; {rank} is replaced by the rank")
@@ -105,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     for step in job.iterations(args.steps):                  # waits out the start offset, then keeps the phase
         t = time.perf_counter()
         opt.zero_grad(set_to_none=True)
-        if mode == "pipeline":                                # every rank draws the same batch; stage 0 feeds it
-            x, y = batch(step, rows=args.batch, seq=seq, vocab=vocab, seed=args.seed)
+        if mode == "pipeline":                                # the ranks of one pipeline draw the same batch; stage 0 feeds it
+            x, y = batch(step, rows=args.batch, seq=seq, vocab=vocab, seed=args.seed, rank=pipe.replica)
             out = pipe.step(x.to(job.device), y.to(job.device))
             loss = torch.stack(out).mean().item() if out else None
         else:
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         losses.append(loss)
     result = {"job": job.plan.job, "rank": job.rank, "world_size": job.world_size, "mode": mode, "backend": job.backend,
               "losses": losses, "iteration_s": iteration_s, "timing": job.timing(),
-              "comm_plan": job.comm_plan.policy if job.comm_plan else None, "traffic_route": job.traffic_route}
+              "comm_plan": job.comm_plan.policy if job.comm_plan else None, "traffic_route": job.traffic_route,
+              "params_sha256": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in params)).hexdigest()}
     with open(args.out.format(rank=job.rank), "w") as f:
         json.dump(result, f)
     if args.params_out and mode == "data_parallel":           # for comparing with plain DDP (tests/test_launch_emulation.py)

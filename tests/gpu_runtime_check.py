@@ -222,26 +222,30 @@ def main() -> int:
                     "command": "python tests/gpu_runtime_check.py " + " ".join(sys.argv[1:]), "scenarios": {}}
     wanted = ["ddp", "pipeline"] if args.scenario == "all" else [args.scenario]
     with tempfile.TemporaryDirectory(prefix="netweave-runtime-gpu-") as d:
-        for name in wanted:
-            print(f"[gpu_runtime_check] {name}", flush=True)
-            t0 = time.monotonic()
-            try:
-                sc = (scenario_ddp if name == "ddp" else scenario_pipeline)(Path(d), args, rehearsal)
-            except (RuntimeError, TimeoutError, OSError, subprocess.TimeoutExpired) as exc:
-                sc = {"error": f"{type(exc).__name__}: {exc}", "checks": {}}
-            sc["seconds"] = round(time.monotonic() - t0, 1)
-            report["scenarios"][name] = sc
-            for k, v in sc["checks"].items():
-                print(f"{'PASS' if v else 'FAIL'} {name}.{k}", flush=True)
-            if "error" in sc:
-                print(f"FAIL {name}: {sc['error']}", flush=True)
+        report["scenarios"] = {name: run_scenario(name, Path(d), args, rehearsal) for name in wanted}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    text = markdown(report)
     (out / "runtime_gpu.json").write_text(json.dumps(report, indent=1) + "\n")
-    (out / "runtime_gpu.md").write_text(markdown(report))
-    print(markdown(report))
-    passed = all(sc["checks"] and all(sc["checks"].values()) and "error" not in sc for sc in report["scenarios"].values())
-    return 0 if passed else 1
+    (out / "runtime_gpu.md").write_text(text)
+    print(text)
+    failed = [f"{n}.{k}" for n, sc in report["scenarios"].items() for k, v in sc["checks"].items() if not v]
+    failed += [n for n, sc in report["scenarios"].items() if "error" in sc or not sc["checks"]]
+    return 1 if failed else 0
+
+
+def run_scenario(name: str, tmp: Path, args: argparse.Namespace, rehearsal: bool) -> dict:
+    """One scenario's result (its checks, or the error that stopped it), with PASS/FAIL lines on stdout."""
+    print(f"[gpu_runtime_check] {name}", flush=True)
+    started = time.monotonic()
+    try:
+        sc = {"ddp": scenario_ddp, "pipeline": scenario_pipeline}[name](tmp, args, rehearsal)
+    except (RuntimeError, TimeoutError, OSError, subprocess.TimeoutExpired) as exc:
+        sc = {"error": f"{type(exc).__name__}: {exc}", "checks": {}}
+    sc["seconds"] = round(time.monotonic() - started, 1)
+    print("\n".join([f"{'PASS' if ok else 'FAIL'} {name}.{k}" for k, ok in sc["checks"].items()]
+                    + ([f"FAIL {name}: {sc['error']}"] if "error" in sc else [])), flush=True)
+    return sc
 
 
 if __name__ == "__main__":

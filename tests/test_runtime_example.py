@@ -41,18 +41,47 @@ def test_data_parallel_job_waits_its_offset_and_keeps_its_phase(tmp_path):
             assert offset + slot * period - 1e-3 <= start <= offset + slot * period + t["tolerance"] * period + 0.05, t
         assert len(out["losses"]) == 6 and all(x > 0 for x in out["iteration_s"])
     a, b = results(tmp_path)
-    assert a["timing"]["t0"] == b["timing"]["t0"]            # one reference time, rank 0's
+    assert a["timing"]["t0"] == b["timing"]["t0"]            # one reference time, rank 0's,
+    cycles = a["timing"]["t0"] / period                       # on the period's grid since the epoch (shared by all jobs)
+    assert abs(cycles - round(cycles)) < 1e-3
 
 
-def test_two_stage_pipeline_with_recomputation_learns(tmp_path):
+def _pipeline_plan(kind: str) -> jp.JobPlan:
+    from pipesched.export import schedule_csv
+    from pipesched.schedules import one_f_one_b
+
     plan = one_host_plan(2, port=free_port(), pp=2, recompute=("full", "selective"))
-    res = torchrun(plan, tmp_path, "--steps", "12", "--lr", "0.2")
+    if kind == "csv":            # our schedule as torch's runtime CSV (_PipelineScheduleRuntime)
+        return replace(plan, pipeline=replace(plan.pipeline, torch_class=None, actions_csv=schedule_csv(one_f_one_b(2, 4))))
+    if kind == "interleaved":    # two stages per rank, one block each, under torch's ScheduleInterleaved1F1B
+        stages = tuple(jp.Stage(i, i % 2, (i, i + 1), (), "full" if i == 0 else "none") for i in range(4))
+        return replace(plan, pipeline=jp.Pipeline("interleaved", 4, stages, chunks=2, torch_class="ScheduleInterleaved1F1B"))
+    return plan
+
+
+@pytest.mark.parametrize("kind", ["Schedule1F1B", "csv", "interleaved"])
+def test_two_stage_pipeline_with_recomputation_learns(tmp_path, kind):
+    res = torchrun(_pipeline_plan(kind), tmp_path, "--steps", "12", "--lr", "0.2")
     assert res.returncode == 0, res.stderr[-3000:]
     first, last = results(tmp_path)
     assert first["mode"] == last["mode"] == "pipeline"
     assert first["losses"] == [None] * 12                    # the first stage has no loss
     losses = last["losses"]
     assert sum(losses[-3:]) / 3 < 0.9 * sum(losses[:3]) / 3, losses
+
+
+def test_two_replicas_of_a_pipeline_reduce_each_stage_through_the_hook(tmp_path):
+    plan = one_host_plan(4, port=free_port(), pp=2, recompute=("none", "full"))
+    plan = replace(plan, data_parallel=jp.DataParallel("bytescheduler", 2048, 8192))
+    res = torchrun(plan, tmp_path, "--steps", "6", "--lr", "0.2", nproc=4)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = results(tmp_path, 4)
+    # ranks 0, 1 hold stage 0 of replicas 0, 1; ranks 2, 3 stage 1: each stage's replicas trained identical parameters
+    assert out[0]["params_sha256"] == out[1]["params_sha256"] != out[2]["params_sha256"] == out[3]["params_sha256"]
+    assert all(o["comm_plan"] == "bytescheduler" for o in out)
+    for last in out[2:]:                                        # each replica's last stage: its own data, its loss falls
+        assert last["losses"][-1] < last["losses"][0]
+    assert out[2]["losses"] != out[3]["losses"]
 
 
 @pytest.mark.parametrize("csv", ["0F0,0F1,0F2,0F3,0B0,0B1,0B2,0B3\n", None])

@@ -79,6 +79,12 @@ def test_runtime_format_imports_no_planner():
     code = f"import sys, netweave.runtime.plan; print([m for m in {heavy!r} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+    # the whole runtime: torch only once a name is used, and never a planner or the emulator
+    code = ("import sys, netweave.runtime as nw; bare = 'torch' in sys.modules; nw.init; "
+            "import netweave.runtime.job, netweave.runtime.ddp, netweave.runtime.pipeline, netweave.runtime.phase; "
+            f"print(bare, [m for m in {heavy!r} if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False []"
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o002, 0o077])

@@ -119,7 +119,10 @@ def _pieces(numel: int, elem: int, partition_bytes: float | None, param: int) ->
 
 
 class _Link:
-    """One link of ``bandwidth`` bytes/s, ``overhead`` s per launch, at most ``credit`` bytes in flight."""
+    """One link of ``bandwidth`` bytes/s, ``overhead`` s per launch, at most ``credit`` bytes in flight.
+
+    The same model as ``flowsched.intrajob``'s, kept here because the runtime imports no planner package.
+    """
 
     def __init__(self, bandwidth: float, overhead: float, credit: float | None):
         self.bandwidth, self.overhead, self.credit = bandwidth, overhead, math.inf if credit is None else credit
@@ -249,16 +252,17 @@ def digest(summary: Sequence[tuple[str, tuple[int, ...], str]]) -> str:
     return hashlib.sha256(json.dumps([[n, list(s), d] for n, s, d in summary]).encode()).hexdigest()
 
 
-def first_difference(mine: Sequence[tuple[str, tuple[int, ...], str]], ref: Sequence[tuple[str, tuple[int, ...], str]]) -> str | None:
-    """Where a model's parameter list first differs from the reference's, in words (None: equal)."""
+def first_difference(mine: Sequence[tuple[str, tuple[int, ...], str]], ref: Sequence[tuple[str, tuple[int, ...], str]],
+                     ref_name: str = "rank 0") -> str | None:
+    """Where a model's parameter list first differs from the reference's (``ref_name``'s), in words (None: equal)."""
     for k, (a, b) in enumerate(zip(mine, ref, strict=False)):
         if a[0] != b[0]:
-            return f"parameter {k} is {a[0]!r} here, {b[0]!r} on rank 0"
+            return f"parameter {k} is {a[0]!r} here, {b[0]!r} on {ref_name}"
         if tuple(a[1]) != tuple(b[1]) or a[2] != b[2]:
-            return f"parameter {a[0]!r} is {a[2]} {tuple(a[1])} here, {b[2]} {tuple(b[1])} on rank 0"
+            return f"parameter {a[0]!r} is {a[2]} {tuple(a[1])} here, {b[2]} {tuple(b[1])} on {ref_name}"
     if len(mine) != len(ref):
         extra = mine[len(ref)][0] if len(mine) > len(ref) else ref[len(mine)][0]
-        return f"{len(mine)} trainable parameters here, {len(ref)} on rank 0 (first unmatched: {extra!r})"
+        return f"{len(mine)} trainable parameters here, {len(ref)} on {ref_name} (first unmatched: {extra!r})"
     return None
 
 
@@ -277,6 +281,53 @@ def trainable_parameters(module: Any, ignore: set[str] | frozenset[str] = frozen
                 seen.add(id(p))
                 out.append((name, p))
     return out
+
+
+def agree_on_plan(named: Sequence[tuple[str, Any]], dp: Any, *, group: Any = None, device: Any = None, source: str = "<plan>") -> CommPlan:
+    """The group's first rank makes the plan from its parameters and ``dp`` (a ``DataParallel``, or None: ddp) and
+    broadcasts it with its parameter list; every rank compares its own, and the ranks gather their first
+    differences, so a model that differs anywhere raises the same :class:`ModelMismatchError` on every rank."""
+    import torch.distributed as dist
+
+    summary = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named]
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    box: list[Any] = [None]
+    if dist.get_rank() == first:
+        policy, part, credit, knobs = ("ddp", None, None, {}) if dp is None else (dp.policy, dp.partition_bytes, dp.credit_bytes, dp.params)
+        plan = make_plan([(n, p.numel(), p.element_size()) for n, p in named], policy, partition_bytes=part, credit_bytes=credit,
+                         knobs=knobs)
+        box[0] = {"summary": summary, "digest": digest(summary), "plan": plan.to_dict()}
+    dist.broadcast_object_list(box, src=first, group=group, device=device)
+    ref = box[0]
+    mine = None
+    if digest(summary) != ref["digest"]:
+        mine = first_difference(summary, [(n, tuple(s), d) for n, s, d in ref["summary"]], f"rank {first}") or "the parameter lists differ"
+    diffs: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(diffs, (dist.get_rank(), mine), group=group)
+    bad = [(r, d) for r, d in diffs if d is not None]
+    if bad:
+        r, d = bad[0]
+        more = f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
+        raise ModelMismatchError(f"rank {r}'s model differs from rank {first}'s: {d}{more}",
+                                 source=source, where="data_parallel")
+    return CommPlan.from_dict(ref["plan"])
+
+
+def planned_ddp(module: Any, dp: Any, *, device: Any, backend: str, group: Any = None, source: str = "<plan>",
+                **ddp_kwargs: Any) -> tuple[Any, CommPlan, PlannedAllReduce]:
+    """``module`` (on ``device``) in ``DistributedDataParallel`` over ``group`` with the plan's hook registered:
+    ``(ddp, plan, hook)``. The plan comes from :func:`agree_on_plan`."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    named = trainable_parameters(module, set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())))
+    plan = agree_on_plan(named, dp, group=group, device=device if backend == "nccl" else None, source=source)
+    ddp = DDP(module, device_ids=[device] if device.type == "cuda" else None, process_group=group, **ddp_kwargs)
+    reduced = {id(p) for p in getattr(ddp, "_module_parameters", []) if p.requires_grad}
+    if reduced and reduced != {id(p) for _, p in named}:
+        raise ModelMismatchError("DDP's parameters are not the plan's (parameters_to_ignore?)", source=source, where="data_parallel")
+    hook = PlannedAllReduce(plan, [p for _, p in named], group=group)
+    ddp.register_comm_hook(None, hook.hook)
+    return ddp, plan, hook
 
 
 @dataclass

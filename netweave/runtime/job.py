@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from . import plan as jp
-from .ddp import CommPlan, ModelMismatchError, PlannedAllReduce, digest, first_difference, make_plan, trainable_parameters
-from .phase import PhaseClock
+from .ddp import CommPlan, ModelMismatchError, PlannedAllReduce, planned_ddp
+from .phase import PhaseClock, grid_start
 from .pipeline import PipelineRun, build_pipeline
 
 PLAN_ENV = "NETWEAVE_JOB_PLAN"
@@ -29,7 +29,8 @@ class Job:
         self.traffic_route = traffic_route    # how the job's traffic class reached the backend (None: it did not)
         self.clock: PhaseClock | None = None  # made when the first iteration is asked for (t0 agreed then)
         self.comm_plan: CommPlan | None = None
-        self.hook: PlannedAllReduce | None = None
+        self.hook: PlannedAllReduce | None = None   # the (first) hook this rank registered; all of them in _hooks
+        self._hooks: list[PlannedAllReduce] = []
 
     # -- phase ----------------------------------------------------------------------------------------------
     def iterations(self, steps: int | None = None, *, tolerance: float | None = None) -> Iterator[int]:
@@ -49,17 +50,19 @@ class Job:
         """The job's reference time: rank 0's clock (``time.time()``) once every rank is ready to train, broadcast.
 
         Taken when the training loop starts, not at the rendezvous, so that building the model and the
-        stages (seconds, and different per rank) does not eat the start offset.
+        stages (seconds, and different per rank) does not eat the start offset. With a period, it is rounded
+        up to a multiple of ``period_s`` since the Unix epoch (:func:`netweave.runtime.phase.grid_start`), so that
+        jobs started at different moments share one grid and their offsets are relative to each other.
         """
         import torch
         import torch.distributed as dist
 
         if not dist.is_initialized():
-            return time.time()
+            return grid_start(time.time(), self.plan.period_s)
         stamp = torch.zeros(1, dtype=torch.float64, device=self.device if self.backend == "nccl" else "cpu")
         dist.barrier()
         if self.rank == 0:
-            stamp.fill_(time.time())
+            stamp.fill_(grid_start(time.time(), self.plan.period_s))
         dist.broadcast(stamp, src=0)
         return float(stamp.item())
 
@@ -79,40 +82,14 @@ class Job:
         knobs, and broadcast; every rank checks its parameters against rank 0's first, and a difference is a
         :class:`ModelMismatchError` on every rank. Keyword arguments go to DDP.
         """
-        import torch.distributed as dist
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         if self.plan.pipeline is not None:
             raise ModelMismatchError("the plan is a pipeline: use job.pipeline(...)", source=self.source, where="pipeline")
-        model = model.to(self.device)
-        ignore = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-        named = trainable_parameters(model, ignore)
-        summary = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch.")) for n, p in named]
-        dp = self.plan.data_parallel or jp.DataParallel()
-        box: list[Any] = [None]
-        if self.rank == 0:
-            plan = make_plan([(n, p.numel(), p.element_size()) for n, p in named], dp.policy, partition_bytes=dp.partition_bytes,
-                             credit_bytes=dp.credit_bytes, knobs=dp.params)
-            box[0] = {"summary": summary, "digest": digest(summary), "plan": plan.to_dict()}
-        dist.broadcast_object_list(box, src=0, device=self._object_device())
-        ref = box[0]
-        mine = None
-        if digest(summary) != ref["digest"]:
-            mine = first_difference(summary, [(n, tuple(s), d) for n, s, d in ref["summary"]]) or "the parameter lists differ"
-        diffs: list[Any] = [None] * self.world_size
-        dist.all_gather_object(diffs, mine)
-        bad = [(r, d) for r, d in enumerate(diffs) if d is not None]
-        if bad:
-            r, d = bad[0]
-            more = f" (and {len(bad) - 1} more ranks)" if len(bad) > 1 else ""
-            raise ModelMismatchError(f"rank {r}'s model differs from rank 0's: {d}{more}", source=self.source, where="data_parallel")
-        self.comm_plan = CommPlan.from_dict(ref["plan"])
-        ddp = DDP(model, device_ids=[self.device] if self.device.type == "cuda" else None, **ddp_kwargs)
-        reduced = {id(p) for p in getattr(ddp, "_module_parameters", []) if p.requires_grad}
-        if reduced and reduced != {id(p) for _, p in named}:
-            raise ModelMismatchError("DDP's parameters are not the plan's (parameters_to_ignore?)", source=self.source, where="data_parallel")
-        self.hook = PlannedAllReduce(self.comm_plan, [p for _, p in named])
-        ddp.register_comm_hook(None, self.hook.hook)
+        if self.plan.parallelism.tp != 1:
+            raise ModelMismatchError(f"this runtime has no tensor parallelism, the plan has tp={self.plan.parallelism.tp}", source=self.source,
+                                     where="parallelism.tp")
+        ddp, self.comm_plan, self.hook = planned_ddp(model.to(self.device), self.plan.data_parallel, device=self.device,
+                                                     backend=self.backend, source=self.source, **ddp_kwargs)
+        self._hooks.append(self.hook)
         return ddp
 
     # -- pipeline parallel ----------------------------------------------------------------------------------
@@ -122,18 +99,19 @@ class Job:
         ``model`` is the list of blocks the plan's ``layers`` index (list, ``nn.ModuleList``, ``nn.Sequential``)
         or a model whose submodules the plan's ``modules`` name. Build it identically on every rank (same seed).
         """
-        return build_pipeline(self.plan, model, loss_fn, rank=self.rank, device=self.device, source=self.source,
-                              plan_dir=Path(self.source).parent if self.source != "<plan>" else None)
-
-    def _object_device(self) -> Any:
-        return self.device if self.backend == "nccl" else None
+        run = build_pipeline(self.plan, model, loss_fn, rank=self.rank, device=self.device, backend=self.backend, source=self.source,
+                             plan_dir=Path(self.source).parent if self.source != "<plan>" else None)
+        if run.ddp:
+            self.comm_plan, self.hook = run.ddp[0][1], run.ddp[0][2]
+            self._hooks += [h for _, _, h in run.ddp]
+        return run
 
     def close(self) -> None:
         """Stop the hook's thread and leave the process group."""
         import torch.distributed as dist
 
-        if self.hook is not None:
-            self.hook.close()
+        for hook in self._hooks:
+            hook.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -151,9 +129,9 @@ def _env_int(name: str) -> int | None:
 def init(plan: str | os.PathLike[str] | jp.JobPlan | None = None, *, device: Any = None, timeout_s: float = 600.0) -> Job:
     """Read the job plan (``plan``, default ``$NETWEAVE_JOB_PLAN``), start torch.distributed as the plan says.
 
-    Rank, world size and local rank come from torchrun's environment (``RANK``, ``WORLD_SIZE``,
-    ``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; the plan's rendezvous where those are unset) and must agree
-    with the plan. The device is ``cuda:LOCAL_RANK`` where CUDA is available (backend nccl), else the CPU
+    Rank, world size, local rank and node come from torchrun's environment (``RANK``, ``WORLD_SIZE``,
+    ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``/``MASTER_PORT``; the plan's rendezvous where those are unset)
+    and must agree with the plan. The device is ``cuda:LOCAL_RANK`` where CUDA is available (backend nccl), else the CPU
     (gloo). On NCCL the job's ``traffic.traffic_class`` goes into the communicator's ``traffic_class`` where this
     torch exposes it (otherwise ``NCCL_IB_TC`` from the launch script carries it); gloo has no such knob (the
     launch script's socket marker does). An already-initialised process group is used as it is.
@@ -185,6 +163,11 @@ def init(plan: str | os.PathLike[str] | jp.JobPlan | None = None, *, device: Any
         raise jp.PlanFormatError(f"RANK {rank} is not in 0..{world - 1}", source="environment", where="RANK")
     planned = job_plan.ranks[rank]
     local_rank = planned.local_rank if local_rank is None else local_rank
+    node = _env_int("GROUP_RANK")   # torchrun's node rank
+    host = next(h for h in job_plan.hosts if h.host == planned.host)
+    if node is not None and node != host.node_rank:
+        raise jp.PlanFormatError(f"rank {rank} runs on torchrun node {node} (GROUP_RANK), the plan puts it on {host.host}, node "
+                                 f"{host.node_rank}", source=source, where=f"ranks[{rank}].host")
     if local_rank != planned.local_rank:
         raise jp.PlanFormatError(f"rank {rank} runs as LOCAL_RANK {local_rank}, the plan puts it at local rank {planned.local_rank} "
                                  f"on {planned.host}", source=source, where=f"ranks[{rank}].local_rank")

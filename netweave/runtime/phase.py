@@ -5,7 +5,10 @@ each job's start by a few tens of milliseconds: with equal (or harmonic) iterati
 all-reduce then falls into job A's compute gap, iteration after iteration. The shift only holds as
 long as every job keeps its phase, so the runtime does not just sleep once:
 
-- all ranks share a reference time ``t0`` (rank 0's clock right after the rendezvous, broadcast);
+- all ranks share a reference time ``t0``: rank 0's clock when every rank is ready to train, rounded up
+  to a multiple of the period since the Unix epoch (:func:`grid_start`) and broadcast. The rounding puts
+  every job with the same (or a harmonic) period on one grid whenever each started, so that the offsets
+  are relative between jobs, as CASSINI means them (given hosts whose clocks are synchronised);
 - the grid of slots is ``t0 + start_offset_s + n * period_s`` for n = 0, 1, 2, ...; iteration 0
   starts in slot 0 (never earlier), and each later iteration takes the next slot;
 - an iteration that comes to its slot early waits for it (a fast job does not creep forward);
@@ -38,6 +41,17 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+
+def grid_start(now: float, period_s: float | None) -> float:
+    """The first multiple of ``period_s`` (since the clock's epoch) at or after ``now``; ``now`` without a period.
+
+    >>> grid_start(100.25, 0.5), grid_start(100.5, 0.5), grid_start(100.25, None)
+    (100.5, 100.5, 100.25)
+    """
+    if not period_s:
+        return now
+    return math.ceil(now / period_s - 1e-9) * period_s
 
 
 @dataclass

@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .ddp import ModelMismatchError
+from .ddp import ModelMismatchError, planned_ddp
 from .plan import JobPlan, Stage
 
 TORCH_CLASSES = ("Schedule1F1B", "ScheduleGPipe", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
@@ -97,8 +97,11 @@ def stage_blocks(plan: JobPlan, model: Any, stage: Stage, source: str) -> list[A
 class PipelineRun:
     """This rank's part of a pipeline: its stages, the schedule, and one training step at a time."""
 
-    def __init__(self, stages: list[Any], schedule: Any, recomputed: dict[int, list[str]]):
+    def __init__(self, stages: list[Any], schedule: Any, recomputed: dict[int, list[str]], *, replica: int = 0,
+                 pipeline_rank: int = 0, ddp: list[tuple[Any, Any, Any]] | None = None):
         self.stages, self.schedule, self.recomputed = stages, schedule, recomputed
+        self.replica, self.pipeline_rank = replica, pipeline_rank   # which data-parallel replica, which position in it
+        self.ddp = ddp or []                                        # per stage with dp > 1: (DDP, its plan, its hook)
         self.is_first = any(s.is_first for s in stages)
         self.is_last = any(s.is_last for s in stages)
 
@@ -106,7 +109,7 @@ class PipelineRun:
         """The trainable parameters of this rank's stages (for its optimizer), each once."""
         seen, out = set(), []
         for s in self.stages:
-            for p in s.submod.parameters():
+            for p in s.submod.parameters():   # a DDP-wrapped stage module yields its module's parameters
                 if p.requires_grad and id(p) not in seen:
                     seen.add(id(p))
                     out.append(p)
@@ -124,9 +127,27 @@ class PipelineRun:
         return losses
 
 
-def build_pipeline(plan: JobPlan, model: Any, loss_fn: Any, *, rank: int, device: Any, group: Any = None, source: str = "<plan>",
+def pipeline_layout(dp: int, pp: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Global ranks of every pipeline (one per replica) and every data-parallel group (one per pipeline rank).
+
+    The launch side's order (``placement.profiles.dp_groups``, tp = 1): rank ``s * dp + d`` is pipeline rank ``s``
+    of replica ``d``.
+
+    >>> pipeline_layout(2, 2)
+    ([[0, 2], [1, 3]], [[0, 1], [2, 3]])
+    """
+    return [[s * dp + d for s in range(pp)] for d in range(dp)], [[s * dp + d for d in range(dp)] for s in range(pp)]
+
+
+def build_pipeline(plan: JobPlan, model: Any, loss_fn: Any, *, rank: int, device: Any, backend: str = "gloo", source: str = "<plan>",
                    plan_dir: Path | None = None) -> PipelineRun:
-    """This rank's stages and schedule (see the module docstring). ``rank`` is the rank in the pipeline group."""
+    """This rank's stages and schedule (see the module docstring). ``rank`` is the global rank.
+
+    With ``dp > 1`` every replica runs its own pipeline (its own process group) and each stage module is
+    wrapped in DDP over the ranks that hold the same stage in the other replicas, with the plan's
+    communication hook (torch's schedules reduce a DDP stage's gradients in its last backward).
+    """
+    import torch.distributed as dist
     import torch.nn as nn
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as ts
@@ -134,17 +155,27 @@ def build_pipeline(plan: JobPlan, model: Any, loss_fn: Any, *, rank: int, device
     pl = plan.pipeline
     if pl is None:
         raise ModelMismatchError("the plan has no pipeline", source=source, where="pipeline")
-    if plan.parallelism.dp * plan.parallelism.tp != 1:
-        raise ModelMismatchError(f"this runtime runs pipelines with dp = tp = 1, the plan has dp={plan.parallelism.dp} "
-                                 f"tp={plan.parallelism.tp}", source=source, where="parallelism")
-    mine = [s for s in pl.stages if s.rank == rank]
+    par = plan.parallelism
+    if par.tp != 1:
+        raise ModelMismatchError(f"this runtime has no tensor parallelism, the plan has tp={par.tp}", source=source, where="parallelism.tp")
+    pipe_rank, replica = divmod(rank, par.dp)
+    mine = [s for s in pl.stages if s.rank == pipe_rank]
     blocks = {s.index: stage_blocks(plan, model, s, source) for s in pl.stages}   # checks every stage, not only ours
-    stages, recomputed = [], {}
+    pipe_group = dp_group = None
+    if par.dp > 1:   # every rank creates every group, in the same order
+        pipes, dps = pipeline_layout(par.dp, par.pp)
+        pipe_groups = [dist.new_group(r) for r in pipes]
+        dp_groups = [dist.new_group(r) for r in dps]
+        pipe_group, dp_group = pipe_groups[replica], dp_groups[pipe_rank]
+    stages, recomputed, ddps = [], {}, []
     for s in mine:
         done = apply_recompute(blocks[s.index], s.recompute)
         recomputed[s.index] = [type(m).__name__ for m in done]
-        sub = nn.Sequential(*blocks[s.index]).to(device)
-        stages.append(PipelineStage(sub, s.index, len(pl.stages), device, group=group))
+        sub: Any = nn.Sequential(*blocks[s.index]).to(device)
+        if dp_group is not None:
+            ddps.append(planned_ddp(sub, plan.data_parallel, device=device, backend=backend, group=dp_group, source=source))
+            sub = ddps[-1][0]
+        stages.append(PipelineStage(sub, s.index, len(pl.stages), device, group=pipe_group))
     if pl.torch_class is not None:
         if pl.torch_class not in TORCH_CLASSES or not hasattr(ts, pl.torch_class):
             raise ModelMismatchError(f"{pl.torch_class!r} is not one of torch's public schedules ({', '.join(TORCH_CLASSES)})",
@@ -152,7 +183,7 @@ def build_pipeline(plan: JobPlan, model: Any, loss_fn: Any, *, rank: int, device
         cls = getattr(ts, pl.torch_class)
         if issubclass(cls, ts.PipelineScheduleSingle):
             if len(stages) != 1:
-                raise ModelMismatchError(f"{pl.torch_class} runs one stage per rank, rank {rank} has {len(stages)}", source=source,
+                raise ModelMismatchError(f"{pl.torch_class} runs one stage per rank, pipeline rank {pipe_rank} has {len(stages)}", source=source,
                                          where="pipeline.stages")
             schedule = cls(stages[0], n_microbatches=pl.microbatches, loss_fn=loss_fn)
         else:
@@ -173,4 +204,4 @@ def build_pipeline(plan: JobPlan, model: Any, loss_fn: Any, *, rank: int, device
             schedule._load_csv(f.name, format="compute_only")
     else:
         raise ModelMismatchError("the plan gives neither torch_class nor actions_csv", source=source, where="pipeline")
-    return PipelineRun(stages, schedule, recomputed)
+    return PipelineRun(stages, schedule, recomputed, replica=replica, pipeline_rank=pipe_rank, ddp=ddps)
