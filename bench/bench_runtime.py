@@ -45,7 +45,7 @@ NIC_GBS = 0.0025          # 20 Mbit/s
 WIDTH = 64
 PREFIX = "nwr"
 POLICIES = ("ddp", "prophet", "bytescheduler")
-MODEL = f"{{layers: 2, hidden: {WIDTH}, heads: 4, seq_len: 16, vocab: 64, dtype: fp32, tflops: 0.004, microbatch_size: 8}}"
+MODEL = {"layers": 2, "hidden": WIDTH, "heads": 4, "seq_len": 16, "vocab": 64, "dtype": "fp32", "tflops": 0.004, "microbatch_size": 8}
 
 
 def _example():
@@ -83,19 +83,13 @@ def plain_ddp_worker(args: argparse.Namespace) -> None:
 
 
 def jobs_yaml(policy: str, steps: int, out: Path, ip: dict[str, str], dev: dict[str, str]) -> str:
-    flow = lambda d: "{" + ", ".join(f"{k}: {v}" for k, v in d.items()) + "}"  # noqa: E731
-    return f"""
-addresses: {flow(ip)}
-interfaces: {flow(dev)}
-jobs:
-  - name: lm
-    gpus: 2
-    backend: gloo
-    script: {EXAMPLE}
-    args: ["--width", "{WIDTH}", "--steps", "{steps}", "--out", "{out}/lm-{{rank}}.json"]
-    model: {MODEL}
-    data_parallel: {{policy: {policy}}}
-"""
+    """The jobs file of one variant: the example on both hosts, the emulated addresses and interfaces, ``policy``."""
+    import yaml
+
+    job = {"name": "lm", "gpus": 2, "backend": "gloo", "script": str(EXAMPLE),
+           "args": ["--width", str(WIDTH), "--steps", str(steps), "--out", f"{out}/lm-{{rank}}.json"],
+           "model": MODEL, "data_parallel": {"policy": policy}}
+    return yaml.safe_dump({"addresses": ip, "interfaces": dev, "jobs": [job]}, sort_keys=False)
 
 
 def job_iterations(results: list[dict], warmup: int) -> list[float]:
