@@ -429,6 +429,9 @@ class PlannedAllReduce:
         def complete_oldest() -> None:
             work, buf, k, pieces = in_flight.pop(0)
             work.wait()
+            if self.device.type == "cuda":   # on a GPU wait() only orders the streams: the credit counts bytes really in flight
+                while not work.is_completed():
+                    time.sleep(20e-6)
             flying[0] -= self.plan.transfer_bytes(k)
             if len(pieces) > 1:
                 pos = 0
