@@ -100,6 +100,9 @@ def gpt2(layers: int = 12, hidden: int = 768, heads: int = 12, seq_len: int = 10
     """
     import torch.distributed.pipelining  # noqa: F401  (pipe_split)
 
+    for key, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("seq_len", seq_len), ("vocab", vocab), ("microbatch", microbatch)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
     torch.manual_seed(seed)
     model = GPT2(layers, hidden, heads, seq_len, vocab, dropout, pipe_splits)
     gen = torch.Generator().manual_seed(seed + 1)
