@@ -426,13 +426,17 @@ def _measure_sizes(torch, seg, inputs: list[Any], param_keys: set, loss_fn) -> d
             "wgrad": sum(nbytes for _, nbytes in wgrad)}
 
 
-def _measure_segment(torch, seg, values: list[Any], loss_fn, repeats: int, warmup: int, clock: str) -> dict[str, Any]:
+def _measure_segment(torch, seg, values: list[Any], received: list[bool], loss_fn, repeats: int, warmup: int, clock: str) -> dict[str, Any]:
+    """Time and size one segment; ``received[i]``: argument i comes from an earlier segment (it gets a gradient),
+    not from the model's inputs (which torch's runtime hands to the stage as they are)."""
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
     from torch.utils.checkpoint import checkpoint
 
     now = _clock(clock)
 
     def fresh() -> list[Any]:
-        return [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v for v in values]
+        return [v.detach().requires_grad_(v.is_floating_point() and recv) if isinstance(v, torch.Tensor) else v
+                for v, recv in zip(values, received, strict=True)]
 
     def forward(*inp):
         out = seg(*inp)
@@ -453,6 +457,7 @@ def _measure_segment(torch, seg, values: list[Any], loss_fn, repeats: int, warmu
     for p in params:
         p.grad = torch.zeros_like(p)     # the fused backward accumulates, as every micro-batch but the first does
     samples: dict[str, list[float]] = {k: [] for k in ("f", "i", "w", "b", "sel")}
+    held: dict[tuple[int, int], int] = {}
     try:
         for rep in range(warmup + repeats):
             inp = fresh()
@@ -463,10 +468,21 @@ def _measure_segment(torch, seg, values: list[Any], loss_fn, repeats: int, warmu
             float_in = [v for v in inp if isinstance(v, torch.Tensor) and v.requires_grad]
             t2 = now()
             if float_in and outs:
-                torch.autograd.grad(outs, float_in, grads, retain_graph=True, allow_unused=True)
-            t3 = now()
-            if params and outs:
-                torch.autograd.grad(outs, params, grads, allow_unused=True)
+                # torch's own split backward, as its runtime runs I and W: I keeps the gradients flowing into
+                # the weight operations, W starts from them (no second pass through the segment).
+                _, groups = stage_backward_input(outs, grads, inp, iter(params))
+                t3 = now()
+                if rep == warmup:   # what stays alive from I to W besides the saved activations: those gradients
+                    for g in groups:
+                        for t in _tensors(g.get("grads")):
+                            held[_storage_key(t)] = t.untyped_storage().nbytes()
+                    t3 = now()          # not part of W
+                stage_backward_weight(iter(params), groups)
+            else:
+                # No input gradient (a first stage, token ids in): torch's runtime runs the whole backward as W.
+                t3 = now()
+                if outs and params:
+                    torch.autograd.backward(outs, grads, inputs=params)
             t4 = now()
             inp = fresh()
             outs, _ = targets(forward(*inp))
@@ -490,6 +506,7 @@ def _measure_segment(torch, seg, values: list[Any], loss_fn, repeats: int, warmu
     finally:
         for p, old in zip(params, old_grads, strict=True):
             p.grad = old
+    sizes["wgrad"] += sum(held.values())
     return {"samples": samples, "sizes": sizes, "param_bytes": sum(p.numel() * p.element_size() for p in params),
             "param_names": [n for n, _ in named]}
 
@@ -539,6 +556,7 @@ def profile_model(model: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] |
         """Runs ``split_gm`` once, profiling each segment on the real values the earlier ones produced."""
 
         def run_node(self, n):
+            self._node = n
             out = super().run_node(n)
             if n.op == "call_module" or (n.op == "call_function" and n.target is operator.getitem):
                 value_bytes[n.name] = sum(t.numel() * t.element_size() for t in _tensors(out))
@@ -546,7 +564,8 @@ def profile_model(model: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] |
 
         def call_module(self, target, fargs, fkwargs):
             seg = self.fetch_attr(target)
-            results.append(_measure_segment(torch, seg, list(fargs), loss_fn if target == last else None, repeats, warmup, clock))
+            received = [not (isinstance(a, torch.fx.Node) and a.op == "placeholder") for a in self._node.args]
+            results.append(_measure_segment(torch, seg, list(fargs), received, loss_fn if target == last else None, repeats, warmup, clock))
             with torch.no_grad():
                 return seg(*fargs, **fkwargs)
 
@@ -571,7 +590,7 @@ def profile_model(model: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] |
             output_bytes=int(out_bytes), param_bytes=int(res["param_bytes"]),
             saved_bytes={"none": sizes["none"], "selective": sizes["selective"], "full": sizes["full"]},
             recompute_s={"none": 0.0, "selective": min(max(stat(smp["sel"]), 0.0), fwd), "full": fwd},
-            weight_grad_bytes=min(sizes["wgrad"], sizes["none"]), bwd_full_s=stat(smp["b"]),
+            weight_grad_bytes=sizes["wgrad"], bwd_full_s=stat(smp["b"]),
         ))
     source_module = model.module() if exported else model
     tied = tied_groups(source_module, [res["param_names"] for res in results])

@@ -64,7 +64,7 @@ def test_structure_and_exact_bytes(profile):
     assert emb.saved_bytes["selective"] == emb.saved_bytes["full"]
     for lay in blocks:
         assert lay.saved_bytes["full"] < lay.saved_bytes["selective"] < lay.saved_bytes["none"]
-        assert 0 < lay.weight_grad_bytes < lay.saved_bytes["none"]
+        assert lay.weight_grad_bytes > 0
 
 
 def test_times_positive_and_ordered(profile):
