@@ -276,9 +276,10 @@ def _split_policy(names: list[str] | None, where: str, segment_names: list[str])
 
 
 def split_model(model: Any, args: Sequence[Any], kwargs: dict[str, Any] | None = None, *, split: Sequence[str] | None = None,
-                where: str = "--split") -> tuple[Any, list[str]]:
+                where: str = "--split") -> tuple[Any, list[str], list[str]]:
     """Cut ``model`` (an ``nn.Module`` or ``ExportedProgram``) into torch's ``Pipe`` at ``split`` names or its
-    ``pipe_split`` calls; returns the ``Pipe`` and the name of every segment."""
+    ``pipe_split`` calls; returns the ``Pipe``, the name of every segment and where segments 1, 2, ... begin
+    (the submodule names, expanded, or ``"pipe_split k"`` for the model's k-th marker)."""
     import torch
     from torch.distributed.pipelining import pipeline
 
@@ -299,7 +300,8 @@ def split_model(model: Any, args: Sequence[Any], kwargs: dict[str, Any] | None =
         raise ModelSpecError(f"torch could not trace and split the model: {_one_line(cause)}", where="--model") from None
     if len(segment_names) != pipe.num_stages:
         raise ModelSpecError(f"torch made {pipe.num_stages} segments of the {len(segment_names)} split", where=where)
-    return pipe, segment_names
+    starts = names or [f"pipe_split {k}" for k in range(1, len(segment_names))]
+    return pipe, segment_names, starts
 
 
 def _segment_name(paths: list[str]) -> str:
@@ -531,7 +533,7 @@ def profile_model(model: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] |
     if exported and not args and not kwargs:
         ex_args, ex_kwargs = model.example_inputs or ((), {})
         args, kwargs = tuple(ex_args), dict(ex_kwargs or {})
-    pipe, names = split_model(model, args, kwargs, split=split)
+    pipe, names, starts = split_model(model, args, kwargs, split=split)
     gm = pipe.split_gm
     order = [n for n in gm.graph.nodes if n.op == "call_module"]
     index_of = {n.name: k for k, n in enumerate(order)}
@@ -598,7 +600,26 @@ def profile_model(model: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] |
     return ModelProfile(name=name or type(model if not exported else source_module).__name__, layers=tuple(layers), source="measured",
                         microbatch_size=int(batch), state_factor=state_factor,
                         reference={"name": "cpu", "threads": threads or old_threads, "statistic": "median", "clock": clock,
-                                   "repeats": repeats, "split": list(split) if split else "pipe_split", "tied": tied})
+                                   "repeats": repeats, "split": list(split) if split else "pipe_split", "segment_starts": starts,
+                                   "tied": tied})
+
+
+def stage_split_points(profile: ModelProfile, spans: Sequence[Sequence[int]]) -> list[str]:
+    """Where the stages of a plan begin, as split points of the profiled model (stages 1, 2, ...).
+
+    ``spans`` are the stages' layer spans (a plan's ``partition.stages[k].layers``, or ``stages.json``'s
+    ``layers``). With names, build the stages with torch: ``pipeline(model, args, split_spec={name:
+    SplitPoint.BEGINNING for name in stage_split_points(prof, spans)})``; with ``pipe_split`` markers, keep
+    the markers listed and remove the others.
+
+    >>> prof = ModelProfile("m", (), reference={"segment_starts": ["blocks.0", "blocks.1", "ln_f"]})
+    >>> stage_split_points(prof, [(0, 2), (2, 4)])
+    ['blocks.1']
+    """
+    starts = profile.reference.get("segment_starts")
+    if not isinstance(starts, list):
+        raise ProfileError("the profile does not record its split points (not made by profile_model)", where="reference.segment_starts")
+    return [starts[i - 1] for i, _ in spans[1:]]
 
 
 def tied_groups(module: Any, segment_params: list[list[str]]) -> list[dict[str, Any]]:

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from torch import nn
-from torch.distributed.pipelining import pipe_split
+from torch.distributed.pipelining import SplitPoint, pipe_split, pipeline
 
 from netweave.cli import main
 from pipesched.devices import Device, LinkModel
@@ -21,6 +21,7 @@ from pipesched.model_profile import (
     node_saved_tensors,
     profile_model,
     split_model,
+    stage_split_points,
 )
 from pipesched.plan import plan
 from pipesched.profile import loads_profile
@@ -79,7 +80,7 @@ def test_times_positive_and_ordered(profile):
 def test_saved_bytes_equal_the_autograd_graph():
     """Differential: what the saved-tensor hooks counted equals the storages the autograd graph's nodes hold."""
     spec = small()
-    pipe, _ = split_model(spec["model"], spec["args"], split=["blocks.0", "blocks.1"])
+    pipe, _, _ = split_model(spec["model"], spec["args"], split=["blocks.0", "blocks.1"])
     block = pipe.split_gm.submod_pp_1
     x = torch.randn(B, S, H, requires_grad=True)
     out = block(x, spec["args"][1])
@@ -163,8 +164,19 @@ def test_plan_from_the_measured_profile_exports(profile, tmp_path):
     info = export_plan(p.schedule, p.partition, tmp_path, layer_names=[lay.name for lay in profile.layers])
     rows = read_torch_csv(tmp_path / info["csv"])
     assert sorted(rows) == [0, 1] and all(rows.values())
-    modules = [m for st in json.loads((tmp_path / "stages.json").read_text())["stages"] for m in st["modules"]]
-    assert modules == [lay.name for lay in profile.layers]
+    stages = json.loads((tmp_path / "stages.json").read_text())["stages"]
+    assert [m for st in stages for m in st["modules"]] == [lay.name for lay in profile.layers]
+    # The plan's cuts as torch split points: torch's pipeline() builds exactly these stages, with the profiled parameters.
+    spans = [tuple(st["layers"]) for st in stages]
+    points = stage_split_points(profile, spans)
+    spec = small()
+    pipe = pipeline(spec["model"], spec["args"], split_spec={name: SplitPoint.BEGINNING for name in points})
+    assert pipe.num_stages == len(spans) == 2
+    for (i, j), stage in zip(spans, pipe.split_gm.children(), strict=True):
+        held = {n: p.numel() * p.element_size() for n, p in stage.named_parameters()}
+        if i == 0:      # torch's Pipe leaves an unused copy of the tied weight in the first stage
+            held.pop("lm_head.weight", None)
+        assert sum(held.values()) == sum(lay.param_bytes for lay in profile.layers[i:j])
 
 
 def test_load_factory_errors(tmp_path, monkeypatch):
