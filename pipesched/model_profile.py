@@ -60,6 +60,7 @@ profile lists each tied group in ``reference["tied"]`` (names, segments, bytes).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import importlib
 import operator
 import re
@@ -82,6 +83,7 @@ class ModelSpecError(ProfileError):
 # Selective recomputation policy
 # --------------------------------------------------------------------------------------------------------------
 
+@functools.cache
 def _saved_ops() -> frozenset:
     import torch
 
@@ -407,10 +409,16 @@ def _measure_sizes(torch, seg, inputs: list[Any], param_keys: set, loss_fn) -> d
             saved.add(key)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), PolicyOutputs():
+    # Two forwards: a Python dispatch mode can change how composite operators decompose (and so what autograd
+    # saves), so the saved tensors are counted without it.
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = seg(*inputs)
         if loss_fn is not None:
             out = loss_fn(out)
+    with torch.no_grad(), PolicyOutputs():
+        plain = seg(*inputs)
+        if loss_fn is not None:
+            loss_fn(plain)
     params = {id(p) for p in seg.parameters()}
     wgrad: set[tuple[int, int]] = set()
     for fn in autograd_nodes([t for t in _tensors(out) if t.requires_grad]):
