@@ -11,8 +11,9 @@ block: the median over the blocks, head) for the times and the byte counts. Then
 (4 stages, 8 micro-batches, 1F1B) and the analytic plan's partition is costed with the measured profile: what
 planning from the formulas instead of a measurement costs.
 
-Run: ``.venv/bin/python bench/bench_pipesched_models.py [--layers 12] [--seq-len 1024] [--repeats 3] [--quick]``
-(the 124M shape takes about 4 minutes on the 2-CPU development machine; ``--quick``: 2 blocks, s = 256).
+Run: ``.venv/bin/python bench/bench_pipesched_models.py [--layers 12] [--seq-len 1024] [--repeats 2] [--quick]``
+(the 124M shape takes about 6 minutes of CPU time, 24 minutes of wall time on the loaded 2-CPU development
+machine; ``--quick``: 2 blocks, s = 256, nothing written).
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="2 blocks, s = 256, 2 repeats (a smoke run; results not written)")
     args = ap.parse_args()
     if args.quick:
