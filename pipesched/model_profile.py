@@ -13,25 +13,27 @@ therefore lets torch cut the model the way ``torch.distributed.pipelining`` will
    every node. An ``ExportedProgram`` can be given instead of the module (with its ``pipe_split`` operators or
    names). Every segment must hold at least one operation.
 2. **Time.** The segments run in order on one micro-batch (``fx.Interpreter`` over ``split_gm``, each segment
-   fed the real values the earlier ones produced and the model inputs it uses). For each: the forward; the
-   input-gradient (``torch.autograd.grad`` of the outputs w.r.t. the floating-point inputs, graph retained) and
-   then the weight-gradient on the same graph; one fused backward accumulating into the weights' ``.grad`` (as
-   a micro-batch's backward does); and the fused backward of the same forward run under selective
-   checkpointing, whose excess over the fused backward is the selective recomputation time (paired per
-   repetition, clamped to ``[0, F]``). Full recomputation costs one forward. Medians over ``repeats``
-   (``clock="cpu"``: the measuring thread's CPU time, as :func:`pipesched.profile.measure_profile`). The last
-   segment's cost includes ``loss_fn`` (applied to its output) if given, else a random output gradient is
-   back-propagated.
-3. **Size** (exact, from the tensors, not from timing runs): ``param_bytes`` the segment's distinct
-   parameters; ``output_bytes`` every value produced at or before the segment and consumed after it (a skip
+   fed the real values the earlier ones produced and the model inputs it uses). For each: the forward; I and W
+   as torch's runtime runs them for zero-bubble schedules, ``stage_backward_input`` (input gradients; it keeps
+   the gradients flowing into the weight operations) then ``stage_backward_weight`` (weight gradients from
+   those), the values received from earlier segments getting gradients and the model's inputs not (a segment
+   with no received activation, the embedding, has I = 0 and its whole backward in W, as torch's first stage);
+   one fused backward accumulating into the weights' ``.grad`` (as a micro-batch's backward does); and the
+   fused backward of the same forward run under selective checkpointing, whose excess over the fused backward
+   is the selective recomputation time (paired per repetition, clamped to ``[0, F]``). Full recomputation
+   costs one forward. Medians over ``repeats`` (``clock="cpu"``: the measuring thread's CPU time, as
+   :func:`pipesched.profile.measure_profile`). The last segment's cost includes ``loss_fn`` (applied to its
+   output) if given, else a random output gradient is back-propagated.
+3. **Size** (exact, from the tensors, not from timing runs): ``param_bytes`` the parameters the segment trains
+   (each once); ``output_bytes`` every value produced at or before the segment and consumed after it (a skip
    connection counts at every cut it crosses; model inputs do not: torch's runtime hands them to each stage
    that uses them as root arguments); ``saved_bytes["none"]`` the distinct storages autograd saves for the
    backward (``saved_tensors_hooks``, parameters excluded: a view of a bigger tensor holds the whole storage);
    ``saved_bytes["full"]`` the segment's tensor inputs (what ``torch.utils.checkpoint`` keeps);
    ``saved_bytes["selective"]`` the inputs plus the outputs of the operators :func:`selective_policy` saves
    (what ``torch.utils.checkpoint`` with ``create_selective_checkpoint_contexts(selective_policy)`` keeps);
-   ``weight_grad_bytes`` what the operators that take a parameter saved (the inputs the weight gradient needs
-   after ``I``).
+   ``weight_grad_bytes`` what the autograd nodes producing a parameter's gradient saved plus the gradients
+   ``stage_backward_input`` keeps for W (what stays alive from I to W).
 
 **Selective recomputation** is an operator policy, as torchtitan's op-level selective activation checkpointing:
 the outputs of matrix multiplications (``mm``, ``addmm``: the linear layers) and of fused attention kernels are
