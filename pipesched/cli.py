@@ -39,10 +39,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     pipe = sub.add_parser("pipe", help="pipeline parallelism: profile, plan, simulate, export, run")
     psub = pipe.add_subparsers(dest="pipe_command", metavar="ACTION", required=True)
 
-    p = psub.add_parser("profile", help="per-layer profile: analytic from a GPT/Llama config, or measured on this CPU")
+    p = psub.add_parser("profile", help="per-layer profile: analytic from a GPT/Llama config, or measured here (a real model, the MLP chain)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="GPT/Llama config (YAML or JSON): layers, hidden, heads, seq_len, vocab, ...")
+    src.add_argument("--model", help="GPT/Llama config (YAML or JSON): layers, hidden, heads, seq_len, vocab, ...; "
+                                     "or package.module:factory, a function returning a torch model with example inputs (measured here)")
     src.add_argument("--mlp", help="measure the built-in MLP chain with these hidden widths, e.g. 256,256,2048")
+    p.add_argument("--split", help="with a factory: submodule names that begin a segment, e.g. 'blocks.*,ln_f' (* matches one name "
+                                   "component), or pipe_split for the model's pipe_split() calls (default: the factory's split, "
+                                   "else pipe_split)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with a factory: keyword argument for it (repeatable)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per segment for a factory's model (default 5)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="with a factory: wall time, or the thread's CPU time")
     p.add_argument("--dim", type=int, default=128, help="model width of --mlp (default 128)")
     p.add_argument("--microbatch", type=int, default=32, help="rows per micro-batch for --mlp (default 32)")
     p.add_argument("--threads", type=int, default=1)
@@ -157,12 +164,50 @@ def _write_outputs(args: argparse.Namespace, result, title: str, data: dict[str,
         write_chrome_trace(args.trace, ("predicted", result))
 
 
+def _factory_options(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` pairs, values read as YAML scalars (``3``, ``0.1``, ``true``, ``gelu``)."""
+    import yaml
+
+    options: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_]\w*", key.strip()):
+            raise InputError(f"expected KEY=VALUE with KEY a Python name, got {item!r}", where="--set")
+        try:
+            options[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            options[key.strip()] = value
+    return options
+
+
+def _profile_factory(args: argparse.Namespace):
+    from .model_profile import load_factory, profile_model
+
+    if args.repeats < 1:
+        raise InputError(f"expected at least 1 repetition, got {args.repeats}", where="--repeats")
+    spec = load_factory(args.model, _factory_options(args.set))
+    if args.split is None:
+        split = spec.split
+    elif args.split.strip() == "pipe_split":
+        split = None
+    else:
+        split = args.split.split(",")
+    progress(f"splitting {args.model} and measuring every segment on this CPU ...")
+    return profile_model(spec.model, spec.args, spec.kwargs, split=split, loss_fn=spec.loss_fn, repeats=args.repeats,
+                         threads=args.threads, clock=args.clock, name=args.model.rpartition(":")[2])
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from topology.io import atomic_write_text
 
+    from .model_profile import FACTORY_RE
     from .profile import analytic_profile, dumps_profile, load_model_config
 
-    if args.model:
+    if args.model and FACTORY_RE.fullmatch(args.model) and not Path(args.model).exists():
+        prof = _profile_factory(args)
+    elif args.split is not None or args.set:
+        raise InputError("--split and --set need a model factory (--model package.module:function)", where="--split" if args.split else "--set")
+    elif args.model:
         prof = analytic_profile(load_model_config(args.model))
     else:
         from .calibrate import profile_mlp
@@ -182,6 +227,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         lines.append(f"{lay.name:<12} {lay.fwd_s * 1e3:>9.4g} {lay.bwd_input_s * 1e3:>9.4g} {lay.bwd_weight_s * 1e3:>9.4g} "
                      f"{lay.output_bytes / 2**20:>9.3g} {lay.param_bytes / 2**20:>10.4g} "
                      f"{sv['none'] / 2**20:>8.4g}/{sv['selective'] / 2**20:.4g}/{sv['full'] / 2**20:.4g}")
+    for group in prof.reference.get("tied", []):
+        lines.append(f"tied: {' = '.join(group['params'])} ({group['bytes'] / 2**20:.4g} MiB) held by layers "
+                     f"{', '.join(str(k) for k in group['layers'])}, counted in each")
     emit(args, prof.to_dict(), "\n".join(lines))
     return 0
 

@@ -334,7 +334,9 @@ def analytic_profile(cfg: GPTConfig) -> ModelProfile:
     core ``4b*s^2*h`` (QK^T and AV). The input gradient costs the linear FLOPs again plus twice the attention core
     (it has no weights); the weight gradient costs the linear FLOPs. The LM head is a ``h x V`` matmul
     (``2t*h*V`` in each of F, I and W) with an FP32 softmax cross-entropy over the logits; the embedding is a
-    gather whose cost is memory traffic only. Each part's time is a roofline ``max(FLOPs/FLOP/s, bytes/bandwidth)``.
+    gather whose cost is memory traffic only; its weight gradient is dense (torch zero-fills a gradient of the
+    whole table, scatter-adds into it and adds that into ``.grad``: four passes over the table). Each part's
+    time is a roofline ``max(FLOPs/FLOP/s, bytes/bandwidth)``.
 
     Activation memory per block follows Korthikanti et al. (2022, Table 2 and eq. 1-2) for ``kind="gpt"``:
     ``s*b*h*(34 + 5*a*s/h)`` bytes at 16-bit; selective recomputation drops the ``5*a*s^2*b`` attention-score
@@ -379,7 +381,9 @@ def analytic_profile(cfg: GPTConfig) -> ModelProfile:
     emb_params = v * h + (s * h if cfg.kind == "gpt" else 0)
     layers.append(LayerProfile(
         name="embedding", fwd_s=_roofline(0, 2 * act_out, cfg), bwd_input_s=0.0,
-        bwd_weight_s=_roofline(t * h, 3 * act_out, cfg),   # scatter-add of the output gradient into the table
+        # W: torch's embedding backward scatter-adds the output gradient into a dense, zero-filled gradient of the
+        # whole table, which is then added into the weight's .grad: 4 table-sized passes besides the scatter.
+        bwd_weight_s=_roofline(t * h, 3 * act_out + 4 * emb_params * dt, cfg),
         output_bytes=act_out, param_bytes=emb_params * dt,
         saved_bytes={k: 8 * t for k in RECOMPUTE_OPTIONS},  # int64 token ids
         recompute_s={k: 0.0 for k in RECOMPUTE_OPTIONS}, weight_grad_bytes=8 * t,
