@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
 
 from .plan import POLICIES
@@ -20,7 +20,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fsub = flow.add_subparsers(dest="flow_command", metavar="ACTION", required=True)
 
     p = fsub.add_parser("keys", help="generate CURVE key pairs for the scheduler and agents")
-    p.add_argument("--out", required=True, help="key directory (NAME.key public, NAME.key_secret secret)")
+    add_output(p, "--out", required=True, help="key directory (NAME.key public, NAME.key_secret secret)", directory=True)
     p.add_argument("--agents", default="", help="comma-separated agent host names")
     add_json_flag(p)
     p.set_defaults(func=cmd_keys)
@@ -31,8 +31,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=POLICIES, default="sincronia")
     p.add_argument("--epoch", type=int, default=1, help="plan generation number (default 1)")
     p.add_argument("--classes", type=int, default=8, help="priority classes to use (1..8)")
-    p.add_argument("--out", required=True, help="flow plan file (.json)")
-    p.add_argument("--nccl-plan", default=None, metavar="DIR", help="also write each host's NCCL plugin plan file into DIR")
+    add_output(p, "--out", required=True, help="flow plan file (.json)")
+    add_output(p, "--nccl-plan", default=None, metavar="DIR", help="also write each host's NCCL plugin plan file into DIR", directory=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_plan)
 
@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth", type=float, default=10.0, help="all-reduce goodput in GB/s to store in the profile (default 10)")
     p.add_argument("--overhead-us", type=float, default=10.0, help="cost of one collective launch in microseconds (default 10)")
     p.add_argument("--iterations", type=int, default=5)
-    p.add_argument("--out", required=True)
+    add_output(p, "--out", required=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_profile)
 
@@ -61,7 +61,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", required=True, help="gradient profile JSON (netweave flow profile)")
     p.add_argument("--policy", choices=("ddp", "prophet", "bytescheduler"), default="prophet")
     p.add_argument("--bandwidth", type=float, default=None, help="override the profile's bandwidth (GB/s)")
-    p.add_argument("--out", default=None, help="write the plan (JSON)")
+    add_output(p, "--out", default=None, help="write the plan (JSON)")
     add_json_flag(p)
     p.set_defaults(func=cmd_schedule)
 

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -46,7 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, default=128, help="model width of --mlp (default 128)")
     p.add_argument("--microbatch", type=int, default=32, help="rows per micro-batch for --mlp (default 32)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", help="write the profile JSON here")
+    add_output(p, "--out", help="write the profile JSON here")
     add_json_flag(p)
     p.set_defaults(func=cmd_profile)
 
@@ -61,11 +61,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--spans", help="layer spans per stage, e.g. 0:5,5:9,9:14 (default: equal layer counts)")
         if name == "export":
             p.add_argument("--format", choices=["compute_only", "compute_comms"], default="compute_only")
-            p.add_argument("--out", required=True, help="output directory (schedule.csv, stages.json, plan.json)")
+            add_output(p, "--out", required=True, help="output directory (schedule.csv, stages.json, plan.json)", directory=True)
         else:
-            p.add_argument("--out", help="write the plan/simulation JSON here")
-            p.add_argument("--gantt", help="write a Gantt chart PNG here")
-            p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+            add_output(p, "--out", help="write the plan/simulation JSON here")
+            add_output(p, "--gantt", help="write a Gantt chart PNG here")
+            add_output(p, "--trace", help="write a Chrome/Perfetto trace JSON here")
         add_json_flag(p)
         p.set_defaults(func=func)
 
@@ -92,8 +92,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cpu: gloo processes on this CPU (default); cuda: NCCL, every rank on GPU 0 (see docs/pipesched.md)")
     p.add_argument("--sharing", choices=["mps", "time-slice"], default=None,
                    help="with --device cuda: how the ranks share the GPU (default: mps when CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set)")
-    p.add_argument("--out", help="write the report JSON here")
-    p.add_argument("--trace", help="write predicted and measured timelines into one Chrome trace")
+    add_output(p, "--out", help="write the report JSON here")
+    add_output(p, "--trace", help="write predicted and measured timelines into one Chrome trace")
     add_json_flag(p)
     p.set_defaults(func=cmd_run)
 

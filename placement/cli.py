@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
 from topology.io import atomic_write_text
 
@@ -38,8 +38,8 @@ def _plan_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"], help="routing of collectives (default rail)")
     p.add_argument("--candidates", type=int, default=4, help="buddy candidates CASSINI ranks per job (default 4)")
     p.add_argument("--script", default="train.py", help="training script named in the torchrun lines")
-    p.add_argument("--out", default=None, help="write the plan (JSON) here")
-    p.add_argument("--hostfiles", default=None, help="write one Slurm hostfile per job into this directory")
+    add_output(p, "--out", default=None, help="write the plan (JSON) here")
+    add_output(p, "--hostfiles", default=None, help="write one Slurm hostfile per job into this directory", directory=True)
     add_json_flag(p)
 
 
@@ -75,7 +75,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="keep the first N jobs")
     p.add_argument("--arrival-rate", type=float, default=1 / 60, help="synthetic: jobs per second (default 1/60)")
     p.add_argument("--network-heavy", type=float, default=0.0, help="synthetic: share of jobs with 4x gradients")
-    p.add_argument("--out", required=True)
+    add_output(p, "--out", required=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_trace)
 
@@ -84,8 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", required=True, help="trace file (netweave CSV/JSON)")
     p.add_argument("--policy", default="fifo,hived,hived+cassini", help="comma-separated: fifo, las, hived, hived+cassini")
     p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"])
-    p.add_argument("--out", default=None, help="write per-policy metrics and per-job times (JSON)")
-    p.add_argument("--plot", default=None, help="write a JCT distribution plot (PNG)")
+    add_output(p, "--out", default=None, help="write per-policy metrics and per-job times (JSON)")
+    add_output(p, "--plot", default=None, help="write a JCT distribution plot (PNG)")
     p.add_argument("--fluid-radius", type=int, default=None, metavar="R",
                    help="re-simulate only jobs within R shared-link hops of each change (faster, approximate; default: exact)")
     add_json_flag(p)
