@@ -3,7 +3,8 @@
 Actions::
 
     netweave place --topology T --jobs J [--policy P] --out plan.json     (same as `place plan`)
-    netweave place plan --topology T --jobs J [--policy P] --out plan.json [--hostfiles DIR]
+    netweave place plan --topology T --jobs J [--policy P] --out plan.json [--hostfiles DIR] [--state FILE]
+    netweave place release --topology T --state FILE JOB [JOB...]          free jobs held in a planner state file
     netweave place cells --topology T                                      HiveD cell levels derived from T
     netweave place check --topology T --jobs J                             VC quota safety check and guarantees
     netweave place trace --synthetic N --seed S --out trace.csv            (or --philly FILE / --pai FILE)
@@ -40,6 +41,7 @@ def _plan_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--script", default="train.py", help="training script named in the torchrun lines")
     add_output(p, "--out", default=None, help="write the plan (JSON) here")
     add_output(p, "--hostfiles", default=None, help="write one Slurm hostfile per job into this directory", directory=True)
+    add_output(p, "--state", default=None, help="planner state file: place next to the jobs it holds, then add the new ones (locked)")
     add_json_flag(p)
 
 
@@ -52,6 +54,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("plan", help="place the jobs of a jobs file; per job hosts, GPUs, rank order, shift, torchrun lines")
     _plan_args(p, required=True)
     p.set_defaults(func=cmd_plan)
+
+    p = psub.add_parser("release", help="free jobs held in a planner state file (place plan --state)")
+    p.add_argument("jobs", nargs="+", metavar="JOB", help="job names to free")
+    p.add_argument("--topology", required=True)
+    add_output(p, "--state", required=True, help="planner state file")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_release)
 
     p = psub.add_parser("cells", help="the HiveD cell hierarchy derived from a topology")
     p.add_argument("--topology", required=True)
@@ -99,8 +108,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise InputError("place: --topology and --jobs are required (or use an action: plan, cells, check, trace, replay)")
     topo = _topology(args.topology)
     jobs, vcs = load_jobs(args.jobs)
-    plan = plan_jobs(topo, jobs, virtual_clusters=vcs, policy=args.policy, candidates=args.candidates, routing=args.routing,
-                     script=args.script)
+    if args.state:
+        from .state import locked_scheduler
+
+        with locked_scheduler(args.state, topo, vcs) as sched:
+            for i, j in enumerate(jobs):
+                if j.name in sched.jobs:
+                    raise InputError(f"job {j.name!r} already holds GPUs in the state {args.state}; release it first",
+                                     source=args.jobs, where=f"jobs[{i}].name")
+            plan = plan_jobs(topo, jobs, virtual_clusters=vcs, policy=args.policy, candidates=args.candidates, routing=args.routing,
+                             script=args.script, scheduler=sched)
+            plan["state"] = {"file": args.state, "running_jobs": sorted(sched.jobs)}
+    else:
+        plan = plan_jobs(topo, jobs, virtual_clusters=vcs, policy=args.policy, candidates=args.candidates, routing=args.routing,
+                         script=args.script)
     if args.out:
         atomic_write_text(args.out, dumps_plan(plan))
     if args.hostfiles:
@@ -110,6 +131,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 atomic_write_text(d / f"{j['name']}.hostfile", j["launch"]["slurm_hostfile"])
     emit(args, plan, plan_text(plan))
     return 0 if plan["unplaced"] == 0 else 1
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from .state import locked_scheduler
+
+    topo = _topology(args.topology)
+    with locked_scheduler(args.state, topo, must_exist=True) as sched:
+        for name in args.jobs:
+            if name not in sched.jobs:
+                raise InputError(f"job {name!r} holds no GPUs; the state holds {', '.join(sorted(sched.jobs)) or 'no jobs'}",
+                                 source=args.state)
+        freed = {name: sched.free(name) for name in args.jobs}
+        running = sorted(sched.jobs)
+    emit(args, {"released": freed, "running_jobs": running},
+         "\n".join([f"released {n}: {len(g)} GPUs" for n, g in freed.items()] + [f"still running: {', '.join(running) or '(none)'}"]))
+    return 0
 
 
 def cmd_cells(args: argparse.Namespace) -> int:
@@ -132,8 +169,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .planner import load_jobs
 
     topo = _topology(args.topology)
-    _, vcs = load_jobs(args.jobs)
+    jobs, vcs = load_jobs(args.jobs)
     sched = HivedScheduler(topo, vcs)  # raises QuotaError (an InputError) when infeasible
+    check_jobs_fit(sched, jobs, source=args.jobs)
     report = sched.fail(args.fail)["guarantees"] if args.fail else sched.guarantee_report()
     lines = [f"virtual clusters: {', '.join(vcs) or '(none)'}: quotas feasible on {topo.name}"]
     for chain, c in report["chains"].items():
@@ -143,6 +181,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     lines.append("guarantees hold" if report["ok"] else "guarantees degraded by bad hardware")
     emit(args, report, "\n".join(lines))
     return 0 if report["ok"] else 1
+
+
+def check_jobs_fit(sched: Any, jobs: list[Any], *, source: str | None = None) -> None:
+    """Raise :class:`InputError` for a job that can never be placed: more GPUs than its chain, or than its VC's quota, holds."""
+    for i, j in enumerate(jobs):
+        chains = {n: t for n, t in sched.trees.items() if j.gpu_model in (None, n)}
+        if j.vc is not None:
+            quota = sum(n * sched.trees[c].levels[lv].size for c, vch in sched.vcs[j.vc].items() if c in chains for lv, n in vch.quota.items())
+            if j.gpus > quota:
+                raise InputError(f"job {j.name!r} asks for {j.gpus} GPUs; its virtual cluster {j.vc!r} has a quota of {quota}",
+                                 source=source, where=f"jobs[{i}].gpus")
+        most = max((len(t.leaves) for t in chains.values()), default=0)
+        if j.gpus > most:
+            raise InputError(f"job {j.name!r} asks for {j.gpus} GPUs; the cluster has {most}{' of ' + j.gpu_model if j.gpu_model else ''}",
+                             source=source, where=f"jobs[{i}].gpus")
 
 
 def cmd_trace(args: argparse.Namespace) -> int:
@@ -172,6 +225,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     topo = _topology(args.topology)
     trace = read_trace(args.trace)
+    total = len(topo.gpus())
+    for j in trace:
+        if j.gpus > total:
+            raise InputError(f"job {j.name!r} asks for {j.gpus} GPUs; the cluster has {total}, so it could never run", source=args.trace)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for p in policies:
         if p not in POLICIES:

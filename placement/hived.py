@@ -55,7 +55,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from topology.errors import InputError
+from topology.inputs import loads_json, read_text
 from topology.io import atomic_write_text
+from topology.limits import MAX_QUOTA_CELLS
 from topology.model import Topology
 
 from .cells import Cell, CellTree, cell_hierarchy
@@ -285,9 +287,15 @@ def _parse_quota(spec: Any, trees: dict[str, CellTree], vc: str) -> dict[str, di
             raise InputError(f"unknown cell level {level_name!r}; chain {chain} has {', '.join(names)}", where=where)
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise InputError(f"expected a non-negative integer cell count, got {count!r}", where=where)
+        if count > MAX_QUOTA_CELLS:
+            raise QuotaError(f"expected a cell count <= {MAX_QUOTA_CELLS} (the limit), got {count}", where=where)
         if count:
             lv = names.index(level_name)
             out.setdefault(chain, {})[lv] = out.setdefault(chain, {}).get(lv, 0) + count
+            cells = sum(1 for c in tree.cells if c.level == lv and c.full)
+            if out[chain][lv] > cells:  # checked before any virtual cell is built: a quota of 2^31 cells costs nothing
+                raise QuotaError(f"illegal virtual cluster assignment: chain {chain} level {level_name!r} is short of {out[chain][lv] - cells} "
+                                 f"cell(s) (VC {vc} demands {out[chain][lv]}, the cluster has {cells})", where=where)
 
     for key, value in spec.items():
         where = f"virtual_clusters.{vc}.{key}"
@@ -986,13 +994,7 @@ class HivedScheduler:
 
     @classmethod
     def load(cls, topo: Topology, path: str) -> HivedScheduler:
-        try:
-            with open(path, encoding="utf-8") as f:
-                state = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"invalid JSON ({exc.msg})", source=str(path), where=exc.lineno) from None
-        except OSError as exc:
-            raise InputError(f"cannot read ({exc.strerror})", source=str(path)) from None
+        state = loads_json(read_text(path), source=str(path))
         return cls.from_state(topo, state, source=str(path))
 
     def _restore(self, state: Mapping[str, Any]) -> None:
