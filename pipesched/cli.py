@@ -24,7 +24,10 @@ def parse_bytes(text: str, *, where: str = "--memory") -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise InputError(f"expected a size like 80GiB or 40GB, got {text!r}", where=where)
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    from topology.inputs import check_number
+    from topology.limits import MAX_BYTES
+
+    return check_number(float(m.group(1)) * _UNITS[m.group(2).lower()], what="a size", where=where, positive=True, maximum=MAX_BYTES)
 
 
 SOURCE_LABELS = {"interleaved": ("ranks' profile between steps", "error_interleaved"),
@@ -115,14 +118,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace):
     import topology
+    from topology.inputs import check_number
+    from topology.limits import MAX_MICROBATCHES, MAX_STAGES
 
     from .devices import Device, devices_from_topology
     from .profile import analytic_profile, load_model_config, load_profile
 
-    if args.stages < 1:
-        raise InputError("expected a positive number of stages", where="--stages")
-    if args.microbatches < 1:
-        raise InputError("expected a positive number of micro-batches", where="--microbatches")
+    check_number(args.stages, what="a number of stages", where="--stages", integer=True, minimum=1, maximum=MAX_STAGES)
+    check_number(args.microbatches, what="a number of micro-batches", where="--microbatches", integer=True, minimum=1, maximum=MAX_MICROBATCHES)
+    check_number(args.chunks, what="a number of chunks", where="--chunks", integer=True, minimum=1, maximum=MAX_STAGES)
+    check_number(args.replicate, what="a replication limit", where="--replicate", integer=True, minimum=1, maximum=MAX_STAGES)
     prof = analytic_profile(load_model_config(args.model)) if args.model else load_profile(args.profile)
     if args.stages > len(prof.layers):
         raise InputError(f"{args.stages} stages but the model has only {len(prof.layers)} layers (embedding, blocks, head)", where="--stages")
