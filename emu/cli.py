@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a sweep axis, e.g. jobs.dp-b.start_offset=0,0.001,0.002 or config.sharing=strict,weighted (repeatable)")
     p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto")
     p.add_argument("--workers", type=int, default=None)
-    add_output(p, "--out", default=None, help="write sweep.json here")
+    add_output(p, "--out", default=None, help="write sweep.json into this directory", directory=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_sweep)
 
@@ -129,7 +129,16 @@ def _job_lines(result: RunResult) -> list[str]:
     return lines
 
 
+def check_scales(args: argparse.Namespace) -> None:
+    """``--time-scale`` and ``--byte-scale``: finite and positive (``nan`` and ``inf`` parse as floats)."""
+    from topology.inputs import check_number
+
+    check_number(args.time_scale, what="a time scale", where="--time-scale", positive=True, maximum=1e9)
+    check_number(args.byte_scale, what="a byte scale", where="--byte-scale", positive=True, maximum=1e12)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    check_scales(args)
     topo, workload = load_inputs(args.workload, args.topology)
     out = Path(args.out)
     progress(f"emu: running {workload.name!r} ({len(workload.jobs)} jobs) on {topo.name!r} with the {args.backend} backend")
@@ -144,6 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from .plots import plot_comparison
 
+    check_scales(args)
     topo, workload = load_inputs(args.workload, args.topology)
     mininet_runner()  # fail before simulating when the emulator cannot run
     out = Path(args.out)

@@ -11,6 +11,8 @@ from typing import Any
 
 from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
+from topology.inputs import check_interface, check_name, check_number
+from topology.limits import MAX_BANDWIDTH_GBS
 
 from .plan import POLICIES
 
@@ -111,7 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_keys(args: argparse.Namespace) -> int:
     from .control import generate_keys
 
-    agents = [a for a in args.agents.split(",") if a]
+    agents = [check_name(a, what="agent host name", where="--agents") for a in args.agents.split(",") if a]
     made = generate_keys(args.out, agents)
     data = {name: {"public": str(pub), "secret": str(sec)} for name, (pub, sec) in made.items()}
     emit(args, data, "\n".join(f"{name}: {d['public']} (secret {d['secret']})" for name, d in data.items()))
@@ -124,6 +126,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from .plan import plan_from_workload, write_nccl_plan, write_plan
 
+    check_number(args.epoch, what="an epoch", where="--epoch", integer=True, minimum=0, maximum=2**62)
     topo = read_topology(args.topology)
     workload = read_workload(args.workload)
     d = plan_from_workload(workload, topo, args.policy, epoch=args.epoch, classes=args.classes)
@@ -148,6 +151,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from .enforce import apply_tc, host_tc_commands
     from .plan import read_plan
 
+    check_name(args.host, what="host name", where="--host")
+    check_interface(args.dev, where="--dev")
+    if args.netns is not None:
+        check_name(args.netns, what="network namespace name", where="--netns")
+    if args.rate_mbit is not None:
+        check_number(args.rate_mbit, what="a rate in Mbit/s", where="--rate-mbit", positive=True, maximum=MAX_BANDWIDTH_GBS * 8e3)
+    check_number(args.time_scale, what="a time scale", where="--time-scale", positive=True, maximum=1e9)
     plan = read_plan(args.plan)
     lines = host_tc_commands(plan, args.host, args.dev, rate_mbit=args.rate_mbit, time_scale=args.time_scale)
     if not args.dry_run:
@@ -259,8 +269,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     prof = GradientProfile.load(args.profile)
     if args.bandwidth is not None:
-        if not args.bandwidth > 0:
-            raise InputError(f"expected a positive GB/s, got {args.bandwidth}", where="--bandwidth")
+        check_number(args.bandwidth, what="a bandwidth in GB/s", where="--bandwidth", positive=True, maximum=MAX_BANDWIDTH_GBS)
         prof = prof.with_bandwidth(args.bandwidth * 1e9)
     plan = {"ddp": ddp_plan, "prophet": tune_prophet, "bytescheduler": tune_bytescheduler}[args.policy](prof)
     timing = simulate_iteration(prof, plan)

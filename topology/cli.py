@@ -7,6 +7,8 @@ from typing import Any
 
 from .clitools import add_json_flag, add_output, emit
 from .errors import TopologyError
+from .inputs import check_number
+from .limits import MAX_HOSTS, MAX_TOPOLOGY_NODES
 from .model import Topology
 
 
@@ -64,18 +66,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_export)
 
 
-def _parse_sets(items: list[str]) -> dict[str, Any]:
+def _parse_sets(items: list[str], flag: str = "--set") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise TopologyError(f"--set {item!r}: expected KEY=VALUE")
+            raise TopologyError(f"{flag} {item!r}: expected KEY=VALUE")
         for cast in (int, float):
             try:
-                out[key.replace("-", "_")] = cast(value)
-                break
+                number = cast(value)
             except ValueError:
                 continue
+            check_number(number, what=f"a value <= {MAX_TOPOLOGY_NODES}", where=f"{flag} {key}", maximum=MAX_TOPOLOGY_NODES, error=TopologyError)
+            out[key.replace("-", "_")] = number
+            break
         else:
             out[key.replace("-", "_")] = {"true": True, "false": False}.get(value.lower(), value)
     return out
@@ -104,8 +108,11 @@ def build_from_args(
 def cmd_build(args: argparse.Namespace) -> int:
     from .io import write_topology
 
+    if args.nodes is not None:
+        check_number(args.nodes, what="a number of servers", where="--nodes", integer=True, minimum=1, maximum=MAX_HOSTS, error=TopologyError)
     try:
-        topo = build_from_args(args.kind, args.nodes, args.node, args.fabric, args.nccl_model, _parse_sets(args.set), _parse_sets(args.node_set))
+        topo = build_from_args(args.kind, args.nodes, args.node, args.fabric, args.nccl_model, _parse_sets(args.set),
+                               _parse_sets(args.node_set, "--node-set"))
     except TypeError as exc:  # an unknown --set option reaches a builder
         raise TopologyError(f"bad builder option: {exc}") from None
     write_topology(topo, args.out)

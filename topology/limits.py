@@ -35,6 +35,9 @@ MAX_QUOTA_CELLS = 1_048_576
 MAX_LAYERS = 100_000
 #: iterations of a job (workload, jobs file)
 MAX_ITERATIONS = 1_000_000
+#: runs of phases in a workload (iterations x phases, summed over its jobs): what the simulators step through,
+#: a few milliseconds each, so that a run is bounded by minutes
+MAX_PHASE_RUNS = 200_000
 #: pipeline stages and micro-batches
 MAX_STAGES = 4_096
 MAX_MICROBATCHES = 65_536
@@ -66,6 +69,7 @@ __all__ = [
     "MAX_NESTING",
     "MAX_NIC_GBPS",
     "MAX_NVLINK_LANES",
+    "MAX_PHASE_RUNS",
     "MAX_QUOTA_CELLS",
     "MAX_SECONDS",
     "MAX_STAGES",
