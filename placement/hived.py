@@ -946,7 +946,21 @@ class HivedScheduler:
     @classmethod
     def from_state(cls, topo: Topology, state: Mapping[str, Any], *, source: str | None = None,
                    trees: dict[str, CellTree] | None = None) -> HivedScheduler:
-        """Rebuild a scheduler from :meth:`to_state`; the free lists come back identical, in order."""
+        """Rebuild a scheduler from :meth:`to_state`; the free lists come back identical, in order.
+
+        A state that does not match ``topo`` or is malformed raises :class:`InputError` naming ``source``.
+        """
+        try:
+            return cls._from_state(topo, state, source=source, trees=trees)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            if isinstance(exc, InputError):
+                raise
+            raise InputError(f"state does not match the topology or is malformed ({type(exc).__name__}: {str(exc)[:80]})",
+                             source=source) from None
+
+    @classmethod
+    def _from_state(cls, topo: Topology, state: Mapping[str, Any], *, source: str | None = None,
+                    trees: dict[str, CellTree] | None = None) -> HivedScheduler:
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise InputError(f"expected a JSON object with \"format\": \"{STATE_FORMAT}\"", source=source)
         if state.get("version") != 1:

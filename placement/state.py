@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from topology.errors import InputError
+from topology.inputs import loads_json, read_text
 from topology.model import Topology
 
 from .hived import HivedScheduler
@@ -57,11 +58,11 @@ def locked_scheduler(path: str | os.PathLike[str], topo: Topology, virtual_clust
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         remove_stale_temp_files(path)
         if path.exists():
-            sched = HivedScheduler.load(topo, source)
-            stored = sched.to_state()
-            if stored["topology"] != topo.name:
-                raise InputError(f"the state was written for topology {stored['topology']!r}, not {topo.name!r}", source=source)
-            if virtual_clusters and dict(virtual_clusters) != stored["virtual_clusters"]:
+            stored = loads_json(read_text(path), source=source)
+            if isinstance(stored, dict) and stored.get("topology") != topo.name:
+                raise InputError(f"the state was written for topology {stored.get('topology')!r}, not {topo.name!r}", source=source)
+            sched = HivedScheduler.from_state(topo, stored, source=source)
+            if virtual_clusters and dict(virtual_clusters) != sched.vc_spec:
                 raise InputError("the jobs file's virtual clusters differ from the state's; quotas cannot change under running jobs",
                                  source=source, where="virtual_clusters")
         elif must_exist:

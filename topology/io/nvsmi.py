@@ -351,6 +351,7 @@ def parse_nvidia_smi(
     """
     if nvlink not in ("auto", "nvswitch", "direct"):
         raise InputError(f"nvlink must be auto, nvswitch or direct, got {nvlink!r}", source=source)
+    hw.nic_bw(nic_gbps)  # the line rate is checked even though one host has no network link to give it
     matrix = read_matrix(text, source)
     host = check_name(host or matrix.host or "node0", what="host name", source=source, where="host")
     codes = matrix.codes
