@@ -22,7 +22,9 @@ from typing import Any
 
 from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
+from topology.inputs import check_number
 from topology.io import atomic_write_text
+from topology.limits import MAX_JOBS
 
 
 def _topology(arg: str):
@@ -105,7 +107,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner import dumps_plan, load_jobs, plan_jobs, plan_text
 
     if not args.topology or not args.jobs:
-        raise InputError("place: --topology and --jobs are required (or use an action: plan, cells, check, trace, replay)")
+        raise InputError("place: --topology and --jobs are required (or use an action: plan, release, cells, check, trace, replay)")
+    check_number(args.candidates, what="a candidate count", where="--candidates", integer=True, minimum=1, maximum=1024)
     topo = _topology(args.topology)
     jobs, vcs = load_jobs(args.jobs)
     if args.state:
@@ -201,9 +204,12 @@ def check_jobs_fit(sched: Any, jobs: list[Any], *, source: str | None = None) ->
 def cmd_trace(args: argparse.Namespace) -> int:
     from .traces import dumps_trace, read_pai, read_philly, synthetic_trace
 
+    if args.limit is not None:
+        check_number(args.limit, what="a job count", where="--limit", integer=True, minimum=1, maximum=MAX_JOBS)
     if args.synthetic is not None:
-        if args.synthetic < 1:
-            raise InputError(f"--synthetic must be >= 1, got {args.synthetic}")
+        check_number(args.synthetic, what="a job count", where="--synthetic", integer=True, minimum=1, maximum=MAX_JOBS)
+        check_number(args.arrival_rate, what="an arrival rate", where="--arrival-rate", positive=True, maximum=1e6)
+        check_number(args.network_heavy, what="a share", where="--network-heavy", minimum=0, maximum=1)
         jobs = synthetic_trace(args.synthetic, seed=args.seed, arrival_rate=args.arrival_rate, network_heavy=args.network_heavy)
     elif args.philly:
         jobs = read_philly(args.philly, seed=args.seed, limit=args.limit)
