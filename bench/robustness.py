@@ -446,16 +446,21 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         seeds = make_seeds(root / "seeds")
         per_verb: dict[str, dict[str, Any]] = {}
+        for verb in VERBS:  # does the verb exist here and run on its valid seed? (an older checkout may lack it)
+            seed_run = run_cli(expand(verb, seeds[verb.seed], root / "seed-out", root / "seeds"))
+            per_verb[verb.name] = {"cases": 0, "failures": 0, "exit": {}, "seed_exit": seed_run.code, "kinds": {}}
         examples: list[dict[str, str]] = []
         for i, (verb, kind, data) in enumerate(mutation_cases(seeds, per_verb=args.per_verb, seed=args.seed)):
             f = root / f"case{i}{Path(verb.seed).suffix}"
             f.write_bytes(data)
             outcome = run_cli(expand(verb, f, root / f"out{i}", root / "seeds"))
-            row = per_verb.setdefault(verb.name, {"cases": 0, "failures": 0, "exit": {}})
+            row = per_verb[verb.name]
             row["cases"] += 1
             row["exit"][str(outcome.code)] = row["exit"].get(str(outcome.code), 0) + 1
             if outcome.failure:
                 row["failures"] += 1
+                first = outcome.failure.split(":")[0][:60]
+                row["kinds"][first] = row["kinds"].get(first, 0) + 1
                 if len(examples) < 40:
                     examples.append({"verb": verb.name, "mutation": kind, "failure": outcome.failure})
             f.unlink(missing_ok=True)
