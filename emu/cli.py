@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
 
 from .results import RunResult, compare_results, format_comparison
@@ -45,7 +45,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_compare)
 
     p = esub.add_parser("example", help="write an example workload file")
-    p.add_argument("--out", required=True, help="output file (.yaml/.yml, or .json)")
+    add_output(p, "--out", required=True, help="output file (.yaml/.yml, or .json)")
     p.add_argument("--topology", default=None, help="take GPU ids from this topology file (default: the default cluster)")
     add_json_flag(p)
     p.set_defaults(func=cmd_example)
@@ -57,7 +57,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="a sweep axis, e.g. jobs.dp-b.start_offset=0,0.001,0.002 or config.sharing=strict,weighted (repeatable)")
     p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto")
     p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--out", default=None, help="write sweep.json here")
+    add_output(p, "--out", default=None, help="write sweep.json into this directory", directory=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_sweep)
 
@@ -65,7 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="workload file (YAML or JSON, see docs/workload.md)")
     p.add_argument("--topology", default=None, help="topology file (default: the embedded default cluster)")
-    p.add_argument("--out", required=True, help="output directory")
+    add_output(p, "--out", required=True, help="output directory", directory=True)
     p.add_argument("--routing", choices=["shortest", "ecmp", "rail"], default="ecmp", help="simulator: default routing policy")
     p.add_argument("--sharing", choices=["strict", "weighted"], default="strict", help="simulator: how priority classes share links")
     p.add_argument("--no-flows", action="store_true", help="do not keep a record per flow (large runs)")
@@ -129,7 +129,16 @@ def _job_lines(result: RunResult) -> list[str]:
     return lines
 
 
+def check_scales(args: argparse.Namespace) -> None:
+    """``--time-scale`` and ``--byte-scale``: finite and positive (``nan`` and ``inf`` parse as floats)."""
+    from topology.inputs import check_number
+
+    check_number(args.time_scale, what="a time scale", where="--time-scale", positive=True, maximum=1e9)
+    check_number(args.byte_scale, what="a byte scale", where="--byte-scale", positive=True, maximum=1e12)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    check_scales(args)
     topo, workload = load_inputs(args.workload, args.topology)
     out = Path(args.out)
     progress(f"emu: running {workload.name!r} ({len(workload.jobs)} jobs) on {topo.name!r} with the {args.backend} backend")
@@ -144,6 +153,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from .plots import plot_comparison
 
+    check_scales(args)
     topo, workload = load_inputs(args.workload, args.topology)
     mininet_runner()  # fail before simulating when the emulator cannot run
     out = Path(args.out)

@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
+from topology.inputs import check_interface, check_name, check_number
+from topology.limits import MAX_BANDWIDTH_GBS
 
 from .plan import POLICIES
 
@@ -20,7 +22,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fsub = flow.add_subparsers(dest="flow_command", metavar="ACTION", required=True)
 
     p = fsub.add_parser("keys", help="generate CURVE key pairs for the scheduler and agents")
-    p.add_argument("--out", required=True, help="key directory (NAME.key public, NAME.key_secret secret)")
+    add_output(p, "--out", required=True, help="key directory (NAME.key public, NAME.key_secret secret)", directory=True)
     p.add_argument("--agents", default="", help="comma-separated agent host names")
     add_json_flag(p)
     p.set_defaults(func=cmd_keys)
@@ -31,8 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=POLICIES, default="sincronia")
     p.add_argument("--epoch", type=int, default=1, help="plan generation number (default 1)")
     p.add_argument("--classes", type=int, default=8, help="priority classes to use (1..8)")
-    p.add_argument("--out", required=True, help="flow plan file (.json)")
-    p.add_argument("--nccl-plan", default=None, metavar="DIR", help="also write each host's NCCL plugin plan file into DIR")
+    add_output(p, "--out", required=True, help="flow plan file (.json)")
+    add_output(p, "--nccl-plan", default=None, metavar="DIR", help="also write each host's NCCL plugin plan file into DIR", directory=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_plan)
 
@@ -53,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth", type=float, default=10.0, help="all-reduce goodput in GB/s to store in the profile (default 10)")
     p.add_argument("--overhead-us", type=float, default=10.0, help="cost of one collective launch in microseconds (default 10)")
     p.add_argument("--iterations", type=int, default=5)
-    p.add_argument("--out", required=True)
+    add_output(p, "--out", required=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_profile)
 
@@ -61,7 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", required=True, help="gradient profile JSON (netweave flow profile)")
     p.add_argument("--policy", choices=("ddp", "prophet", "bytescheduler"), default="prophet")
     p.add_argument("--bandwidth", type=float, default=None, help="override the profile's bandwidth (GB/s)")
-    p.add_argument("--out", default=None, help="write the plan (JSON)")
+    add_output(p, "--out", default=None, help="write the plan (JSON)")
     add_json_flag(p)
     p.set_defaults(func=cmd_schedule)
 
@@ -119,7 +121,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_keys(args: argparse.Namespace) -> int:
     from .control import generate_keys
 
-    agents = [a for a in args.agents.split(",") if a]
+    agents = [check_name(a, what="agent host name", where="--agents") for a in args.agents.split(",") if a]
     made = generate_keys(args.out, agents)
     data = {name: {"public": str(pub), "secret": str(sec)} for name, (pub, sec) in made.items()}
     emit(args, data, "\n".join(f"{name}: {d['public']} (secret {d['secret']})" for name, d in data.items()))
@@ -132,6 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from .plan import plan_from_workload, write_nccl_plan, write_plan
 
+    check_number(args.epoch, what="an epoch", where="--epoch", integer=True, minimum=0, maximum=2**62)
     topo = read_topology(args.topology)
     workload = read_workload(args.workload)
     d = plan_from_workload(workload, topo, args.policy, epoch=args.epoch, classes=args.classes)
@@ -156,6 +159,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from .enforce import EnforceError, apply_tc, host_tc_commands, verify_tc
     from .plan import read_plan
 
+    check_name(args.host, what="host name", where="--host")
+    check_interface(args.dev, where="--dev")
+    if args.netns is not None:
+        check_name(args.netns, what="network namespace name", where="--netns")
+    if args.rate_mbit is not None:
+        check_number(args.rate_mbit, what="a rate in Mbit/s", where="--rate-mbit", positive=True, maximum=MAX_BANDWIDTH_GBS * 8e3)
+    check_number(args.time_scale, what="a time scale", where="--time-scale", positive=True, maximum=1e9)
     plan = read_plan(args.plan)
     lines = host_tc_commands(plan, args.host, args.dev, rate_mbit=args.rate_mbit, time_scale=args.time_scale)
     if not args.dry_run:
@@ -287,8 +297,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     prof = GradientProfile.load(args.profile)
     if args.bandwidth is not None:
-        if not args.bandwidth > 0:
-            raise InputError(f"expected a positive GB/s, got {args.bandwidth}", where="--bandwidth")
+        check_number(args.bandwidth, what="a bandwidth in GB/s", where="--bandwidth", positive=True, maximum=MAX_BANDWIDTH_GBS)
         prof = prof.with_bandwidth(args.bandwidth * 1e9)
     plan = {"ddp": ddp_plan, "prophet": tune_prophet, "bytescheduler": tune_bytescheduler}[args.policy](prof)
     timing = simulate_iteration(prof, plan)

@@ -117,6 +117,7 @@ class GradientProfile:
         missing = [f for f in fields[:-1] if f not in data]
         if missing:
             raise InputError(f"missing field {missing[0]!r}", source=source, where=missing[0])
+        _check_fields(data, source)
         try:
             return cls(**{f: data[f] for f in fields if f in data})
         except InputError as exc:
@@ -127,13 +128,27 @@ class GradientProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> GradientProfile:
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise InputError(f"cannot read ({exc.strerror})", source=str(path)) from None
-        except json.JSONDecodeError as exc:
-            raise InputError(f"invalid JSON ({exc.msg})", source=str(path), where=exc.lineno) from None
-        return cls.from_dict(data, source=str(path))
+        from topology.inputs import loads_json, read_text
+
+        return cls.from_dict(loads_json(read_text(path), source=str(path)), source=str(path))
+
+
+def _check_fields(data: dict[str, Any], source: str | None) -> None:
+    """Types and bounds of a profile file's fields (lists of at most MAX_LAYERS finite numbers), before any arithmetic."""
+    from topology.inputs import check_number
+    from topology.limits import MAX_BYTES, MAX_LAYERS, MAX_SECONDS
+
+    names = data["names"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(names) > MAX_LAYERS:
+        raise InputError(f"expected a list of at most {MAX_LAYERS} layer names", source=source, where="names")
+    for key, hi in (("nbytes", MAX_BYTES), ("ready", MAX_SECONDS), ("forward", MAX_SECONDS)):
+        if not isinstance(data[key], list):
+            raise InputError("expected a list of numbers, one per layer", source=source, where=key)
+        for i, x in enumerate(data[key]):
+            check_number(x, what=f"a {key} value", source=source, where=f"{key}[{i}]", minimum=0, maximum=hi)
+    check_number(data["backward"], what="a backward time", source=source, where="backward", minimum=0, maximum=MAX_SECONDS)
+    check_number(data["bandwidth"], what="a bandwidth in bytes/s", source=source, where="bandwidth", positive=True, maximum=MAX_BYTES)
+    check_number(data.get("overhead", 0.0), what="an overhead", source=source, where="overhead", minimum=0, maximum=MAX_SECONDS)
 
 
 def analytic_gradient_profile(

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from netweave.runtime.plan import PlanFormatError
+from topology.clitools import check_outputs
 from topology.errors import InputError
 
 # (module, attribute) pairs; a package whose CLI is not written yet is skipped.
@@ -56,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
+        check_outputs(args)
         result = args.func(args)
     except (InputError, PlanFormatError) as exc:
         print(f"netweave: error: {exc}", file=sys.stderr)

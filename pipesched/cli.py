@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
 
 _UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -24,7 +24,10 @@ def parse_bytes(text: str, *, where: str = "--memory") -> float:
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
         raise InputError(f"expected a size like 80GiB or 40GB, got {text!r}", where=where)
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
+    from topology.inputs import check_number
+    from topology.limits import MAX_BYTES
+
+    return check_number(float(m.group(1)) * _UNITS[m.group(2).lower()], what="a size", where=where, positive=True, maximum=MAX_BYTES)
 
 
 SOURCE_LABELS = {"interleaved": ("ranks' profile between steps", "error_interleaved"),
@@ -53,7 +56,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dim", type=int, default=128, help="model width of --mlp (default 128)")
     p.add_argument("--microbatch", type=int, default=32, help="rows per micro-batch for --mlp (default 32)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", help="write the profile JSON here")
+    add_output(p, "--out", help="write the profile JSON here")
     add_json_flag(p)
     p.set_defaults(func=cmd_profile)
 
@@ -68,11 +71,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--spans", help="layer spans per stage, e.g. 0:5,5:9,9:14 (default: equal layer counts)")
         if name == "export":
             p.add_argument("--format", choices=["compute_only", "compute_comms"], default="compute_only")
-            p.add_argument("--out", required=True, help="output directory (schedule.csv, stages.json, plan.json)")
+            add_output(p, "--out", required=True, help="output directory (schedule.csv, stages.json, plan.json)", directory=True)
         else:
-            p.add_argument("--out", help="write the plan/simulation JSON here")
-            p.add_argument("--gantt", help="write a Gantt chart PNG here")
-            p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+            add_output(p, "--out", help="write the plan/simulation JSON here")
+            add_output(p, "--gantt", help="write a Gantt chart PNG here")
+            add_output(p, "--trace", help="write a Chrome/Perfetto trace JSON here")
         add_json_flag(p)
         p.set_defaults(func=func)
 
@@ -99,8 +102,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cpu: gloo processes on this CPU (default); cuda: NCCL, every rank on GPU 0 (see docs/pipesched.md)")
     p.add_argument("--sharing", choices=["mps", "time-slice"], default=None,
                    help="with --device cuda: how the ranks share the GPU (default: mps when CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set)")
-    p.add_argument("--out", help="write the report JSON here")
-    p.add_argument("--trace", help="write predicted and measured timelines into one Chrome trace")
+    add_output(p, "--out", help="write the report JSON here")
+    add_output(p, "--trace", help="write predicted and measured timelines into one Chrome trace")
     add_json_flag(p)
     p.set_defaults(func=cmd_run)
 
@@ -122,14 +125,16 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 def _load(args: argparse.Namespace):
     import topology
+    from topology.inputs import check_number
+    from topology.limits import MAX_MICROBATCHES, MAX_STAGES
 
     from .devices import Device, devices_from_topology
     from .profile import analytic_profile, load_model_config, load_profile
 
-    if args.stages < 1:
-        raise InputError("expected a positive number of stages", where="--stages")
-    if args.microbatches < 1:
-        raise InputError("expected a positive number of micro-batches", where="--microbatches")
+    check_number(args.stages, what="a number of stages", where="--stages", integer=True, minimum=1, maximum=MAX_STAGES)
+    check_number(args.microbatches, what="a number of micro-batches", where="--microbatches", integer=True, minimum=1, maximum=MAX_MICROBATCHES)
+    check_number(args.chunks, what="a number of chunks", where="--chunks", integer=True, minimum=1, maximum=MAX_STAGES)
+    check_number(args.replicate, what="a replication limit", where="--replicate", integer=True, minimum=1, maximum=MAX_STAGES)
     prof = analytic_profile(load_model_config(args.model)) if args.model else load_profile(args.profile)
     if args.stages > len(prof.layers):
         raise InputError(f"{args.stages} stages but the model has only {len(prof.layers)} layers (embedding, blocks, head)", where="--stages")

@@ -68,13 +68,15 @@ def write_torch_csv(schedule: Schedule, path: str | Path, format: str = "compute
 
 def read_torch_csv(path: str | Path) -> dict[int, list[Action]]:
     """Rows of a torch schedule CSV as our actions (empty cells, torch's idle steps, are dropped)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ExportError(f"cannot read: {exc.strerror}", source=str(path)) from None
+    from topology.inputs import read_text
+
+    text = read_text(path, error=ExportError)
     out: dict[int, list[Action]] = {}
-    for rank, row in enumerate(csv.reader(io.StringIO(text))):
-        out[rank] = [Action.parse(cell, source=str(path), where=f"line {rank + 1}") for cell in row if cell.strip()]
+    try:
+        for rank, row in enumerate(csv.reader(io.StringIO(text))):
+            out[rank] = [Action.parse(cell, source=str(path), where=f"line {rank + 1}") for cell in row if cell.strip()]
+    except csv.Error as exc:
+        raise ExportError(f"invalid CSV ({exc})", source=str(path)) from None
     return out
 
 

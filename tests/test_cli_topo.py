@@ -64,10 +64,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, argv, n
 
 def test_malformed_json_names_the_field(tmp_path, capsys):
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"format": "netweave-topology", "version": 1, "nodes": [{"id": "g", "kind": "gpu", "host": "h"}],
-                               "links": [{"src": "g", "dst": "g", "kind": "pcie", "bw": -1}]}))
+    bad.write_text(json.dumps({"format": "netweave-topology", "version": 1,
+                               "nodes": [{"id": "g", "kind": "gpu", "host": "h"}, {"id": "f", "kind": "gpu", "host": "h"}],
+                               "links": [{"src": "g", "dst": "f", "kind": "pcie", "bw": -1}]}))
     code, _, err = run(capsys, "topo", "show", str(bad))
-    assert code == 2 and err.strip() == f"netweave: error: {bad}: links[0].bw: bw must be a positive number, got -1"
+    assert code == 2 and err.strip() == f"netweave: error: {bad}: links[0].bw: expected a bandwidth in GB/s > 0, got -1"
 
 
 def test_console_script_runs_as_module(tmp_path):

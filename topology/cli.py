@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .clitools import add_json_flag, emit
+from .clitools import add_json_flag, add_output, emit
 from .errors import TopologyError
+from .inputs import check_number
+from .limits import MAX_HOSTS, MAX_TOPOLOGY_NODES
 from .model import Topology
 
 
@@ -22,14 +24,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nccl-model", action="store_true", help="use NCCL's bandwidth figures instead of spec-sheet rates")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fabric option, e.g. oversubscription=2")
     p.add_argument("--node-set", action="append", default=[], metavar="KEY=VALUE", help="node option in cluster builds, e.g. nic_gbps=200")
-    p.add_argument("--out", required=True, help="output file (.json)")
+    add_output(p, "--out", required=True, help="output file (.json)")
     add_json_flag(p)
     p.set_defaults(func=cmd_build)
 
     p = tsub.add_parser("import", help="convert nvidia-smi / NCCL XML / Slurm files to netweave JSON")
     p.add_argument("file")
     p.add_argument("--format", choices=["nvidia-smi", "nccl-xml", "slurm", "json"], default=None)
-    p.add_argument("--out", required=True)
+    add_output(p, "--out", required=True)
     p.add_argument("--host", default=None, help="host name for the imported server (nvidia-smi, nccl-xml)")
     p.add_argument("--node", default=None, help="slurm: populate every Slurm node with a full server of this kind (e.g. dgx-h100)")
     p.add_argument("--gpu-model", default=None, help="nvidia-smi: GPU model (e.g. H100-SXM5-80GB); guessed from NV# otherwise")
@@ -53,29 +55,31 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = tsub.add_parser("draw", help="draw the topology to a PNG")
     p.add_argument("file")
-    p.add_argument("--out", required=True)
+    add_output(p, "--out", required=True)
     p.set_defaults(func=cmd_draw)
 
     p = tsub.add_parser("export", help="write NCCL topology XML, Slurm topology.conf or JSON")
     p.add_argument("file")
     p.add_argument("--format", choices=["nccl-xml", "slurm", "json"], required=True)
     p.add_argument("--host", default=None, help="nccl-xml: which server to write (NCCL reads one file per host)")
-    p.add_argument("--out", default=None, help="output file (default: stdout)")
+    add_output(p, "--out", default=None, help="output file (default: stdout)")
     p.set_defaults(func=cmd_export)
 
 
-def _parse_sets(items: list[str]) -> dict[str, Any]:
+def _parse_sets(items: list[str], flag: str = "--set") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise TopologyError(f"--set {item!r}: expected KEY=VALUE")
+            raise TopologyError(f"{flag} {item!r}: expected KEY=VALUE")
         for cast in (int, float):
             try:
-                out[key.replace("-", "_")] = cast(value)
-                break
+                number = cast(value)
             except ValueError:
                 continue
+            check_number(number, what=f"a value <= {MAX_TOPOLOGY_NODES}", where=f"{flag} {key}", maximum=MAX_TOPOLOGY_NODES, error=TopologyError)
+            out[key.replace("-", "_")] = number
+            break
         else:
             out[key.replace("-", "_")] = {"true": True, "false": False}.get(value.lower(), value)
     return out
@@ -104,8 +108,11 @@ def build_from_args(
 def cmd_build(args: argparse.Namespace) -> int:
     from .io import write_topology
 
+    if args.nodes is not None:
+        check_number(args.nodes, what="a number of servers", where="--nodes", integer=True, minimum=1, maximum=MAX_HOSTS, error=TopologyError)
     try:
-        topo = build_from_args(args.kind, args.nodes, args.node, args.fabric, args.nccl_model, _parse_sets(args.set), _parse_sets(args.node_set))
+        topo = build_from_args(args.kind, args.nodes, args.node, args.fabric, args.nccl_model, _parse_sets(args.set),
+                               _parse_sets(args.node_set, "--node-set"))
     except TypeError as exc:  # an unknown --set option reaches a builder
         raise TopologyError(f"bad builder option: {exc}") from None
     write_topology(topo, args.out)
@@ -115,15 +122,12 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def import_options(args: argparse.Namespace) -> dict[str, Any]:
     """The importer options given on the command line, checked against the format."""
+    from .inputs import read_text
     from .io import guess_format
 
     fmt = args.format
     if fmt is None:
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                fmt = guess_format(args.file, f.read())
-        except OSError as exc:
-            raise TopologyError(f"cannot read file ({exc.strerror})", source=args.file) from None
+        fmt = guess_format(args.file, read_text(args.file, error=TopologyError))
     given = {
         "host": args.host,
         "node": args.node,

@@ -75,6 +75,8 @@ from typing import Any
 
 from .. import hardware as hw
 from ..errors import InputError, TopologyError
+from ..inputs import check_name
+from ..limits import MAX_NVLINK_LANES
 from ..model import LinkKind, NodeKind, Topology
 
 __all__ = ["NVSMI_TO_NCCL", "nvsmi_to_nccl", "parse_nvidia_smi", "read_matrix"]
@@ -187,7 +189,11 @@ def read_matrix(text: str, source: str | None = None) -> Matrix:
                     f"row {label}, column {col}: expected X, NV#, PIX, PXB, PHB, NODE or SYS, got {got[0] if got else 'end of line'!r}",
                     source=source, where=i + 1,
                 )
-            matrix.codes[(label, col)] = m.group(1)
+            code = m.group(1)
+            if code.startswith("NV") and code != "NODE" and not 1 <= int(code[2:]) <= MAX_NVLINK_LANES:
+                raise InputError(f"row {label}, column {col}: expected NV1..NV{MAX_NVLINK_LANES} (bonded NVLinks), got {code}",
+                                 source=source, where=i + 1)
+            matrix.codes[(label, col)] = code
             pos = m.end()
         values = rest[pos:].split()
         if len(values) > len(extra):
@@ -345,8 +351,9 @@ def parse_nvidia_smi(
     """
     if nvlink not in ("auto", "nvswitch", "direct"):
         raise InputError(f"nvlink must be auto, nvswitch or direct, got {nvlink!r}", source=source)
+    hw.nic_bw(nic_gbps)  # the line rate is checked even though one host has no network link to give it
     matrix = read_matrix(text, source)
-    host = host or matrix.host or "node0"
+    host = check_name(host or matrix.host or "node0", what="host name", source=source, where="host")
     codes = matrix.codes
     gpus = sorted((d for d in matrix.devices if matrix.is_gpu(d)), key=_natural)
     nics = [d for d in matrix.devices if not matrix.is_gpu(d)]
