@@ -20,7 +20,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import CommaList, add_json_flag, emit, progress
 from topology.errors import InputError
 from topology.io import atomic_write_text
 
@@ -43,6 +43,7 @@ def _plan_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--base-port", type=int, default=29500, help="first master port; every job gets its own (default 29500)")
     p.add_argument("--out", default=None, help="write the plan (JSON) here")
     p.add_argument("--hostfiles", default=None, help="write one Slurm hostfile per job into this directory")
+    p.add_argument("--fail", action=CommaList, default=[], metavar="GPU|HOST[,...]", help="bad hardware to plan around (repeatable)")
     add_json_flag(p)
 
 
@@ -65,7 +66,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("check", help="check the virtual-cluster quotas of a jobs file against the topology (HiveD safety)")
     p.add_argument("--topology", required=True)
     p.add_argument("--jobs", required=True)
-    p.add_argument("--fail", action="append", default=[], metavar="GPU|HOST", help="mark hardware bad before checking")
+    p.add_argument("--fail", action=CommaList, default=[], metavar="GPU|HOST[,...]", help="mark hardware bad before checking (repeatable)")
     add_json_flag(p)
     p.set_defaults(func=cmd_check)
 
@@ -109,7 +110,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     topo = _topology(args.topology)
     jobs, vcs = load_jobs(args.jobs)
     plan = plan_jobs(topo, jobs, virtual_clusters=vcs, policy=args.policy, candidates=args.candidates, routing=args.routing,
-                     script=script, script_args=script_args, base_port=args.base_port)
+                     script=script, script_args=script_args, base_port=args.base_port, failed=args.fail)
     if args.out:
         atomic_write_text(args.out, dumps_plan(plan))
     if args.hostfiles:

@@ -7,7 +7,7 @@ import os
 import warnings
 from typing import Any
 
-from .clitools import Stages, add_json_flag, emit, progress
+from .clitools import CommaSettings, Stages, add_json_flag, check_options, emit, progress
 from .errors import TopologyError
 from .model import Topology
 
@@ -22,8 +22,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node", default="dgx-h100", help="node kind for cluster builds (default dgx-h100)")
     p.add_argument("--fabric", default=None, help="fabric when KIND is a node kind and --nodes > 1")
     p.add_argument("--nccl-model", action="store_true", help="use NCCL's bandwidth figures instead of spec-sheet rates")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="fabric option, e.g. oversubscription=2")
-    p.add_argument("--node-set", action="append", default=[], metavar="KEY=VALUE", help="node option in cluster builds, e.g. nic_gbps=200")
+    p.add_argument("--set", action=CommaSettings, default=[], metavar="KEY=VALUE[,...]", help="fabric option, e.g. oversubscription=2 (repeatable)")
+    p.add_argument("--node-set", action=CommaSettings, default=[], metavar="KEY=VALUE[,...]",
+                   help="node option in cluster builds, e.g. nic_gbps=200 (repeatable)")
     p.add_argument("--out", required=True, help="output file (.json)")
     add_json_flag(p)
     p.set_defaults(func=cmd_build)
@@ -94,10 +95,18 @@ def build_from_args(
     if nccl_model:
         node_options["nccl_model"] = True
     if kind in FABRIC_BUILDERS:
+        check_options(FABRIC_BUILDERS[kind], options, flag="--set", what=f"the {kind} fabric", skip=2)
+        if node in NODE_BUILDERS:
+            check_options(NODE_BUILDERS[node], node_options, flag="--node-set", what=f"node kind {node}", skip=2)
         return build_cluster(nodes or 4, node=node, fabric=kind, node_options=node_options, **options)
     if kind in NODE_BUILDERS:
         if nodes and nodes > 1:
-            return build_cluster(nodes, node=kind, fabric=fabric or "rail-optimized", node_options=node_options, **options)
+            fabric = fabric or "rail-optimized"
+            if fabric in FABRIC_BUILDERS:
+                check_options(FABRIC_BUILDERS[fabric], options, flag="--set", what=f"the {fabric} fabric", skip=2)
+            check_options(NODE_BUILDERS[kind], node_options, flag="--node-set", what=f"node kind {kind}", skip=2)
+            return build_cluster(nodes, node=kind, fabric=fabric, node_options=node_options, **options)
+        check_options(NODE_BUILDERS[kind], {**node_options, **options}, flag="--set", what=f"node kind {kind}", skip=2)
         return build_node(kind, **{**node_options, **options})
     kinds = ", ".join(sorted(NODE_BUILDERS) + sorted(FABRIC_BUILDERS))
     raise TopologyError(f"unknown KIND {kind!r}; expected one of {kinds}")

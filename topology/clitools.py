@@ -84,3 +84,101 @@ class _Stage:
         p = self.owner._progress
         if p is not None:
             p.update(self.owner._task, advance=weight)
+
+
+def split_list(value: str) -> list[str]:
+    """The items of one flag value written as a comma list (``a,b`` or ``a``); empty items are dropped.
+
+    >>> split_list("node3,node4/gpu2"), split_list("gpu0"), split_list("a,,b,")
+    (['node3', 'node4/gpu2'], ['gpu0'], ['a', 'b'])
+    """
+    return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def split_settings(value: str) -> list[str]:
+    """``KEY=VALUE`` items of one flag value: a comma starts a new item only where the next part has its own ``KEY=``,
+    so a value may itself be a comma list.
+
+    >>> split_settings("oversubscription=2,spines=4"), split_settings("bw=1,2,3,iterations=5"), split_settings("k=v")
+    (['oversubscription=2', 'spines=4'], ['bw=1,2,3', 'iterations=5'], ['k=v'])
+    """
+    items: list[str] = []
+    for part in value.split(","):
+        if items and "=" not in part:
+            items[-1] += "," + part
+        else:
+            items.append(part)
+    return [item for item in items if item]
+
+
+class CommaList(argparse.Action):
+    """``action=CommaList`` for a repeatable flag: ``--fail a --fail b``, ``--fail a,b`` and mixes give ``["a", "b"]``."""
+
+    splitter = staticmethod(split_list)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+        items = list(getattr(namespace, self.dest, None) or [])
+        items.extend(self.splitter(values))
+        setattr(namespace, self.dest, items)
+
+
+class CommaSettings(CommaList):
+    """``action=CommaSettings`` for a repeatable ``KEY=VALUE`` flag: ``--set a=1,b=2`` is ``--set a=1 --set b=2`` (see :func:`split_settings`)."""
+
+    splitter = staticmethod(split_settings)
+
+
+def check_options(function: Any, options: dict[str, Any], *, flag: str, what: str, skip: int) -> None:
+    """Refuse keyword options that ``function`` does not take, naming the ones it does (not Python's TypeError).
+
+    ``skip`` positional parameters (the topology, host or NIC lists) are not options.
+
+    >>> def builder(topo, host, *, nic_gbps=400, model="H100"): ...
+    >>> check_options(builder, {"nic_gbps": 200}, flag="--set", what="dgx-h100", skip=2)
+    >>> check_options(builder, {"foo": 1}, flag="--set", what="dgx-h100", skip=2)
+    Traceback (most recent call last):
+    ...
+    topology.errors.InputError: --set foo: not an option of dgx-h100; known: model, nic_gbps
+    """
+    import inspect
+
+    from .errors import InputError
+
+    params = list(inspect.signature(function).parameters.values())[skip:]
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return
+    known = sorted(p.name for p in params if p.kind in (inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    for key in options:
+        if key not in known:
+            raise InputError(f"{flag} {key}: not an option of {what}; known: {', '.join(known) or '(none)'}")
+
+
+def load_callable(spec: str, *, where: str) -> Any:
+    """The object named by ``MODULE:ATTR``, importing ``MODULE`` as ``python -m`` would: the current directory first on the path.
+
+    >>> load_callable("json:dumps", where="--model") is json.dumps
+    True
+    >>> load_callable("json", where="--model")
+    Traceback (most recent call last):
+    ...
+    topology.errors.InputError: --model: expected MODULE:CALLABLE, got 'json'
+    """
+    import importlib
+    import os
+
+    from .errors import InputError
+
+    module, _, attr = spec.partition(":")
+    if not module or not attr:
+        raise InputError(f"expected MODULE:CALLABLE, got {spec!r}", where=where)
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        raise InputError(f"cannot load {spec!r}: {exc}", where=where) from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
