@@ -56,7 +56,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = tsub.add_parser("draw", help="draw the topology: PNG, SVG or PDF by the extension of --out")
     p.add_argument("file")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="picture file: .png, .svg or .pdf")
+    add_json_flag(p)
     p.set_defaults(func=cmd_draw)
 
     p = tsub.add_parser("export", help="write NCCL topology XML, Slurm topology.conf or JSON")
@@ -64,6 +65,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--format", choices=["nccl-xml", "slurm", "json"], required=True)
     p.add_argument("--host", default=None, help="nccl-xml: which server to write (NCCL reads one file per host)")
     p.add_argument("--out", default=None, help="output file (default: stdout)")
+    add_json_flag(p)
     p.set_defaults(func=cmd_export)
 
 
@@ -235,11 +237,11 @@ def cmd_path(args: argparse.Namespace) -> int:
 
 
 def cmd_draw(args: argparse.Namespace) -> int:
-    from .draw import draw_topology
+    from .draw import draw_topology, image_format
     from .io import read_topology
 
     draw_topology(read_topology(args.file), args.out)
-    print(f"wrote {args.out}")
+    emit(args, {"out": args.out, "format": image_format(args.out)}, f"wrote {args.out}")
     return 0
 
 
@@ -251,7 +253,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise TopologyError("--host applies to --format nccl-xml only")
     if args.out:
         write_topology(topo, args.out, args.format, host=args.host)
-        print(f"wrote {args.out}")
-    else:
-        print(dumps(topo, args.format, host=args.host), end="")
+        emit(args, {"out": args.out, "format": args.format, "host": args.host}, f"wrote {args.out}")
+    else:  # the file itself on stdout; with --json, inside a JSON object
+        text = dumps(topo, args.format, host=args.host)
+        if args.json:
+            emit(args, {"out": None, "format": args.format, "host": args.host, "text": text}, text)
+        else:
+            print(text, end="")
     return 0
