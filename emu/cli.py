@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, add_output, emit, progress
+from topology.clitools import CommaSettings, add_json_flag, add_output, emit, progress
 from topology.errors import InputError
 
 from .results import RunResult, compare_results, format_comparison
@@ -53,7 +53,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = esub.add_parser("sweep", help="simulate every combination of parameter values")
     p.add_argument("workload")
     p.add_argument("--topology", default=None)
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2", required=True,
+    p.add_argument("--set", action=CommaSettings, default=[], metavar="FIELD=V1,V2", required=True,
                    help="a sweep axis, e.g. jobs.dp-b.start_offset=0,0.001,0.002 or config.sharing=strict,weighted (repeatable)")
     p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto")
     p.add_argument("--workers", type=int, default=None)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, add_output, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, load_callable, progress
 from topology.errors import InputError
 from topology.inputs import check_interface, check_name, check_number
 from topology.limits import MAX_BANDWIDTH_GBS
@@ -255,13 +254,7 @@ def cmd_nccl_loopback(args: argparse.Namespace) -> int:
 def _load_model(spec: str, shape: str | None) -> tuple[Any, Any, Any]:
     import torch
 
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise InputError(f"expected MODULE:CALLABLE, got {spec!r}", where="--model")
-    try:
-        factory = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise InputError(f"cannot load {spec!r}: {exc}", where="--model") from None
+    factory = load_callable(spec, where="--model")  # from the current directory too, as `python -m` imports
     model = factory()
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"{spec} returned {type(model).__name__}, expected a torch.nn.Module", where="--model")

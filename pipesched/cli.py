@@ -308,10 +308,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         p = plan(prof, devices, links, microbatches=args.microbatches, schedule=fams, chunks=args.chunks, recompute=recompute)
     info = export_plan(p.schedule, p.partition, args.out, format=args.format, layer_names=[lay.name for lay in prof.layers])
-    atomic_write_text(Path(args.out) / "plan.json", json.dumps(p.to_dict(), indent=1, default=str) + "\n")
-    text = (f"{p.family} plan for {prof.name}: predicted {p.sim.makespan * 1e3:.4g} ms\n"
-            f"wrote {info['csv']} ({args.format}) and {info['stages']}\nload with: {info['torch_loader']}")
-    emit(args, info, text)
+    out = Path(args.out)
+    atomic_write_text(out / "plan.json", json.dumps(p.to_dict(), indent=1, default=str) + "\n")
+    files = [str(out / "schedule.csv"), str(out / "stages.json"), str(out / "plan.json")]
+    if not args.json:  # stdout is the written paths, one per line (for scripts); what they hold goes to stderr
+        progress(f"{p.family} plan for {prof.name}: predicted {p.sim.makespan * 1e3:.4g} ms; {args.format} CSV, load with: {info['torch_loader']}")
+    emit(args, {**info, "files": files}, "\n".join(files))
     return 0
 
 

@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, add_output, emit, progress
+from topology.clitools import CommaList, add_json_flag, add_output, emit, progress
 from topology.errors import InputError
 from topology.inputs import check_number
 from topology.io import atomic_write_text
@@ -49,6 +49,7 @@ def _plan_args(p: argparse.ArgumentParser, required: bool) -> None:
     add_output(p, "--out", default=None, help="write the plan (JSON) here")
     add_output(p, "--hostfiles", default=None, help="write one Slurm hostfile per job into this directory", directory=True)
     add_output(p, "--state", default=None, help="planner state file: place next to the jobs it holds, then add the new ones (locked)")
+    p.add_argument("--fail", action=CommaList, default=[], metavar="GPU|HOST[,...]", help="bad hardware to plan around (repeatable)")
     add_json_flag(p)
 
 
@@ -78,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("check", help="check the virtual-cluster quotas of a jobs file against the topology (HiveD safety)")
     p.add_argument("--topology", required=True)
     p.add_argument("--jobs", required=True)
-    p.add_argument("--fail", action="append", default=[], metavar="GPU|HOST", help="mark hardware bad before checking")
+    p.add_argument("--fail", action=CommaList, default=[], metavar="GPU|HOST[,...]", help="mark hardware bad before checking (repeatable)")
     add_json_flag(p)
     p.set_defaults(func=cmd_check)
 
@@ -126,7 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise InputError(f"expected a port in 1024..65535, got {args.base_port}", where="--base-port")
     topo = _topology(args.topology)
     jobs, vcs = load_jobs(args.jobs)
-    launch = {"script": script, "script_args": script_args, "base_port": args.base_port}
+    launch = {"script": script, "script_args": script_args, "base_port": args.base_port, "failed": args.fail}
     if args.state:
         from .state import locked_scheduler
 

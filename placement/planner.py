@@ -244,8 +244,11 @@ def _first_fit(topo: Topology, busy: set[str], n: int) -> list[str] | None:
 
 def plan_jobs(topo: Topology, jobs: Sequence[JobSpec], *, virtual_clusters: Mapping[str, Any] | None = None,
               policy: str = "hived+cassini", candidates: int = 4, routing: str = "rail", script: str = "train.py",
-              script_args: Sequence[str] = (), base_port: int = 29500, scheduler: HivedScheduler | None = None) -> dict[str, Any]:
+              script_args: Sequence[str] = (), base_port: int = 29500, failed: Sequence[str] = (),
+              scheduler: HivedScheduler | None = None) -> dict[str, Any]:
     """Place ``jobs`` in order on ``topo``; returns the plan as data (see the module docstring).
+
+    ``failed`` names GPUs or hosts that are bad: no job is placed on them (HiveD marks their cells bad, first-fit skips them).
 
     Launch lines run a job's own ``launch.script``/``args`` when it has one, else ``script`` with ``script_args``.
     Every placed job gets its own master port (its ``launch.port``, else the next free one from ``base_port``),
@@ -260,6 +263,11 @@ def plan_jobs(topo: Topology, jobs: Sequence[JobSpec], *, virtual_clusters: Mapp
         raise InputError("a planner state needs a HiveD policy (hived or hived+cassini), not first-fit", where="--policy")
     sched = scheduler if scheduler is not None else HivedScheduler(topo, virtual_clusters or {}) if policy != "first-fit" else None
     busy: set[str] = set()
+    if failed:
+        hosts = set(topo.hosts())
+        busy = {g for name in failed for g in (topo.gpus(host=name) if name in hosts else [topo.resolve_gpu(name)])}
+        if sched is not None:
+            sched.fail(failed)
     placed: dict[str, tuple[JobSpec, list[str], CommProfile]] = {}
     rows: list[dict[str, Any]] = []
     fixed: dict[str, float] = {}

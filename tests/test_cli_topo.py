@@ -74,3 +74,39 @@ def test_malformed_json_names_the_field(tmp_path, capsys):
 def test_console_script_runs_as_module(tmp_path):
     out = subprocess.run([sys.executable, "-m", "netweave", "topo", "show", str(tmp_path / "none.json")], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.startswith("netweave: error:")
+
+
+def test_show_progress_bar_with_eta_on_a_terminal_only(tmp_path, capsys, monkeypatch):
+    """A big file shows a rich progress bar with an ETA on stderr when stderr is a terminal; stdout stays the same."""
+    import io
+
+    import topology.cli as tcli
+
+    c = str(tmp_path / "c.json")
+    assert run(capsys, "topo", "build", "rail-optimized", "--nodes", "2", "--out", c)[0] == 0
+    monkeypatch.setattr(tcli, "SHOW_PROGRESS_BYTES", 0)  # treat the file as big
+    code, plain_out, plain_err = run(capsys, "topo", "show", c)
+    assert code == 0 and plain_err == ""  # not a terminal: no bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    monkeypatch.setenv("COLUMNS", "160")
+    code, out, _ = run(capsys, "topo", "show", c)
+    assert code == 0 and out == plain_out
+    assert "ETA" in term.getvalue() and "topo show" in term.getvalue()
+
+
+def test_show_stage_weights_cover_every_stage():
+    from topology import build_cluster
+    from topology.cli import SHOW_STAGES, describe
+    from topology.clitools import Stages
+
+    with Stages(SHOW_STAGES, enabled=False) as stages:
+        with stages.stage("reading"):
+            topo = build_cluster(2)
+        describe(topo, stages)
+    assert stages.done == sum(SHOW_STAGES.values())
