@@ -146,31 +146,39 @@ class _Prefix:
         self.gap = {o: _SparseMax(np.array([float(lay.saved_bytes["none"] - lay.saved_bytes[o]) for lay in lays])) for o in RECOMPUTE_OPTIONS}
 
 
+def _floor_log2(length: np.ndarray) -> np.ndarray:
+    """floor(log2(x)) for positive integer arrays (0 where x <= 0)."""
+    out = np.zeros(np.shape(length), dtype=np.int64)
+    ok = length > 0
+    out[ok] = np.frexp(length[ok].astype(float))[1] - 1
+    return out
+
+
 class _SparseMax:
     """Range maximum over ``values[i:j]`` in O(1) per query (vectorised), 0 for empty ranges."""
 
     def __init__(self, values: np.ndarray):
-        self.levels = [np.asarray(values, dtype=float)]
+        values = np.asarray(values, dtype=float)
+        n = len(values)
+        levels = [values]
         k = 1
-        while 2 * k <= len(values):
-            prev = self.levels[-1]
-            self.levels.append(np.maximum(prev[:-k], prev[k:]))
+        while 2 * k <= n:
+            prev = levels[-1]
+            levels.append(np.maximum(prev[:-k], prev[k:]))
             k *= 2
+        # One padded table, so a query is two gathers whatever the mix of lengths.
+        self.table = np.zeros((len(levels), max(n, 1)))
+        for lvl, row in enumerate(levels):
+            self.table[lvl, : len(row)] = row
 
     def query(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        i, j = np.asarray(i), np.asarray(j)
+        i, j = np.broadcast_arrays(np.asarray(i, dtype=np.int64), np.asarray(j, dtype=np.int64))
         length = j - i
-        out = np.zeros(np.broadcast(i, j).shape)
         ok = length > 0
-        if not ok.any():
-            return out
-        lvl = np.zeros_like(length)
-        lvl[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
-        for level in np.unique(lvl[ok]):
-            sel = ok & (lvl == level)
-            table = self.levels[level]
-            out[sel] = np.maximum(table[i[sel]], table[j[sel] - (1 << int(level))])
-        return out
+        lvl = _floor_log2(length)
+        lo = np.where(ok, i, 0)
+        hi = np.where(ok, j - (1 << lvl), 0)
+        return np.where(ok, np.maximum(self.table[lvl, lo], self.table[lvl, hi]), 0.0)
 
 
 class _SparseMin:
@@ -178,30 +186,31 @@ class _SparseMin:
 
     def __init__(self, values: np.ndarray):
         values = np.asarray(values, dtype=float)
-        self.levels = [(values, np.arange(len(values)))]
+        n = len(values)
+        levels = [(values, np.arange(n))]
         k = 1
-        while 2 * k <= len(values):
-            v, a = self.levels[-1]
+        while 2 * k <= n:
+            v, a = levels[-1]
             take_right = v[k:] < v[:-k]
-            self.levels.append((np.where(take_right, v[k:], v[:-k]), np.where(take_right, a[k:], a[:-k])))
+            levels.append((np.where(take_right, v[k:], v[:-k]), np.where(take_right, a[k:], a[:-k])))
             k *= 2
+        self.val = np.full((len(levels), max(n, 1)), np.inf)
+        self.arg = np.full((len(levels), max(n, 1)), -1, dtype=np.int64)
+        for lvl, (v, a) in enumerate(levels):
+            self.val[lvl, : len(v)] = v
+            self.arg[lvl, : len(a)] = a
 
     def query(self, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        i, j = np.asarray(i, dtype=np.int64), np.asarray(j, dtype=np.int64)
         length = j - i
-        val = np.full(len(i), np.inf)
-        arg = np.full(len(i), -1, dtype=np.int64)
         ok = length > 0
-        if not ok.any():
-            return val, arg
-        lvl = np.zeros_like(length)
-        lvl[ok] = np.floor(np.log2(length[ok])).astype(np.int64)
-        for level in np.unique(lvl[ok]):
-            sel = ok & (lvl == level)
-            v, a = self.levels[level]
-            lo, hi = i[sel], j[sel] - (1 << int(level))
-            right = v[hi] < v[lo]
-            val[sel] = np.where(right, v[hi], v[lo])
-            arg[sel] = np.where(right, a[hi], a[lo])
+        lvl = _floor_log2(length)
+        lo = np.where(ok, i, 0)
+        hi = np.where(ok, j - (1 << lvl), 0)
+        vlo, vhi = self.val[lvl, lo], self.val[lvl, hi]
+        right = vhi < vlo
+        val = np.where(ok, np.where(right, vhi, vlo), np.inf)
+        arg = np.where(ok, np.where(right, self.arg[lvl, hi], self.arg[lvl, lo]), -1)
         return val, arg
 
 
@@ -246,11 +255,14 @@ class _StageModel:
     """
 
     def __init__(self, px: _Prefix, speed: float, memory: float, flight: int, replicas: int, allreduce_bw: float,
-                 microbatches: int, options: Sequence[str]):
+                 microbatches: int, options: Sequence[str], time_cache: dict | None = None):
         self.px, self.options, self.memory = px, list(options), memory
         self.flight = flight
         per_replica = math.ceil(flight / replicas)
         sync = 4.0 * (replicas - 1) / (replicas * allreduce_bw) / microbatches if replicas > 1 else 0.0
+        # Stage times do not depend on the memory budget: models of one speed share their time-limited ends.
+        self._time_key = (speed, sync)
+        self._time_cache = {} if time_cache is None else time_cache
         self.X = {o: (px.work + px.recompute[o]) / speed + sync * px.params for o in options}
         self.Y = {o: px.params * px.state_factor + per_replica * px.saved[o] for o in options}
         self._jmax_mem: dict[str, np.ndarray] = {}
@@ -289,7 +301,12 @@ class _StageModel:
         X = self.X[option]
         if math.isinf(limit):
             return self.jmax_mem(option)
-        jt = np.searchsorted(X, X + limit, side="right") - 1
+        key = (self._time_key, option, limit)
+        jt = self._time_cache.get(key)
+        if jt is None:
+            if len(self._time_cache) > 4096:
+                self._time_cache.clear()
+            jt = self._time_cache[key] = np.searchsorted(X, X + limit, side="right") - 1
         return np.minimum(jt, self.jmax_mem(option))
 
     def at(self, i: int, j: int) -> tuple[float, str, float]:
@@ -356,6 +373,7 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
     replica_choices = [r for r in range(1, max_replicas + 1)]
     models: dict[tuple, _StageModel] = {}
     stage_model: dict[tuple[int, int], _StageModel] = {}
+    time_cache: dict = {}
     for d in range(positions):              # a stage on positions d-r+1..d
         for r in replica_choices:
             if r > d + 1:
@@ -368,7 +386,7 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
             ar_bw = min((links.bandwidth(positions_devices[a], positions_devices[a + 1]) for a in range(first, d)), default=math.inf)
             key = (speed, memory, flight, r, ar_bw)
             if key not in models:
-                models[key] = _StageModel(px, speed, memory, flight, r, ar_bw, microbatches, options)
+                models[key] = _StageModel(px, speed, memory, flight, r, ar_bw, microbatches, options, time_cache)
             stage_model[(d, r)] = models[key]
 
     def comm_vector(first: int) -> np.ndarray:
@@ -397,13 +415,10 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
                     continue
                 model = stage_model[(d - 1, r)]
                 far = np.max([model.jmax(o, limit) for o in model.useful], axis=0)
-                idx = np.nonzero(starts)[0]
-                cover = np.zeros(n + 2, dtype=np.int64)     # union of [i+1, far(i)] by a difference array
-                lo, hi = idx + 1, far[idx]
-                keep = hi >= lo
-                np.add.at(cover, lo[keep], 1)
-                np.add.at(cover, hi[keep] + 1, -1)
-                reach[d] |= np.cumsum(cover[: n + 1]) > 0
+                # union of [i+1, far(i)] over the starts: x is covered iff some start i < x reaches far(i) >= x
+                reach_from = np.full(n + 1, -1, dtype=np.int64)
+                reach_from[1:] = np.where(starts[:-1], far[:-1], -1)
+                reach[d] |= np.maximum.accumulate(reach_from) >= ends
         return bool(reach[positions][n])
 
     if not feasible(math.inf):
@@ -416,51 +431,73 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
         raise PlanError(f"unknown objective {objective!r}, expected 'bottleneck' or 'flush'")
     hi = max(float(np.max(np.where(np.isfinite(c), c, 0))) for c in comm) + max(
         float(m.X[o][-1]) for m in stage_model.values() for o in options)
+
+    def min_sum(limit: float) -> list[StageAssignment]:
+        """Pass 2: least total time (stages + cuts) among partitions whose stages and cuts all stay within ``limit``."""
+        S = np.full((positions + 1, n + 1), np.inf)
+        S[0, 0] = 0.0
+        back_r = np.zeros((positions + 1, n + 1), dtype=np.int64)
+        back_i = np.zeros((positions + 1, n + 1), dtype=np.int64)
+        for d in range(1, positions + 1):
+            for r in replica_choices:
+                if r > d:
+                    continue
+                prev = S[d - r]
+                c = comm[d - r]
+                model = stage_model[(d - 1, r)]
+                for o in model.useful:
+                    X = model.X[o]
+                    key = np.where(np.isfinite(prev) & (c <= limit), prev + c - X, np.inf)
+                    if not np.isfinite(key).any():
+                        continue
+                    jm = model.jmax(o, limit)
+                    first_start = np.searchsorted(jm, ends, side="left")     # smallest i whose span can reach j
+                    val, arg = _SparseMin(key).query(first_start, ends)
+                    val = val + X
+                    better = val < S[d]
+                    back_r[d] = np.where(better, r, back_r[d])
+                    back_i[d] = np.where(better, arg, back_i[d])
+                    S[d] = np.where(better, val, S[d])
+        out: list[StageAssignment] = []
+        d, j = positions, n
+        while d > 0:
+            r, i = int(back_r[d, j]), int(back_i[d, j])
+            model = stage_model[(d - 1, r)]
+            t, option, mem = model.at(i, j)
+            first = d - r
+            out.append(StageAssignment(
+                layers=(i, j), devices=tuple(positions_devices[k] for k in range(first, d)), recompute=option, time_s=t,
+                comm_s=float(comm[first][i]), memory_bytes=mem, in_flight=model.flight,
+            ))
+            d, j = first, i
+        out.reverse()
+        return out
+
+    # Bisection on the bottleneck, coarse first: the partition found at the coarse limit names a bottleneck T'; if nothing
+    # fits under T' (one more check), T' is the optimum, else the bisection goes on to rel_tol below it.
     lo = 0.0
-    while hi - lo > rel_tol * hi:
+    coarse = max(rel_tol, 1e-6)
+    while hi - lo > coarse * hi:
         mid = (lo + hi) / 2
         if feasible(mid):
             hi = mid
         else:
             lo = mid
-    limit = hi
-    # Pass 2: least total time (stages + cuts) among partitions whose stages and cuts all stay within the limit.
-    S = np.full((positions + 1, n + 1), np.inf)
-    S[0, 0] = 0.0
-    back: dict[tuple[int, int], tuple[int, int]] = {}
-    for d in range(1, positions + 1):
-        for r in replica_choices:
-            if r > d:
-                continue
-            prev = S[d - r]
-            c = comm[d - r]
-            model = stage_model[(d - 1, r)]
-            for o in model.useful:
-                X = model.X[o]
-                key = np.where(np.isfinite(prev) & (c <= limit), prev + c - X, np.inf)
-                if not np.isfinite(key).any():
-                    continue
-                jm = model.jmax(o, limit)
-                first_start = np.searchsorted(jm, ends, side="left")     # smallest i whose span can reach j
-                val, arg = _SparseMin(key).query(first_start, ends)
-                val = val + X
-                better = val < S[d]
-                for j in np.nonzero(better)[0]:
-                    back[(d, int(j))] = (r, int(arg[j]))
-                S[d] = np.where(better, val, S[d])
-    out: list[StageAssignment] = []
-    d, j = positions, n
-    while d > 0:
-        r, i = back[(d, j)]
-        model = stage_model[(d - 1, r)]
-        t, option, mem = model.at(i, j)
-        first = d - r
-        out.append(StageAssignment(
-            layers=(i, j), devices=tuple(positions_devices[k] for k in range(first, d)), recompute=option, time_s=t,
-            comm_s=float(comm[first][i]), memory_bytes=mem, in_flight=model.flight,
-        ))
-        d, j = first, i
-    out.reverse()
+    found = min_sum(hi)
+    reached = max(max(s.time_s, s.comm_s) for s in found)
+    below = reached * (1 - rel_tol)
+    if below > lo and feasible(below):
+        hi = below
+        while hi - lo > rel_tol * hi:
+            mid = (lo + hi) / 2
+            if feasible(mid):
+                hi = mid
+            else:
+                lo = mid
+        found = min_sum(hi)
+    elif reached < hi:
+        found = min_sum(reached)      # the least sum among the partitions at the optimal bottleneck itself
+    out = found
     bottleneck = max(max(s.time_s, s.comm_s) for s in out)
     return Partition(stages=tuple(out), bottleneck_s=bottleneck, sum_s=float(sum(s.time_s + s.comm_s for s in out)), family=family,
                      microbatches=microbatches, meta={"chunks": chunks, "max_replicas": max_replicas})

@@ -28,7 +28,9 @@ the activations recomputation re-materialises.
 
 from __future__ import annotations
 
+import heapq
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -190,9 +192,17 @@ def _partner_stages(schedule: Schedule) -> dict[int, list[int]]:
 
 
 def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = None, *, cores: float | SharedCpu | None = None,
-             rendezvous: Rendezvous | None = None) -> SimResult:
+             rendezvous: Rendezvous | None = None, engine: str = "direct") -> SimResult:
     """Run ``schedule`` with per-stage ``costs`` over ``links`` (a ``LinkModel``; None = free transfers), optionally
-    with a ``rendezvous`` transport and the runtime's receive posts and send waits (module docstring)."""
+    with a ``rendezvous`` transport and the runtime's receive posts and send waits (module docstring).
+
+    ``engine``: ``"direct"`` (default) lets each rank run ahead until an input is missing when neither ``cores`` nor a
+    ``rendezvous`` is given (an action then starts at the later of its rank's last end and its inputs' arrival, so no
+    event queue is needed); ``"events"`` always uses the event loop, which processor sharing and rendezvous need. The
+    two give identical results (``tests/test_pipe_schedules.py``).
+    """
+    if engine not in ("direct", "events"):
+        raise ValueError(f"engine must be 'direct' or 'events', got {engine!r}")
     message_cpu = action_cpu = 0.0
     efficiency = 1.0
     if isinstance(cores, SharedCpu):
@@ -213,7 +223,9 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     flight_events: dict[int, list[tuple[float, int]]] = {s: [] for s in range(schedule.num_stages)}
     busy = [0.0] * R
     ptr = [0] * R
-    running: dict[int, list[Any]] = {}     # rank -> [action, remaining work, start, duration]
+    running: dict[int, list[Any]] = {}     # rank -> [action, remaining work, start, duration, start order]
+    dirty: set[int] = set()                # ranks whose next action may have become ready
+    wakes: list[tuple[float, int]] = []    # (time, rank): a rank's next action becomes ready then (a heap)
     now = 0.0
     posts_at = rendezvous.posts_at() if rendezvous is not None else {}
     send_waits = rendezvous.send_waits if rendezvous is not None else {}
@@ -235,6 +247,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         key = (dst_stage, kind, mb)
         if a == b or (links is None and rendezvous is None):   # free transfers; a rendezvous still waits for its receive
             arrive[key] = t
+            dirty.add(b)
             return
         sent[key] = (t, a, b, nbytes, label)
         move(key)
@@ -256,6 +269,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         link_free[(a, b)] = start + serial
         end = start + serial + lat
         arrive[key] = end
+        dirty.update((a, b))      # the receiver's input, and the sender's wait on its send
         transfers.append(Transfer(a, b, label, nbytes, start, end))
 
     def reach(r: int, t: float) -> None:
@@ -296,12 +310,12 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
             return max(times)
         raise ScheduleError(f"cannot simulate action {a}")
 
-    def start(r: int, a: Action) -> None:
+    def start(r: int, a: Action, order: int) -> None:
         c = cost(a.stage)
         dur = c.duration(a.kind) + (message_cpu * n_messages[(a.stage, a.kind)] if message_cpu and links is not None else 0.0)
         if action_cpu and a.kind in ("F", "B", "I", "W"):
             dur += action_cpu
-        running[r] = [a, dur, now, dur]
+        running[r] = [a, dur, now, dur, order]
         if a.kind == "F":
             mem_events[r].append((now, c.saved_bytes))
             flight_events[a.stage].append((now, 1))
@@ -309,7 +323,8 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
             mem_events[r].append((now, c.transient_bytes))
 
     def complete(r: int, t: float) -> None:
-        a, _, t0, _ = running.pop(r)
+        a, _, t0, _, _ = running.pop(r)
+        dirty.add(r)
         c = cost(a.stage)
         ptr[r] += 1
         reach(r, t)
@@ -330,35 +345,79 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         if a.kind in ("B", "W"):
             backward_count[a.stage] += 1
             last_backward[a.stage] = t
+            dirty.update(schedule.stage_rank[s] for s in partners[a.stage])   # their REDUCE_GRAD waits for this one
             flight_events[a.stage].append((t, -1))
 
     total = sum(len(v) for v in acts.values())
     done = 0
+    seq = 0                                   # start order: completions at one instant are handled in it
+    ends: list[tuple[float, int, int]] = []   # without processor sharing: (end, start order, rank), a heap
     for r in range(R):
         reach(r, 0.0)
+    dirty.update(range(R))
+    if cores is None and rendezvous is None and engine == "direct":
+        # Without processor sharing or a rendezvous an action starts at max(its rank free, its inputs there) and every
+        # link carries its sender's messages in that rank's order, so each rank can run ahead until an input is missing.
+        free = [0.0] * R
+        progress = True
+        while done < total and progress:
+            progress = False
+            for r in range(R):
+                row = acts[r]
+                while ptr[r] < len(row):
+                    a = row[ptr[r]]
+                    t = ready_data(a)
+                    if t is None:
+                        break
+                    now = max(free[r], t)
+                    start(r, a, seq)
+                    now = now + running[r][3]
+                    complete(r, now)
+                    free[r] = now
+                    done += 1
+                    progress = True
+        if done < total:
+            waiting = [f"rank {r} at {acts[r][ptr[r]]}" for r in range(R) if ptr[r] < len(acts[r])]
+            raise ScheduleError("deadlock: " + ", ".join(waiting))
     while done < total:
-        # Start every idle rank whose next action is ready now.
-        future: list[float] = []
-        for r in range(R):
+        # Start every idle rank whose next action is ready now. Only ranks whose inputs changed (dirty) or whose
+        # known ready time has come (wakes) can start: a ready time, once known, never changes.
+        while wakes and wakes[0][0] <= now:
+            dirty.add(heapq.heappop(wakes)[1])
+        for r in sorted(dirty):
             if r in running or ptr[r] >= len(acts[r]):
                 continue
             t = ready_at(acts[r][ptr[r]], r)
             if t is None:
                 continue
             if t <= now:
-                start(r, acts[r][ptr[r]])
+                start(r, acts[r][ptr[r]], seq)
+                if cores is None:
+                    heapq.heappush(ends, (running[r][2] + running[r][3], seq, r))
+                seq += 1
             else:
-                future.append(t)
-        if not running and not future:
+                heapq.heappush(wakes, (t, r))
+        dirty.clear()
+        if not running and not wakes:
             waiting = [f"rank {r} at {acts[r][ptr[r]]}" for r in range(R) if ptr[r] < len(acts[r])]
             raise ScheduleError("deadlock: " + ", ".join(waiting))
-        rate = 1.0 if cores is None or len(running) <= cores else cores * efficiency / len(running)
-        ends = {r: (v[2] + v[3] if cores is None else now + v[1] / rate) for r, v in running.items()}
-        t_next = min(list(ends.values()) + future)
-        for v in running.values():
-            v[1] -= (t_next - now) * rate
-        now = t_next
-        for r in [r for r, e in ends.items() if e <= now]:
+        if cores is None:
+            t_next = min(ends[0][0] if ends else math.inf, wakes[0][0] if wakes else math.inf)
+            now = t_next
+            finished = []
+            while ends and ends[0][0] <= now:
+                _, order, r = heapq.heappop(ends)
+                finished.append((order, r))
+            finished.sort()
+        else:
+            rate = 1.0 if len(running) <= cores else cores * efficiency / len(running)
+            until = {r: now + v[1] / rate for r, v in running.items()}
+            t_next = min([*until.values(), *([wakes[0][0]] if wakes else [])])
+            for v in running.values():
+                v[1] -= (t_next - now) * rate
+            now = t_next
+            finished = [(running[r][4], r) for r, e in until.items() if e <= now]
+        for _, r in finished:
             complete(r, now)
             done += 1
     makespan = max((s.end for s in timeline), default=0.0)

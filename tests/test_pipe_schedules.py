@@ -116,6 +116,10 @@ def test_every_schedule_is_valid_and_never_beats_its_lower_bound(family, p, m, s
         assert res.memory_trace[r][-1][1] == pytest.approx(states)
     # processor sharing only slows things down
     assert simulate(sched, costs, links, cores=1).makespan >= res.makespan * (1 - 1e-9)
+    # the run-ahead engine and the event loop are two implementations of one model: identical results
+    events = simulate(sched, costs, links, engine="events")
+    assert events.timeline == res.timeline and events.peak_memory == res.peak_memory and events.peak_in_flight == res.peak_in_flight
+    assert sorted(events.transfers, key=repr) == sorted(res.transfers, key=repr) and events.busy == res.busy
 
 
 def test_validator_finds_broken_schedules():
