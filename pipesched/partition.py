@@ -44,6 +44,7 @@ flush schedules: the bottleneck alone does not say where the slack should sit.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,38 +56,71 @@ from topology.errors import InputError
 
 from .devices import Device, LinkModel
 from .profile import RECOMPUTE_OPTIONS, ModelProfile
+from .schedules import LOOPED, MEMORY_REL_TOL, V_SHAPED, ScheduleError, bytes_text, cached_schedule, fits_memory, schedule_in_flight, v_stage_rank
 
-FAMILIES = ("gpipe", "1f1b", "interleaved", "zbh1", "chimera")
-SPLIT_BACKWARD = {"zbh1"}
+FAMILIES = ("gpipe", "1f1b", "interleaved", "zbh1", "chimera", "interleaved_zb", "looped_bfs", "zbv", "dualpipev")
+SPLIT_BACKWARD = {"zbh1", "interleaved_zb", "zbv", "dualpipev"}
+MULTI_STAGE = LOOPED + V_SHAPED + ("chimera",)     # families with several stage ids per rank
 
 
 class PlanError(InputError):
     """A planning request that cannot be satisfied (too many stages, a layer larger than memory, ...)."""
 
 
+def positions_on_devices(family: str, devices: int, chunks: int = 1, stages: int | None = None) -> list[int]:
+    """The device of every pipeline position (stage id) of ``family``: loop placement ``k % p`` for the looped families,
+    the V (stage i and ``2p-1-i`` on device i) for ZB-V and DualPipe-V, one position per device otherwise."""
+    if family in LOOPED:
+        return [k % devices for k in range(stages or chunks * devices)]
+    if family in V_SHAPED:
+        return list(v_stage_rank(devices))
+    return list(range(stages or devices))
+
+
+def memory_share(family: str, chunks: int = 1) -> int:
+    """How many stage ids share a device: each gets this fraction of its memory in the partitioner's model."""
+    return chunks if family in LOOPED else 2 if family in V_SHAPED + ("chimera",) else 1
+
+
+@functools.lru_cache(maxsize=128)
+def _schedule_flights(family: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
+    sched = cached_schedule(family, ranks, microbatches, chunks=chunks)
+    peaks = schedule_in_flight(sched)
+    if family == "chimera":      # a partition stage runs as two replicas (down and up pipeline): the larger count
+        return tuple(max(peaks[sid] for sid in range(sched.num_stages) if sched.stage_layers[sid] == k) for k in range(ranks))
+    return tuple(peaks[sid] for sid in range(sched.num_stages))
+
+
 def in_flight(family: str, position: int, positions: int, microbatches: int, *, ranks: int | None = None, chunks: int = 1) -> int:
-    """Micro-batches whose activations a stage holds at once (Little's law for each schedule family).
+    """Micro-batches whose activations a stage holds at once: the peak, over its rank's action order, of forwards
+    run less backwards done (a B, or a W: the simulator and torch's runtime keep a micro-batch's graph until its W).
 
-    ``position`` is the stage's index among ``positions`` pipeline positions. 1F1B and ZB-H1: ``p - s``;
-    GPipe: all ``m``; interleaved 1F1B (``chunks`` = v per rank, loop placement): a rank runs
-    ``(v-1)*p + 2*(p-1-r)`` warm-up forwards plus one before its first backward, spread over its v chunks;
-    Chimera: each of the two pipelines carries ``m/2`` micro-batches through 1F1B, so ``min(m/2, p - s)``.
+    ``position`` is the stage's index among ``positions`` pipeline positions (stage ids; for Chimera, partition
+    stages, each the larger of its two replicas). Closed forms: GPipe and looped BFS ``m``; 1F1B ``min(m, p - s)``;
+    ZB-H1 ``min(m, p)`` (rank s defers its W's by s slots, so every stage holds p); with stage replication
+    (positions > stages) these stay upper bounds. The other families (interleaved 1F1B and zero bubble, ZB-V,
+    DualPipe-V, Chimera) count their generated order, which is exact by construction, including interleaved
+    schedules whose ``m`` is not a multiple of ``p`` (rounds of ``m // max(1, m // p)`` micro-batches).
 
-    >>> [in_flight("1f1b", s, 4, 8) for s in range(4)]
-    [4, 3, 2, 1]
+    >>> [in_flight("1f1b", s, 4, 8) for s in range(4)], [in_flight("zbh1", s, 4, 8) for s in range(4)]
+    ([4, 3, 2, 1], [4, 4, 4, 4])
+    >>> [in_flight("interleaved", s, 8, 6, ranks=4, chunks=2) for s in range(8)]
+    [6, 5, 4, 3, 3, 3, 2, 1]
     """
     m = microbatches
-    if family == "gpipe":
+    if family in ("gpipe", "looped_bfs"):
         return m
-    if family in ("1f1b", "zbh1"):
+    if family == "1f1b":
         return max(1, min(m, positions - position))
-    if family == "interleaved":
-        p = ranks or positions
-        r = position % p
-        warm = (chunks - 1) * p + 2 * (p - 1 - r) + 1
-        return max(1, min(m, math.ceil(warm / chunks)))
-    if family == "chimera":
-        return max(1, min(math.ceil(m / 2), positions - position))
+    if family == "zbh1":
+        return max(1, min(m, positions))
+    if family in FAMILIES:
+        p = ranks or (positions if family == "chimera" else positions // memory_share(family, chunks))
+        v = chunks if family in LOOPED else 1
+        try:
+            return _schedule_flights(family, p, m, v)[position]
+        except ScheduleError as exc:
+            raise PlanError(str(exc), where="--microbatches") from None
     raise PlanError(f"unknown schedule family {family!r}, expected one of {list(FAMILIES)}", where="schedule")
 
 
@@ -257,6 +291,7 @@ class _StageModel:
     def __init__(self, px: _Prefix, speed: float, memory: float, flight: int, replicas: int, allreduce_bw: float,
                  microbatches: int, options: Sequence[str], time_cache: dict | None = None):
         self.px, self.options, self.memory = px, list(options), memory
+        self.memory_tol = memory * (1 + MEMORY_REL_TOL) + 1e-9     # an exact fit may come out a few ulps over
         self.flight = flight
         per_replica = math.ceil(flight / replicas)
         sync = 4.0 * (replicas - 1) / (replicas * allreduce_bw) / microbatches if replicas > 1 else 0.0
@@ -290,7 +325,7 @@ class _StageModel:
             lo, hi = starts.copy(), np.full(n + 1, n)
             while (hi > lo).any():
                 mid = (lo + hi + 1) // 2
-                ok = self.Y[o][mid] - self.Y[o][starts] + self.px.gap[o].query(starts, mid) <= self.memory
+                ok = self.Y[o][mid] - self.Y[o][starts] + self.px.gap[o].query(starts, mid) <= self.memory_tol
                 lo = np.where(ok, mid, lo)
                 hi = np.where(ok, hi, mid - 1)
             self._jmax_mem[o] = lo
@@ -313,7 +348,7 @@ class _StageModel:
         """(time, option, memory) of span (i, j): the fastest option that fits; (inf, first option, inf) if none does."""
         for o in sorted(self.options, key=lambda o: (self.X[o][j] - self.X[o][i], RECOMPUTE_OPTIONS.index(o))):
             mem = self.Y[o][j] - self.Y[o][i] + float(self.px.gap[o].query(np.array([i]), np.array([j]))[0])
-            if mem <= self.memory:
+            if mem <= self.memory_tol:
                 return float(self.X[o][j] - self.X[o][i]), o, float(mem)
         return math.inf, self.options[0], math.inf
 
@@ -350,25 +385,24 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
         if o not in RECOMPUTE_OPTIONS:
             raise PlanError(f"unknown recomputation option {o!r}, expected some of {list(RECOMPUTE_OPTIONS)}", where="recompute")
     options = [o for o in RECOMPUTE_OPTIONS if o in recompute]
-    if family == "interleaved":
-        positions_devices = [k % p for k in range(stages or chunks * p)]
-    else:
-        positions_devices = list(range(stages or p))
-        if len(positions_devices) > p:
-            raise PlanError(f"{len(positions_devices)} stages need {len(positions_devices)} devices, only {p} given", where="--stages")
+    positions_devices = positions_on_devices(family, p, chunks, stages)
+    if family not in MULTI_STAGE and len(positions_devices) > p:
+        raise PlanError(f"{len(positions_devices)} stages need {len(positions_devices)} devices, only {p} given", where="--stages")
     positions = len(positions_devices)
-    if max_replicas > 1 and family in ("interleaved", "chimera"):
+    if family in LOOPED and positions != chunks * p:
+        raise PlanError(f"{family} runs {chunks} chunks on each of {p} devices: {chunks * p} stages, not {positions}", where="--stages")
+    if max_replicas > 1 and family in MULTI_STAGE:
         raise PlanError("stage replication is only modelled for gpipe, 1f1b and zbh1", where="--replicate")
     if positions > n:
         raise PlanError(f"{positions} stages but the model has only {n} layers; use at most {n} stages", where="--stages")
     px = _Prefix(profile, family in SPLIT_BACKWARD)
-    mem_div = chunks if family == "interleaved" else 2 if family == "chimera" else 1
+    mem_div = memory_share(family, chunks)
     roomiest = max(d.memory_bytes for d in devices) / mem_div
     for i, lay in enumerate(profile.layers):
         least = lay.param_bytes * profile.state_factor + lay.saved_bytes["none"]   # its backward re-materialises everything
-        if least > roomiest:
-            raise PlanError(f"layer {i} ({lay.name}) needs {least / 2**30:.2f} GiB (states + one micro-batch) but the largest device "
-                            f"budget is {roomiest / 2**30:.2f} GiB", where="--memory")
+        if not fits_memory(least, roomiest):
+            raise PlanError(f"layer {i} ({lay.name}) needs {bytes_text(least)} (states + one micro-batch) but the largest device "
+                            f"budget is {bytes_text(roomiest)}", where="--memory")
 
     replica_choices = [r for r in range(1, max_replicas + 1)]
     models: dict[tuple, _StageModel] = {}
@@ -599,17 +633,18 @@ def evaluate_partition(profile: ModelProfile, spans: Sequence[tuple[int, int]], 
     p = len(devices)
     px = _Prefix(profile, family in SPLIT_BACKWARD)
     positions = len(spans)
-    mem_div = chunks if family == "interleaved" else 2 if family == "chimera" else 1
+    mem_div = memory_share(family, chunks)
+    placed = positions_on_devices(family, p, chunks, positions)
     out = []
     for k, (i, j) in enumerate(spans):
-        dev_index = k % p
+        dev_index = placed[k]
         dev = devices[dev_index]
         flight = in_flight(family, k, positions, microbatches, ranks=p, chunks=chunks)
         model = _StageModel(px, dev.speed, dev.memory_bytes / mem_div, flight, 1, math.inf, microbatches, [recompute] if recompute else options)
         t, chosen, mem = model.at(i, j)
         comm = 0.0
         if k > 0:
-            a = (k - 1) % p
+            a = placed[k - 1]
             comm = 0.0 if a == dev_index else 2.0 * links.time(a, dev_index, px.out[i])
         out.append(StageAssignment((i, j), (dev_index,), chosen, t, comm, mem, flight))
     bottleneck = max(max(s.time_s, s.comm_s) for s in out)

@@ -63,7 +63,17 @@ class StageCost:
         return self.b - self.i_s if self.w is None else self.w
 
     def duration(self, kind: str) -> float:
-        return {"F": self.f, "B": self.b, "I": self.i_s, "W": self.w_s, "REDUCE_GRAD": self.reduce_s}[kind]
+        if kind == "F":
+            return self.f
+        if kind == "B":
+            return self.b
+        if kind == "I":
+            return self.i_s
+        if kind == "W":
+            return self.w_s
+        if kind == "REDUCE_GRAD":
+            return self.reduce_s
+        raise KeyError(kind)
 
 
 @dataclass(frozen=True)
@@ -242,8 +252,10 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         except KeyError:
             raise ScheduleError(f"no cost for stage {stage}") from None
 
+    stage_rank = schedule.stage_rank
+
     def send(src_stage: int, dst_stage: int, kind: str, mb: int | None, t: float, nbytes: float, label: str) -> None:
-        a, b = schedule.stage_rank[src_stage], schedule.stage_rank[dst_stage]
+        a, b = stage_rank[src_stage], stage_rank[dst_stage]
         key = (dst_stage, kind, mb)
         if a == b or (links is None and rendezvous is None):   # free transfers; a rendezvous still waits for its receive
             arrive[key] = t
@@ -345,7 +357,8 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         if a.kind in ("B", "W"):
             backward_count[a.stage] += 1
             last_backward[a.stage] = t
-            dirty.update(schedule.stage_rank[s] for s in partners[a.stage])   # their REDUCE_GRAD waits for this one
+            if partners[a.stage]:
+                dirty.update(schedule.stage_rank[s] for s in partners[a.stage])   # their REDUCE_GRAD waits for this one
             flight_events[a.stage].append((t, -1))
 
     total = sum(len(v) for v in acts.values())
