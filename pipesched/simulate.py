@@ -469,7 +469,7 @@ def lower_bound(schedule: Schedule, costs: Mapping[int, StageCost], links: Any =
     ``head + work`` and ``head + forwards + input backwards + tail`` where the tail ends with the first
     stage's W. For uniform stages and free links it is GPipe's/1F1B's ``(m + p - 1)(F + B)``, interleaved
     ``m(F+B) + (p-1)(F+B)/v``, ZB-H1 ``m(F+I+W) + (p-1)(F+I-W)`` when it binds, and Chimera's
-    ``(D-2)/(2N+D-2)`` bubble with B = 2F. ``work_bound`` is the busiest rank's work alone.
+    ``(D-2)/(2N+D-2)`` bubble with F = B. ``work_bound`` is the busiest rank's work alone.
     """
     split = schedule.split_backward
 
@@ -594,12 +594,24 @@ def uniform_costs(stages: int, f: float, b: float, i: float | None = None, w: fl
 
 
 def closed_form_bubble(family: str, ranks: int, microbatches: int, chunks: int = 1) -> float:
-    """Textbook bubble fraction at balanced stages and free links (GPipe/1F1B, interleaved, Chimera with B = 2F)."""
+    """Textbook bubble fraction at balanced stages and free links, in the cost setting each formula is stated for.
+
+    GPipe/1F1B ``(p-1)/(m+p-1)`` and interleaved 1F1B / looped BFS ``(p-1)/(vm+p-1)`` for any F and B; Chimera
+    ``(D-2)/(2N+D-2)`` with F = B (its paper's unit slots; with B = 2F the bubble differs); the zero-bubble families at
+    F = I = W: ZB-H1 ``(p-1)/(3m+p-1)``, interleaved zero bubble ``(p-1)/(3vm+p-1)`` (m >= p, a multiple of p), ZB-V
+    and DualPipe-V ``(p-1)/(6m+p-1)`` (two chunks of F + I + W per micro-batch; m >= 2p).
+    """
     p, m = ranks, microbatches
     if family in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
-    if family == "interleaved":
+    if family in ("interleaved", "looped_bfs"):
         return (p - 1) / (chunks * m + p - 1)
     if family == "chimera":
         return (p - 2) / (2 * m + p - 2)
+    if family == "zbh1":
+        return (p - 1) / (3 * m + p - 1)
+    if family == "interleaved_zb":
+        return (p - 1) / (3 * chunks * m + p - 1)
+    if family in ("zbv", "dualpipev"):
+        return (p - 1) / (6 * m + p - 1)
     raise ValueError(family)
