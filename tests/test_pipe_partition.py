@@ -222,3 +222,74 @@ def test_flush_objective_puts_the_slack_late():
     prof = ModelProfile("eq", tuple(layers))
     part = partition(prof, [Device(f"g{i}") for i in range(3)], LinkModel.uniform(3, 1e12, 0.0), microbatches=8, objective="flush")
     assert [s.layers[1] - s.layers[0] for s in part.stages] == [4, 3, 3]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Issue #21: the memory model against the simulator, exact fits, readable refusals
+# --------------------------------------------------------------------------------------------------------------
+
+def uniform_layer(name: str, saved: dict[str, float], params: int = 0) -> LayerProfile:
+    return LayerProfile(name, 1.0, 1.0, 1.0, 0, params, saved, {"none": 0.0, "selective": 0.5, "full": 1.0})
+
+
+def test_zbh1_memory_model_counts_what_the_graph_holds_until_w():
+    """Issue #21.1: ZB-H1 keeps p micro-batches on every stage; the planner must pick (selective, selective) at 150 bytes."""
+    from pipesched.plan import plan
+
+    prof = ModelProfile("two", tuple(uniform_layer(f"l{i}", {"none": 100, "selective": 50, "full": 10}) for i in range(2)))
+    devs = [Device(f"d{i}", memory_bytes=160) for i in range(2)]
+    links = LinkModel.uniform(2, 1e12, 0.0)
+    part = partition(prof, devs, links, microbatches=2, family="zbh1")
+    assert [s.recompute for s in part.stages] == ["selective", "selective"] and [s.in_flight for s in part.stages] == [2, 2]
+    p = plan(prof, devs, links, microbatches=2, schedule="zbh1")
+    assert p.memory_ok and p.sim.peak_memory == [150.0, 150.0]
+    assert [s.memory_bytes for s in p.partition.stages] == p.sim.peak_memory
+
+
+def test_interleaved_memory_model_uses_microbatches_per_round():
+    """m = 6 on 4 ranks: one round of 6, so the first rank's warm-up runs every forward of both chunks."""
+    assert [in_flight("interleaved", s, 8, 6, ranks=4, chunks=2) for s in range(8)] == [6, 6, 6, 6, 6, 5, 3, 1]
+
+
+def test_over_memory_message_prints_real_numbers():
+    from pipesched.plan import plan_partition
+
+    prof = ModelProfile("two", tuple(uniform_layer(f"l{i}", {"none": 100, "selective": 50, "full": 10}) for i in range(2)))
+    devs = [Device(f"d{i}", memory_bytes=160) for i in range(2)]
+    links = LinkModel.uniform(2, 1e12, 0.0)
+    forced = evaluate_partition(prof, [(0, 1), (1, 2)], devs, links, microbatches=2, family="1f1b", recompute="none",
+                                options=RECOMPUTE_OPTIONS)
+    p = plan_partition(prof, forced, devs, links, family="zbh1", microbatches=2)
+    assert not p.memory_ok and p.problems == ["rank 0 (d0): peak 200 B over 160 B", "rank 1 (d1): peak 200 B over 160 B"]
+
+
+def test_memory_equal_to_the_limit_fits():
+    """Issue #21.4: 0.7 + 0.8 GiB on a 1.5 GiB device is an exact fit, though the prefix sums give 1.5000000000000004."""
+    from pipesched.plan import plan
+
+    saved = [0.5, 0.4, 0.7, 0.8]
+    prof = ModelProfile("exact", tuple(uniform_layer(f"l{i}", {o: x * 2**30 for o in RECOMPUTE_OPTIONS}) for i, x in enumerate(saved)))
+    devs = [Device(f"d{i}", memory_bytes=1.5 * 2**30) for i in range(2)]
+    links = LinkModel.uniform(2, 1e12, 0.0)
+    p = plan(prof, devs, links, microbatches=1, schedule="1f1b", recompute=("none",))
+    assert [s.layers for s in p.partition.stages] == [(0, 2), (2, 4)] and p.memory_ok
+    assert max(p.sim.peak_memory) == 1.5 * 2**30
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_every_family_plans_within_the_simulated_memory(seed):
+    """Whatever the family: a plan the partitioner returns fits in memory in the simulation (the model never undercounts)."""
+    from pipesched.partition import FAMILIES
+    from pipesched.plan import plan
+
+    rng = random.Random(500 + seed)
+    n, P = rng.randint(6, 12), rng.choice([2, 2, 3])
+    prof = random_profile(rng, n)
+    devices = [Device(f"d{i}", memory_bytes=rng.uniform(150, 600)) for i in range(P)]
+    m = rng.choice([2, 4, 6, 8])
+    for family in FAMILIES:
+        try:
+            p = plan(prof, devices, random_links(rng, P), microbatches=m, schedule=family, refine_budget=0)
+        except PlanError:
+            continue
+        assert p.memory_ok, (family, p.problems)
