@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -321,12 +322,42 @@ def refine(profile: ModelProfile, start: Plan, devices: Sequence[Device], links:
     The DP is exact for its objective (the bottleneck stage, then the sum of stage times), but with unequal
     stages the real schedule's makespan also depends on where the slack sits; this moves single boundaries by
     one layer while that lowers the simulated makespan and the plan still fits, for at most ``budget``
-    simulations. A move whose lower bound (:func:`pipesched.simulate.lower_bound`, same schedule) is not below the
+    simulations. When there are at most ``budget`` partitions in all, it tries every one instead (exact on the
+    simulated makespan). A move whose lower bound (:func:`pipesched.simulate.lower_bound`, same schedule) is not below the
     current makespan cannot help and is not simulated. The result is recorded in ``partition.meta["refined_from_s"]``.
     """
     current = start
     spans = [list(st.layers) for st in start.partition.stages]
     m = start.schedule.microbatches
+    n = len(profile.layers)
+
+    def trial_plan(trial: Sequence[Sequence[int]], than: Plan) -> Plan | None:
+        """The plan on these spans if it may beat ``than`` (not when a stage cannot fit or its lower bound is no better)."""
+        part = evaluate_partition(profile, [tuple(x) for x in trial], devices, links, microbatches=m, family=start.family,
+                                  chunks=start.chunks, options=recompute)
+        if any(math.isinf(st.time_s) for st in part.stages):
+            return None
+        costs = stage_costs(profile, part, start.schedule, devices, links)
+        if lower_bound(start.schedule, costs, links)["bound_s"] >= than.sim.makespan * (1 - 1e-9):
+            return None
+        return plan_partition(profile, part, devices, links, family=start.family, microbatches=m, chunks=start.chunks, cores=cores,
+                              schedule=start.schedule)
+
+    if math.comb(n - 1, len(spans) - 1) <= budget:
+        # Few enough partitions to try them all: the exact optimum on the simulated makespan (each stage with its fastest
+        # option that fits, which a shorter action can only help).
+        sims = 0
+        for cuts in itertools.combinations(range(1, n), len(spans) - 1):
+            bounds = (0, *cuts, n)
+            cand = trial_plan([(bounds[k], bounds[k + 1]) for k in range(len(spans))], current)
+            if cand is None:
+                continue
+            sims += 1
+            if cand.memory_ok and cand.sim.makespan < current.sim.makespan * (1 - 1e-9):
+                current = cand
+        if current is not start:
+            current.partition.meta.update(refined_from_s=start.sim.makespan, refine_simulations=sims, refine="exhaustive")
+        return current
     sims = 0
     improved = True
     while improved and sims < budget:
@@ -338,16 +369,10 @@ def refine(profile: ModelProfile, start: Plan, devices: Sequence[Device], links:
                     continue
                 trial = [list(x) for x in spans]
                 trial[k - 1][1] = trial[k][0] = cut
-                part = evaluate_partition(profile, [tuple(x) for x in trial], devices, links, microbatches=m, family=start.family,
-                                          chunks=start.chunks, options=recompute)
-                if any(math.isinf(st.time_s) for st in part.stages):
-                    continue
-                costs = stage_costs(profile, part, start.schedule, devices, links)
-                if lower_bound(start.schedule, costs, links)["bound_s"] >= current.sim.makespan * (1 - 1e-9):
+                cand = trial_plan(trial, current)
+                if cand is None:
                     continue
                 sims += 1
-                cand = plan_partition(profile, part, devices, links, family=start.family, microbatches=m, chunks=start.chunks,
-                                      cores=cores, schedule=start.schedule)
                 if cand.memory_ok and cand.sim.makespan < current.sim.makespan * (1 - 1e-9):
                     current, spans, improved = cand, trial, True
                     break

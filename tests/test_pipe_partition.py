@@ -293,3 +293,72 @@ def test_every_family_plans_within_the_simulated_memory(seed):
         except PlanError:
             continue
         assert p.memory_ok, (family, p.problems)
+
+
+def exhaustive_makespan(prof, devs, links, m, family, all_options):
+    """Best simulated iteration over every partition (and, with ``all_options``, every per-stage recomputation choice) that fits
+    in the simulation's memory; inf when none does."""
+    import dataclasses
+
+    from pipesched.plan import plan_partition
+
+    n, P = len(prof.layers), len(devs)
+    best = math.inf
+    for cuts in itertools.combinations(range(1, n), P - 1):
+        b = (0, *cuts, n)
+        base = evaluate_partition(prof, [(b[k], b[k + 1]) for k in range(P)], devs, links, microbatches=m, family=family)
+        if all_options:
+            choices = list(itertools.product(RECOMPUTE_OPTIONS, repeat=P))
+        elif any(math.isinf(s.time_s) for s in base.stages):
+            continue
+        else:
+            choices = [tuple(s.recompute for s in base.stages)]
+        for opts in choices:
+            part = dataclasses.replace(base, stages=tuple(dataclasses.replace(s, recompute=o) for s, o in zip(base.stages, opts, strict=True)))
+            p = plan_partition(prof, part, devs, links, family=family, microbatches=m)
+            if p.memory_ok:
+                best = min(best, p.sim.makespan)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_plan_reaches_the_exhaustive_optimum_on_small_instances(seed):
+    """Issue #21.6: with at most refine_budget partitions plan() tries them all, so it matches the exhaustive optimum over
+    partitions and per-stage recomputation (judged by the simulator's memory), which it missed by up to 1.13x before."""
+    from pipesched.plan import plan
+
+    rng = random.Random(seed)
+    n, P = rng.randint(4, 7), rng.choice([2, 3])
+    prof = random_profile(rng, n)
+    devs = [Device(f"d{i}", memory_bytes=rng.uniform(150, 600)) for i in range(P)]
+    links = random_links(rng, P)
+    m, family = rng.randint(1, 6), rng.choice(["1f1b", "gpipe", "zbh1"])
+    best = exhaustive_makespan(prof, devs, links, m, family, all_options=True)
+    if math.isinf(best):
+        with pytest.raises(PlanError):
+            plan(prof, devs, links, microbatches=m, schedule=family)
+        return
+    assert plan(prof, devs, links, microbatches=m, schedule=family).sim.makespan == pytest.approx(best, rel=1e-9)
+
+
+HILL_CLIMB_WORST = 1.10     # measured worst ratio to the exhaustive optimum, budget 10 (docs/pipesched.md, "Limits")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_hill_climb_stays_within_its_documented_gap(seed):
+    """More partitions than the budget: one-boundary moves from the DP's partition; within the bound the docs state."""
+    from pipesched.plan import plan
+
+    rng = random.Random(seed)
+    n, P = rng.randint(8, 10), rng.choice([3, 4])
+    prof = random_profile(rng, n)
+    devs = [Device(f"d{i}", memory_bytes=rng.uniform(150, 600)) for i in range(P)]
+    links = random_links(rng, P)
+    m, family = rng.randint(1, 6), rng.choice(["1f1b", "gpipe", "zbh1"])
+    best = exhaustive_makespan(prof, devs, links, m, family, all_options=False)
+    try:
+        ours = plan(prof, devs, links, microbatches=m, schedule=family, refine_budget=10).sim.makespan
+    except PlanError:
+        assert math.isinf(best)
+        return
+    assert best <= ours * (1 + 1e-9) and ours <= best * HILL_CLIMB_WORST
