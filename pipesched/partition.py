@@ -84,7 +84,7 @@ def memory_share(family: str, chunks: int = 1) -> int:
 
 @functools.lru_cache(maxsize=128)
 def _schedule_flights(family: str, ranks: int, microbatches: int, chunks: int) -> tuple[int, ...]:
-    sched = cached_schedule(family, ranks, microbatches, chunks=chunks)
+    sched = cached_schedule(family, ranks, microbatches, chunks)
     peaks = schedule_in_flight(sched)
     if family == "chimera":      # a partition stage runs as two replicas (down and up pipeline): the larger count
         return tuple(max(peaks[sid] for sid in range(sched.num_stages) if sched.stage_layers[sid] == k) for k in range(ranks))
@@ -105,7 +105,7 @@ def in_flight(family: str, position: int, positions: int, microbatches: int, *, 
     >>> [in_flight("1f1b", s, 4, 8) for s in range(4)], [in_flight("zbh1", s, 4, 8) for s in range(4)]
     ([4, 3, 2, 1], [4, 4, 4, 4])
     >>> [in_flight("interleaved", s, 8, 6, ranks=4, chunks=2) for s in range(8)]
-    [6, 5, 4, 3, 3, 3, 2, 1]
+    [6, 6, 6, 6, 6, 5, 3, 1]
     """
     m = microbatches
     if family in ("gpipe", "looped_bfs"):
@@ -508,26 +508,31 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
         return out
 
     # Bisection on the bottleneck, coarse first: the partition found at the coarse limit names a bottleneck T'; if nothing
-    # fits under T' (one more check), T' is the optimum, else the bisection goes on to rel_tol below it.
-    lo = 0.0
-    coarse = max(rel_tol, 1e-6)
-    while hi - lo > coarse * hi:
-        mid = (lo + hi) / 2
-        if feasible(mid):
-            hi = mid
-        else:
-            lo = mid
-    found = min_sum(hi)
-    reached = max(max(s.time_s, s.comm_s) for s in found)
-    below = reached * (1 - rel_tol)
-    if below > lo and feasible(below):
-        hi = below
-        while hi - lo > rel_tol * hi:
+    # fits under T' (one more check), T' is the optimum, else the bisection goes on to rel_tol below it. The bracket starts
+    # at the balanced share (no stage can be faster than the whole model's work over all positions' speed) and doubles.
+    lo = float(px.work[-1]) / sum(devices[k].speed for k in positions_devices)
+    top = hi
+    hi = 2 * lo
+    while hi < top and not feasible(hi):
+        lo, hi = hi, 2 * hi
+    hi = min(hi, top)
+
+    def bisect(lo: float, hi: float, tol: float) -> tuple[float, float]:
+        """Narrow (lo infeasible or below the optimum, hi feasible] to a relative ``tol``."""
+        while hi - lo > tol * hi:
             mid = (lo + hi) / 2
             if feasible(mid):
                 hi = mid
             else:
                 lo = mid
+        return lo, hi
+
+    lo, hi = bisect(lo, hi, max(rel_tol, 1e-6))
+    found = min_sum(hi)
+    reached = max(max(s.time_s, s.comm_s) for s in found)
+    below = reached * (1 - rel_tol)
+    if below > lo and feasible(below):
+        lo, hi = bisect(lo, below, rel_tol)
         found = min_sum(hi)
     elif reached < hi:
         found = min_sum(reached)      # the least sum among the partitions at the optimal bottleneck itself

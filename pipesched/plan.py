@@ -19,7 +19,17 @@ from typing import Any
 
 from .devices import Device, LinkModel, devices_from_topology
 from .export import TORCH_CLASSES, exportable
-from .partition import MULTI_STAGE, Partition, PlanError, evaluate_partition, partition, positions_on_devices
+from .partition import (
+    MULTI_STAGE,
+    SPLIT_BACKWARD,
+    Partition,
+    PlanError,
+    evaluate_partition,
+    in_flight,
+    memory_share,
+    partition,
+    positions_on_devices,
+)
 from .profile import RECOMPUTE_OPTIONS, ModelProfile
 from .runtimes import rendezvous_for
 from .schedules import LOOPED, Schedule, ScheduleError, bytes_text, cached_schedule, fits_memory, validate
@@ -251,6 +261,7 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
     # First every family's partition, schedule and lower bound; then the simulations, most promising bound first. A family
     # whose bound is above the best simulated iteration that fits (by more than tie_margin) cannot win: not simulated.
     prepared: list[tuple[str, Partition, list[Device], LinkModel, Schedule, float]] = []
+    partitions: dict[tuple, Partition] = {}
     for fam in families:
         try:
             if fam == "chimera" and (p % 2 or microbatches % 2):
@@ -261,9 +272,18 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
                                 where="--stages")
             # Flush schedules: minimise their own lower bound; interleaved/Chimera put several stages on a rank, where the
             # per-stage bound does not decompose, so they keep PipeDream's bottleneck objective.
-            part = partition(profile, devices, links, microbatches=microbatches, family=fam, chunks=chunks if fam in LOOPED else 1,
-                             max_replicas=max_replicas if fam not in MULTI_STAGE else 1, recompute=recompute,
-                             objective=_objective(fam, len(profile.layers) * p))
+            fam_chunks = chunks if fam in LOOPED else 1
+            objective = _objective(fam, len(profile.layers) * p)
+            # Families with the same placement, in-flight counts, backward style and objective get the same partition
+            # (ZB-V and DualPipe-V): computed once.
+            placed = positions_on_devices(fam, p, fam_chunks)
+            same = (tuple(placed), tuple(in_flight(fam, k, len(placed), microbatches, ranks=p, chunks=fam_chunks) for k in range(len(placed))),
+                    fam in SPLIT_BACKWARD, memory_share(fam, fam_chunks), objective, max_replicas if fam not in MULTI_STAGE else 1)
+            if same in partitions:
+                part = replace(partitions[same], family=fam)
+            else:
+                part = partitions[same] = partition(profile, devices, links, microbatches=microbatches, family=fam, chunks=fam_chunks,
+                                                    max_replicas=same[-1], recompute=recompute, objective=objective)
             # A replicated stage runs on one rank standing for its replica group.
             replicated = any(len(st.devices) > 1 for st in part.stages)
             devs = _group_devices(devices, part) if replicated else list(devices)

@@ -322,39 +322,49 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
             return max(times)
         raise ScheduleError(f"cannot simulate action {a}")
 
+    effects_of: dict[tuple[int, str], tuple] = {}
+
+    def effects(stage: int, kind: str) -> tuple:
+        """What an action of this stage and kind does, shared by both engines: (duration, bytes allocated at its start or
+        None, bytes freed at its end or None, the tensor it sends as (receiving stage, "act"|"grad", bytes) or None,
+        whether it ends a micro-batch's backward)."""
+        key = (stage, kind)
+        if key not in effects_of:
+            c = cost(stage)
+            prev, nxt = neighbours[stage]
+            alloc = c.saved_bytes if kind == "F" else c.transient_bytes if kind in ("B", "I") else None
+            freed = {"B": -(c.transient_bytes + c.saved_bytes), "I": -(c.transient_bytes + c.saved_bytes - c.wgrad_bytes),
+                     "W": -c.wgrad_bytes}.get(kind)
+            message = ((nxt, "act", c.out_bytes) if kind == "F" and nxt is not None
+                       else (prev, "grad", cost(prev).out_bytes) if kind in ("B", "I") and prev is not None else None)
+            effects_of[key] = (c.duration(kind), alloc, freed, message, kind in ("B", "W"))
+        return effects_of[key]
+
     def start(r: int, a: Action, order: int) -> None:
-        c = cost(a.stage)
-        dur = c.duration(a.kind) + (message_cpu * n_messages[(a.stage, a.kind)] if message_cpu and links is not None else 0.0)
+        dur, alloc, _, _, _ = effects(a.stage, a.kind)
+        dur += message_cpu * n_messages[(a.stage, a.kind)] if message_cpu and links is not None else 0.0
         if action_cpu and a.kind in ("F", "B", "I", "W"):
             dur += action_cpu
         running[r] = [a, dur, now, dur, order]
+        if alloc is not None:
+            mem_events[r].append((now, alloc))
         if a.kind == "F":
-            mem_events[r].append((now, c.saved_bytes))
             flight_events[a.stage].append((now, 1))
-        elif a.kind in ("B", "I"):
-            mem_events[r].append((now, c.transient_bytes))
 
     def complete(r: int, t: float) -> None:
         a, _, t0, _, _ = running.pop(r)
         dirty.add(r)
-        c = cost(a.stage)
+        _, _, freed, message, ends_backward = effects(a.stage, a.kind)
         ptr[r] += 1
         reach(r, t)
         finish[(a.stage, a.kind, a.mb)] = t
         busy[r] += t - t0
         timeline.append(Span(r, a, t0, t))
-        prev, nxt = neighbours[a.stage]
-        if a.kind == "F" and nxt is not None:
-            send(a.stage, nxt, "act", a.mb, t, c.out_bytes, f"act {a}")
-        if a.kind in ("B", "I") and prev is not None:
-            send(a.stage, prev, "grad", a.mb, t, cost(prev).out_bytes, f"grad {a}")
-        if a.kind == "B":
-            mem_events[r].append((t, -(c.transient_bytes + c.saved_bytes)))
-        elif a.kind == "I":
-            mem_events[r].append((t, -(c.transient_bytes + c.saved_bytes - c.wgrad_bytes)))
-        elif a.kind == "W":
-            mem_events[r].append((t, -c.wgrad_bytes))
-        if a.kind in ("B", "W"):
+        if message is not None:
+            send(a.stage, message[0], message[1], a.mb, t, message[2], f"{message[1]} {a}")
+        if freed is not None:
+            mem_events[r].append((t, freed))
+        if ends_backward:
             backward_count[a.stage] += 1
             last_backward[a.stage] = t
             if partners[a.stage]:
@@ -376,19 +386,45 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         while done < total and progress:
             progress = False
             for r in range(R):
-                row = acts[r]
-                while ptr[r] < len(row):
-                    a = row[ptr[r]]
+                row, k, end, events = acts[r], ptr[r], free[r], mem_events[r]
+                while k < len(row):
+                    a = row[k]
                     t = ready_data(a)
                     if t is None:
                         break
-                    now = max(free[r], t)
-                    start(r, a, seq)
-                    now = now + running[r][3]
-                    complete(r, now)
-                    free[r] = now
+                    dur, alloc, freed, message, ends_backward = effects(a.stage, a.kind)
+                    begin = end if end >= t else t
+                    end = begin + dur
+                    if alloc is not None:
+                        events.append((begin, alloc))
+                    if a.kind == "F":
+                        flight_events[a.stage].append((begin, 1))
+                    finish[(a.stage, a.kind, a.mb)] = end
+                    busy[r] += end - begin
+                    timeline.append(Span(r, a, begin, end))
+                    if message is not None:     # as send() and move() without a rendezvous
+                        dst_stage, what, nbytes = message
+                        src, dst = stage_rank[a.stage], stage_rank[dst_stage]
+                        key = (dst_stage, what, a.mb)
+                        if src == dst or links is None:
+                            arrive[key] = end
+                        else:
+                            bw, lat = links.link(src, dst)
+                            go = max(end, 0.0, link_free.get((src, dst), 0.0))
+                            serial = nbytes / bw if nbytes > 0 else 0.0
+                            link_free[(src, dst)] = go + serial
+                            arrive[key] = go + serial + lat
+                            transfers.append(Transfer(src, dst, f"{what} {a}", nbytes, go, go + serial + lat))
+                    if freed is not None:
+                        events.append((end, freed))
+                    if ends_backward:
+                        backward_count[a.stage] += 1
+                        last_backward[a.stage] = end
+                        flight_events[a.stage].append((end, -1))
+                    k += 1
                     done += 1
                     progress = True
+                ptr[r], free[r] = k, end
         if done < total:
             waiting = [f"rank {r} at {acts[r][ptr[r]]}" for r in range(R) if ptr[r] < len(acts[r])]
             raise ScheduleError("deadlock: " + ", ".join(waiting))

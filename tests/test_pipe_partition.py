@@ -321,18 +321,22 @@ def exhaustive_makespan(prof, devs, links, m, family, all_options):
     return best
 
 
+def random_instance(rng: random.Random, layers: tuple[int, int], stages: list[int]):
+    """A random profile, devices with memory limits, links, micro-batch count and flush family."""
+    n, P = rng.randint(*layers), rng.choice(stages)
+    prof = random_profile(rng, n)
+    devs = [Device(f"d{i}", memory_bytes=rng.uniform(150, 600)) for i in range(P)]
+    links = random_links(rng, P)
+    return prof, devs, links, rng.randint(1, 6), rng.choice(["1f1b", "gpipe", "zbh1"])
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_plan_reaches_the_exhaustive_optimum_on_small_instances(seed):
     """Issue #21.6: with at most refine_budget partitions plan() tries them all, so it matches the exhaustive optimum over
     partitions and per-stage recomputation (judged by the simulator's memory), which it missed by up to 1.13x before."""
     from pipesched.plan import plan
 
-    rng = random.Random(seed)
-    n, P = rng.randint(4, 7), rng.choice([2, 3])
-    prof = random_profile(rng, n)
-    devs = [Device(f"d{i}", memory_bytes=rng.uniform(150, 600)) for i in range(P)]
-    links = random_links(rng, P)
-    m, family = rng.randint(1, 6), rng.choice(["1f1b", "gpipe", "zbh1"])
+    prof, devs, links, m, family = random_instance(random.Random(seed), (4, 7), [2, 3])
     best = exhaustive_makespan(prof, devs, links, m, family, all_options=True)
     if math.isinf(best):
         with pytest.raises(PlanError):
@@ -349,12 +353,7 @@ def test_hill_climb_stays_within_its_documented_gap(seed):
     """More partitions than the budget: one-boundary moves from the DP's partition; within the bound the docs state."""
     from pipesched.plan import plan
 
-    rng = random.Random(seed)
-    n, P = rng.randint(8, 10), rng.choice([3, 4])
-    prof = random_profile(rng, n)
-    devs = [Device(f"d{i}", memory_bytes=rng.uniform(150, 600)) for i in range(P)]
-    links = random_links(rng, P)
-    m, family = rng.randint(1, 6), rng.choice(["1f1b", "gpipe", "zbh1"])
+    prof, devs, links, m, family = random_instance(random.Random(seed), (8, 10), [3, 4])
     best = exhaustive_makespan(prof, devs, links, m, family, all_options=False)
     try:
         ours = plan(prof, devs, links, microbatches=m, schedule=family, refine_budget=10).sim.makespan
