@@ -437,7 +437,10 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
     ends = np.arange(n + 1)
 
     def feasible(limit: float) -> bool:
-        """Can every stage and cut stay within ``limit``? Reachable cut sets, position by position."""
+        return bool(reachable(limit)[positions][n])
+
+    def reachable(limit: float) -> list[np.ndarray]:
+        """Per position count d, the cut points a prefix of d positions can end at with every stage and cut within ``limit``."""
         reach = [np.zeros(n + 1, dtype=bool) for _ in range(positions + 1)]
         reach[0][0] = True
         for d in range(1, positions + 1):
@@ -453,7 +456,27 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
                 reach_from = np.full(n + 1, -1, dtype=np.int64)
                 reach_from[1:] = np.where(starts[:-1], far[:-1], -1)
                 reach[d] |= np.maximum.accumulate(reach_from) >= ends
-        return bool(reach[positions][n])
+        return reach
+
+    def some_bottleneck(limit: float) -> float:
+        """The bottleneck of one partition within ``limit`` (which must be feasible), traced back through the reachable cuts."""
+        reach = reachable(limit)
+        d, j, worst = positions, n, 0.0
+        while d > 0:
+            for r in replica_choices:
+                if r > d:
+                    continue
+                model = stage_model[(d - 1, r)]
+                far = np.max([model.jmax(o, limit) for o in model.useful], axis=0)
+                ok = reach[d - r] & (comm[d - r] <= limit) & (ends < j) & (far >= j)
+                if ok.any():
+                    i = int(np.nonzero(ok)[0][-1])
+                    worst = max(worst, model.at(i, j)[0], float(comm[d - r][i]))
+                    d, j = d - r, i
+                    break
+            else:
+                raise AssertionError("a feasible limit has a partition")
+        return worst
 
     if not feasible(math.inf):
         raise PlanError(f"no partition of {n} layers into {positions} stages fits in device memory, even with recomputation "
@@ -528,15 +551,13 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
         return lo, hi
 
     lo, hi = bisect(lo, hi, max(rel_tol, 1e-6))
-    found = min_sum(hi)
-    reached = max(max(s.time_s, s.comm_s) for s in found)
+    reached = some_bottleneck(hi)
     below = reached * (1 - rel_tol)
     if below > lo and feasible(below):
         lo, hi = bisect(lo, below, rel_tol)
-        found = min_sum(hi)
-    elif reached < hi:
-        found = min_sum(reached)      # the least sum among the partitions at the optimal bottleneck itself
-    out = found
+        out = min_sum(hi)
+    else:
+        out = min_sum(reached)      # the least sum among the partitions at the optimal bottleneck itself
     bottleneck = max(max(s.time_s, s.comm_s) for s in out)
     return Partition(stages=tuple(out), bottleneck_s=bottleneck, sum_s=float(sum(s.time_s + s.comm_s for s in out)), family=family,
                      microbatches=microbatches, meta={"chunks": chunks, "max_replicas": max_replicas})
