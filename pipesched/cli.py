@@ -117,8 +117,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, required=True, help="pipeline depth (devices)")
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--memory", help="memory per device, e.g. 80GiB (default: each GPU's memory)")
-    p.add_argument("--schedule", default="auto", help="auto, gpipe, 1f1b, zbh1, interleaved, chimera (default auto)")
-    p.add_argument("--chunks", type=int, default=2, help="virtual stages per device for interleaved (default 2)")
+    p.add_argument("--schedule", default="auto", help="auto, gpipe, 1f1b, zbh1, interleaved, interleaved_zb, looped_bfs, zbv, dualpipev, "
+                                                      "chimera (default auto: the fastest that torch can run)")
+    p.add_argument("--chunks", type=int, default=2, help="virtual stages per device for interleaved, interleaved_zb, looped_bfs (default 2)")
     p.add_argument("--recompute", default="none,selective,full", help="recomputation options the planner may use")
     p.add_argument("--replicate", type=int, default=1, help="allow PipeDream stage replication up to this many devices")
 
@@ -264,13 +265,16 @@ def _parse_spans(text: str, n: int) -> list[tuple[int, int]]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .partition import evaluate_partition, uniform_partition
+    from .partition import FAMILIES, evaluate_partition, positions_on_devices, uniform_partition
     from .plan import plan_partition
+    from .schedules import LOOPED
 
     prof, _, devices, links, recompute = _load(args)
     family = "1f1b" if args.schedule == "auto" else args.schedule
-    chunks = args.chunks if family == "interleaved" else 1
-    positions = len(devices) * chunks
+    if family not in FAMILIES:
+        raise InputError(f"unknown schedule {family!r}, expected one of {list(FAMILIES)}", where="--schedule")
+    chunks = args.chunks if family in LOOPED else 1
+    positions = len(positions_on_devices(family, len(devices), chunks))
     spans = _parse_spans(args.spans, len(prof.layers)) if args.spans else uniform_partition(prof, positions)
     if len(spans) != positions:
         raise InputError(f"{len(spans)} spans for {positions} stage positions", where="--spans")
@@ -292,21 +296,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .plan import plan
 
     prof, _, devices, links, recompute = _load(args)
-    fams = args.schedule
-    if fams == "auto":
-        best = None
-        for fam in ("1f1b", "zbh1", "interleaved", "gpipe"):
-            try:
-                cand = plan(prof, devices, links, microbatches=args.microbatches, schedule=fam, chunks=args.chunks, recompute=recompute)
-            except InputError:
-                continue
-            if cand.memory_ok and (best is None or cand.sim.makespan < best.sim.makespan):
-                best = cand
-        if best is None:
-            raise InputError("no exportable schedule fits", where="--schedule")
-        p = best
-    else:
-        p = plan(prof, devices, links, microbatches=args.microbatches, schedule=fams, chunks=args.chunks, recompute=recompute)
+    # The same plan as `pipe plan` with these arguments (auto ranks only what torch can run).
+    p = plan(prof, devices, links, microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks, recompute=recompute)
+    if p.export_problem:
+        raise InputError(f"the {p.family} plan cannot be exported: {p.export_problem}", where="--schedule")
     info = export_plan(p.schedule, p.partition, args.out, format=args.format, layer_names=[lay.name for lay in prof.layers])
     out = Path(args.out)
     atomic_write_text(out / "plan.json", json.dumps(p.to_dict(), indent=1, default=str) + "\n")
