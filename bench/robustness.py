@@ -85,6 +85,20 @@ def make_seeds(root: Path) -> dict[str, Path]:
     sched.allocate("a", 8, vc="research", priority=1)
     sched.allocate("b", 4)
     put("state.json", json.dumps(sched.to_state(), indent=1))
+    put("nccl.plan", "netweave-plan 1\nclass 5 dscp=46 prio=6 rate=125000000 nsocks=4\n"
+                     "comm 1 class=5\nmark 29500 dscp=48 prio=6\nmark * dscp=8\n")
+    put("train.py", "print('a training script')\n")
+    put("launch.yaml", "jobs:\n"
+                       f"  - {{name: dp, gpus: 8, backend: gloo, script: {root / 'train.py'}, args: [--steps, '3'],\n"
+                       "     model: {layers: 4, hidden: 256, heads: 4, seq_len: 128, vocab: 1000},\n"
+                       "     data_parallel: {policy: prophet, partition: 1MiB}}\n"
+                       f"  - {{name: pp, gpus: 4, pp: 2, microbatches: 4, schedule: 1f1b, script: {root / 'train.py'},\n"
+                       "     model: {layers: 4, hidden: 256, heads: 4, seq_len: 128, vocab: 1000}}\n")
+    from flowsched.control import generate_keys
+
+    generate_keys(root / "keys", ["h0"])
+    put("control.yaml", "format: netweave-flow-control\nversion: 1\nkeys: keys\nscheduler: {bind: 'tcp://127.0.0.1:1'}\n"
+                        "agents:\n  h0: {bind: 'tcp://127.0.0.1:2', dev: lo, rate_mbit: 100}\nheartbeat_s: 0.5\n")
     return seeds
 
 
@@ -137,6 +151,13 @@ VERBS: tuple[Verb, ...] = (
     Verb("emu example (topology)", "cluster.json", ("emu", "example", "--topology", "{f}", "--out", "{out}.yaml")),
     Verb("emu run (workload)", "workload.yaml", ("emu", "run", "{f}", "--topology", "{seeds}/cluster.json", "--out", "{out}-run",
                                                   "--no-flows")),
+    Verb("emu sweep (workload)", "workload.yaml", ("emu", "sweep", "{f}", "--topology", "{seeds}/cluster.json", "--set",
+                                                    "jobs.a.start_offset=0,0.001", "--executor", "local", "--out", "{out}-sweep")),
+    Verb("topo draw", "cluster.json", ("topo", "draw", "{f}", "--out", "{out}.png")),
+    Verb("flow nccl check-plan", "nccl.plan", ("flow", "nccl", "check-plan", "{f}")),
+    Verb("flow agent (config)", "control.yaml", ("flow", "agent", "--config", "{f}", "--host", "h0", "--dry-run", "--duration", "0.05")),
+    Verb("launch (jobs)", "launch.yaml", ("launch", "--topology", "default", "--jobs", "{f}", "--out", "{out}-bundles")),
+    Verb("launch (topology)", "cluster.json", ("launch", "--topology", "{f}", "--jobs", "{seeds}/launch.yaml", "--out", "{out}-bundles")),
 )
 
 
