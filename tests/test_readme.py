@@ -83,6 +83,8 @@ def why_not_here(step: Step) -> tuple[str, str] | None:
     words = shlex.split(step.text, comments=True) if step.kind in ("netweave", "shell") else []
     if step.kind == "shell":
         return "skip", f"{words[0]} runs a training job on a cluster host (torchrun, GPUs), not a netweave command"
+    if step.kind == "python" and any(line.strip() == "..." for line in step.body.splitlines()):
+        return "skip", "an excerpt of a file ('...' skips lines): tests/test_readme_example.py checks it against the file"
     if step.kind != "netweave":
         return None
     args = words[1:]
