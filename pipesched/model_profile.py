@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import importlib
 import operator
 import re
 import statistics
@@ -71,6 +70,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from topology.clitools import load_callable
 
 from .profile import LayerProfile, ModelProfile, ProfileError
 
@@ -177,11 +178,7 @@ def load_factory(ref: str, options: dict[str, Any] | None = None, *, where: str 
     if not FACTORY_RE.fullmatch(ref):
         raise ModelSpecError(f"expected package.module:function, got {ref!r}", where=where)
     mod_name, func_name = ref.split(":")
-    try:
-        module = importlib.import_module(mod_name)
-    except Exception as exc:   # any import-time failure of user code is bad input, reported on one line
-        raise ModelSpecError(f"cannot import {mod_name!r}: {_one_line(exc)}", where=where) from None
-    factory = getattr(module, func_name, None)
+    factory = load_callable(ref, where=where, error=ModelSpecError)   # the current directory first, as `python -m`
     if not callable(factory):
         raise ModelSpecError(f"module {mod_name!r} has no function {func_name!r}", where=where)
     try:

@@ -72,6 +72,22 @@ def test_flow_profile_model_imports_from_the_current_directory(tmp_path, capsys,
     assert code == 2 and "--model" in err and "mymodels.nope" in err
 
 
+def test_pipe_profile_model_imports_from_the_current_directory(tmp_path, capsys, monkeypatch):
+    pkg = tmp_path / "mypipe"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "chain.py").write_text("import torch\n\n\ndef make():\n"
+                                  "    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))\n"
+                                  "    return net, (torch.randn(4, 8),)\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    code, _, err = run(capsys, "pipe", "profile", "--model", "mypipe.chain:make", "--split", "2", "--repeats", "1", "--out", "p.json")
+    assert code == 0, err
+    assert json.loads(Path("p.json").read_text())
+    code, _, err = run(capsys, "pipe", "profile", "--model", "mypipe.absent:make", "--out", "q.json")
+    assert code == 2 and "cannot import 'mypipe.absent'" in err and err.count("\n") == 1
+
+
 def test_pipe_export_prints_paths_one_per_line(tmp_path, capsys):
     gpt = tmp_path / "gpt.yaml"
     gpt.write_text("name: gpt\nlayers: 4\nhidden: 256\nheads: 4\nseq_len: 128\nvocab: 1000\n")

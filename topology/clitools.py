@@ -173,8 +173,11 @@ def check_options(function: Any, options: dict[str, Any], *, flag: str, what: st
             raise InputError(f"{flag} {key}: not an option of {what}; known: {', '.join(known) or '(none)'}")
 
 
-def load_callable(spec: str, *, where: str) -> Any:
+def load_callable(spec: str, *, where: str, error: type | None = None) -> Any:
     """The object named by ``MODULE:ATTR``, importing ``MODULE`` as ``python -m`` would: the current directory first on the path.
+
+    Any failure (no such module or attribute, the module raising while it is imported) is one ``error``
+    (default :class:`~topology.errors.InputError`) naming ``where``.
 
     >>> load_callable("json:dumps", where="--model") is json.dumps
     True
@@ -188,17 +191,22 @@ def load_callable(spec: str, *, where: str) -> Any:
 
     from .errors import InputError
 
+    error = error or InputError
     module, _, attr = spec.partition(":")
     if not module or not attr:
-        raise InputError(f"expected MODULE:CALLABLE, got {spec!r}", where=where)
+        raise error(f"expected MODULE:CALLABLE, got {spec!r}", where=where)
     cwd = os.getcwd()
     added = cwd not in sys.path and "" not in sys.path
     if added:
         sys.path.insert(0, cwd)
     try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as exc:
-        raise InputError(f"cannot load {spec!r}: {exc}", where=where) from None
+        loaded = importlib.import_module(module)
+    except Exception as exc:   # any import-time failure of user code is bad input, reported on one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise error(f"cannot import {module!r}: {first}", where=where) from None
     finally:
         if added:
             sys.path.remove(cwd)
+    if not hasattr(loaded, attr):
+        raise error(f"module {module!r} has no function {attr!r}", where=where)
+    return getattr(loaded, attr)
