@@ -112,7 +112,14 @@ def selective_context() -> Any:
 
 
 def recompute_traced(module: Any, mode: str) -> Any:
-    """Apply a traced stage's recomputation to its whole module (in place; see the module docstring); returns it."""
+    """Apply a traced stage's recomputation to its whole module (in place; see the module docstring); returns it.
+
+    >>> import torch
+    >>> layer = recompute_traced(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU()), "selective")
+    >>> layer(torch.ones(2, 4)).sum().backward()
+    >>> tuple(layer[0].weight.grad.shape), layer._netweave_recompute
+    ((4, 4), True)
+    """
     from torch.utils.checkpoint import checkpoint
 
     if mode not in ("none", "selective", "full"):
