@@ -30,7 +30,7 @@ only where the field allows it), values above the limits of :mod:`topology.limit
 >>> parse_size("2G", where="jobs[0].grad_bytes", source="jobs.yaml")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-topology.errors.InputError: jobs.yaml: jobs[0].grad_bytes: expected a size in B ... got '2G' ('G' is ambiguous: GB (10^9) or GiB (2^30)?)
+topology.errors.InputError: jobs.yaml: jobs[0].grad_bytes: expected a size in bytes ... got '2G' ('G' is ambiguous: GB (10^9) or GiB (2^30)?)
 >>> parse_duration("nan", where="compute")  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
@@ -128,7 +128,7 @@ def _parse(kind: str, value: Any, unit: str, what: str | None, where: str | int 
            maximum: float | None, error: type[InputError]) -> float:
     factor_of, forms, limit, base = _KINDS[kind]
     scale = factor_of(unit)    # the field's unit is the programmer's: a bad one is a bug, not input
-    what = what or f"a {kind} in {unit}"
+    what = what or f"a {kind} in {'bytes' if unit == 'B' else unit}"
 
     def refuse(reason: str = "") -> InputError:
         shown = repr(value) if len(repr(value)) <= 80 else repr(value)[:77] + "..."
@@ -173,7 +173,7 @@ def parse_size(value: Any, *, unit: str = "B", what: str | None = None, where: s
     >>> parse_size("2Gb", where="--memory")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    topology.errors.InputError: --memory: expected a size in B ... got '2Gb' ('Gb' is bits; a size is in bytes: GB or GiB)
+    topology.errors.InputError: --memory: expected a size in bytes ... got '2Gb' ('Gb' is bits; a size is in bytes: GB or GiB)
     """
     return _parse("size", value, unit, what, where, source, positive, maximum, error)
 
