@@ -206,4 +206,27 @@ def parse_rate(value: Any, *, unit: str = "GB/s", what: str | None = None, where
     return _parse("rate", value, unit, what, where, source, positive, maximum, error)
 
 
-__all__ = ["DURATION_FORMS", "RATE_FORMS", "SIZE_FORMS", "parse_duration", "parse_rate", "parse_size"]
+def flag_type(parse: Any, **options: Any) -> Any:
+    """An ``argparse`` ``type=`` for a flag that takes a quantity: its value through ``parse`` with ``options``.
+
+    A refusal becomes argparse's usage error (exit 2) that names the flag and the accepted forms.
+
+    >>> import argparse
+    >>> p = argparse.ArgumentParser(prog="x")
+    >>> _ = p.add_argument("--nic-gbps", type=flag_type(parse_rate, unit="Gb/s"))
+    >>> p.parse_args(["--nic-gbps", "50GB/s"]).nic_gbps, p.parse_args(["--nic-gbps", "200"]).nic_gbps
+    (400.0, 200.0)
+    """
+    import argparse
+
+    def convert(text: str) -> float:
+        try:
+            return parse(text, **options)
+        except InputError as exc:
+            raise argparse.ArgumentTypeError(exc.message) from None
+
+    convert.__name__ = parse.__name__.removeprefix("parse_")  # argparse names the type in its messages
+    return convert
+
+
+__all__ = ["DURATION_FORMS", "RATE_FORMS", "SIZE_FORMS", "flag_type", "parse_duration", "parse_rate", "parse_size"]
