@@ -125,3 +125,107 @@ def test_size_round_trip(x, written, unit):
 @given(st.floats(min_value=0, max_value=8e4, allow_nan=False), st.sampled_from(["ns", "us", "ms", "s", "min", "h"]))
 def test_duration_scales(x, written):
     assert math.isclose(parse_duration(f"{x!r}{written}", unit="ms"), parse_duration(f"{x!r}{written}") * 1e3, rel_tol=1e-12, abs_tol=1e-300)
+
+
+# -- every reader and flag takes the same forms; every public API the documented units ------------------------------------
+
+def test_trace_csv_takes_what_the_jobs_file_takes():
+    """The issue's case: a trace refused grad_bytes 2GB that a jobs file accepted; both now read it, and compute_ms may carry a unit."""
+    from placement.profiles import parse_job
+    from placement.traces import dumps_trace, loads_trace
+
+    head = "name,arrival_s,gpus,duration_s,compute_ms,grad_bytes\n"
+    with_units = loads_trace(head + "a,2min,8,1h,0.1s,2GB\n", source="t.csv")[0]
+    plain = loads_trace(head + "a,120,8,3600,100,2000000000\n", source="t.csv")[0]
+    assert with_units == plain and loads_trace(dumps_trace([plain]))[0] == plain
+    job = parse_job({"name": "a", "gpus": 8, "compute_ms": "100ms", "grad_bytes": "2GB", "arrival": "2min"}, "jobs[0]")
+    assert (job.compute_s, job.grad_bytes, job.arrival) == (plain.compute_ms / 1e3, plain.grad_bytes, plain.arrival_s)
+    assert parse_job({"name": "a", "gpus": 8, "compute_ms": 100}, "jobs[0]").compute_s == 0.1
+    with pytest.raises(InputError, match=r"^t.csv: line 2.grad_bytes: expected a size in bytes .* \('G' is ambiguous"):
+        loads_trace(head + "a,0,8,60,100,2G\n", source="t.csv")
+
+
+def test_data_parallel_knobs_and_memory_in_a_jobs_file():
+    from placement.profiles import parse_job
+
+    job = parse_job({"name": "a", "gpus": 8, "memory": "80GiB", "data_parallel": {"policy": "prophet", "partition": "4MiB", "credit": 0}}, "jobs[0]")
+    assert job.launch.memory == 80 * 2**30 and job.launch.data_parallel["partition"] == 4 * 2**20 and job.launch.data_parallel["credit"] == 0
+    with pytest.raises(InputError, match=r"^jobs.yaml: jobs\[0\].data_parallel.partition: expected a positive size"):
+        parse_job({"name": "a", "gpus": 8, "data_parallel": {"policy": "prophet", "partition": "0MB"}}, "jobs[0]", "jobs.yaml")
+
+
+def test_workload_rate_cap_and_sizes_take_units():
+    from emu.workload import example_workload, loads_workload, workload_to_dict
+
+    data = workload_to_dict(example_workload())
+    data["jobs"][0]["rate_cap"] = "100Gb/s"
+    data["jobs"][0]["phases"][1]["bytes"] = "200MB"
+    data["jobs"][0]["phases"][0]["duration"] = "4ms"
+    import yaml
+
+    w = loads_workload(yaml.safe_dump(data))
+    assert w.jobs[0].rate_cap == 12.5 and w.jobs[0].phases[1].nbytes == 2e8 and w.jobs[0].phases[0].duration == pytest.approx(0.004)
+
+
+def test_flow_plan_rates_take_units():
+    from flowsched.plan import FlowPlanError, loads_plan
+
+    text = ('{"format": "netweave-flow-plan", "version": 1, "hosts": {"node0": {"link_rate": "400Gb/s", '
+            '"rules": [{"job": "a", "priority": 0, "rate": "9.6Gb/s"}, {"job": "b", "priority": 1, "rate": 5e8}]}}}')
+    hp = loads_plan(text).hosts["node0"]
+    assert hp.link_rate == 5e10 and [r.rate for r in hp.rules] == [1.2e9, 5e8]
+    with pytest.raises(FlowPlanError, match=r"hosts.node0.link_rate: expected a rate in B/s .*per second"):
+        loads_plan(text.replace('"400Gb/s"', '"400G"'))
+
+
+def test_gradient_profiles_take_gb_per_s():
+    """measure_gradient_profile(bandwidth=1.0) is 1 GB/s: the issue's 1.0 gave a 558,632 s iteration (read as 1 byte/s)."""
+    torch = pytest.importorskip("torch")
+    from flowsched.gradients import GradientProfile, analytic_gradient_profile, measure_gradient_profile
+    from flowsched.intrajob import ddp_plan, simulate_iteration
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    p = measure_gradient_profile(model, lambda: (torch.randn(8, 64), torch.randint(0, 10, (8,))), torch.nn.functional.cross_entropy,
+                                 bandwidth=1.0, warmup=1, iterations=2)
+    assert p.bandwidth == 1.0 and p.bytes_per_s == 1e9
+    assert p.comm_time(1) == pytest.approx(p.total_bytes / 1e9)           # 4,810 float32 gradients: ~19 us, not hours
+    assert simulate_iteration(p, ddp_plan(p)).iteration_time < 1.0
+    a = analytic_gradient_profile(["x"], [1e9], [0.0], [0.0], bandwidth=50.0)          # 1 GB at 50 GB/s
+    assert a.comm_time(1) == pytest.approx(0.02) and a.with_bandwidth(100.0).comm_time(1) == pytest.approx(0.01)
+    v1 = {**a.to_dict(), "version": 1, "bandwidth": 5e10}                       # version 1 files kept bytes/s
+    assert GradientProfile.from_dict(v1).bandwidth == 50.0 and GradientProfile.from_dict(a.to_dict()) == a
+
+
+def _cli(capsys, *argv):
+    from netweave.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_flags_take_units(capsys, tmp_path):
+    """--bandwidth, --nic-gbps and --duration read through topology.units: one value, every spelling."""
+    import json
+    import pathlib
+
+    from flowsched.gradients import analytic_gradient_profile
+
+    prof = tmp_path / "g.json"
+    analytic_gradient_profile(["a", "b"], [4e6, 4e6], [1e-3, 1e-3], [2e-3, 2e-3], bandwidth=10.0).save(prof)
+    outs = []
+    for bw in ("12.5", "100Gb/s", "12.5 GB/s", "100Gbps"):
+        code, out, _ = _cli(capsys, "flow", "schedule", "--profile", str(prof), "--policy", "ddp", "--bandwidth", bw, "--json")
+        assert code == 0
+        outs.append(json.loads(out))
+    assert all(o == outs[0] for o in outs)
+    with pytest.raises(SystemExit) as info:
+        _cli(capsys, "flow", "schedule", "--profile", str(prof), "--bandwidth", "100G")
+    assert info.value.code == 2 and "argument --bandwidth: expected a rate in GB/s" in capsys.readouterr().err
+    conf = pathlib.Path(__file__).parent / "data" / "slurm_tree.conf"
+    sizes = []
+    for nic in ("200", "200Gb/s", "25GB/s"):
+        code, out, _ = _cli(capsys, "topo", "import", str(conf), "--format", "slurm", "--nic-gbps", nic, "--out", str(tmp_path / "t.json"))
+        assert code == 0
+        sizes.append((tmp_path / "t.json").read_text())
+    assert sizes[0] == sizes[1] == sizes[2]
