@@ -11,7 +11,7 @@ from typing import Any
 from topology.clitools import add_json_flag, add_output, emit, load_callable, progress
 from topology.errors import InputError
 from topology.inputs import check_interface, check_name, check_number
-from topology.units import flag_type, parse_duration, parse_rate
+from topology.units import flag_action, parse_duration, parse_rate
 
 from .plan import POLICIES
 
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan", help="flow plan file")
     p.add_argument("--host", required=True)
     p.add_argument("--dev", default="eth0", help="egress interface (default eth0)")
-    p.add_argument("--rate-mbit", type=flag_type(parse_rate, unit="Mbit/s"), default=None,
+    p.add_argument("--rate-mbit", action=flag_action(parse_rate, unit="Mbit/s"), default=None,
                    help="link rate in Mbit/s, or with a unit (100Mbit, 10Gb/s) (default: the plan's link_rate of the host)")
     p.add_argument("--time-scale", type=float, default=1.0, help="divide the plan's rates by this factor (emulation)")
     p.add_argument("--netns", default=None, help="apply inside this network namespace")
@@ -52,9 +52,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = fsub.add_parser("profile", help="measure a gradient profile of a torch model and write it as JSON")
     p.add_argument("--model", default=None, metavar="MODULE:CALLABLE", help="callable returning a torch.nn.Module (default: built-in MLP)")
     p.add_argument("--input-shape", default=None, help="batch shape for --model, e.g. 32,784")
-    p.add_argument("--bandwidth", type=flag_type(parse_rate), default=10.0,
+    p.add_argument("--bandwidth", action=flag_action(parse_rate), default=10.0,
                    help="all-reduce goodput in GB/s, or with a unit (100Gb/s), to store in the profile (default 10)")
-    p.add_argument("--overhead-us", type=flag_type(parse_duration, unit="us"), default=10.0,
+    p.add_argument("--overhead-us", action=flag_action(parse_duration, unit="us"), default=10.0,
                    help="cost of one collective launch in microseconds, or with a unit (default 10)")
     p.add_argument("--iterations", type=int, default=5)
     add_output(p, "--out", required=True)
@@ -64,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = fsub.add_parser("schedule", help="in-job gradient schedule and its modelled iteration time vs the lower bound")
     p.add_argument("--profile", required=True, help="gradient profile JSON (netweave flow profile)")
     p.add_argument("--policy", choices=("ddp", "prophet", "bytescheduler"), default="prophet")
-    p.add_argument("--bandwidth", type=flag_type(parse_rate), default=None, help="override the profile's bandwidth (GB/s, or with a unit: 100Gb/s)")
+    p.add_argument("--bandwidth", action=flag_action(parse_rate), default=None,
+                   help="override the profile's bandwidth (GB/s, or with a unit: 100Gb/s)")
     add_output(p, "--out", default=None, help="write the plan (JSON)")
     add_json_flag(p)
     p.set_defaults(func=cmd_schedule)
@@ -72,7 +73,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = fsub.add_parser("serve", help="run the scheduler service and publish a plan")
     p.add_argument("--config", required=True, help="control-plane configuration (see docs/flowsched.md)")
     p.add_argument("--plan", required=True, help="flow plan to publish")
-    p.add_argument("--duration", type=flag_type(parse_duration), default=None,
+    p.add_argument("--duration", action=flag_action(parse_duration), default=None,
                    help="stop after this many seconds, or e.g. 5min (default: until interrupted)")
     p.add_argument("--until-acked", action="store_true", help="stop as soon as every host acknowledged the plan")
     add_json_flag(p)
@@ -82,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--host", required=True)
     p.add_argument("--dry-run", action="store_true", help="record tc batches instead of running them")
-    p.add_argument("--duration", type=flag_type(parse_duration), default=None, help="stop after this many seconds, or e.g. 5min")
+    p.add_argument("--duration", action=flag_action(parse_duration), default=None, help="stop after this many seconds, or e.g. 5min")
     p.add_argument("--until-applied", action="store_true",
                    help="stop once a plan is in force: applied, or found intact in the kernel (a restart with a state file)")
     p.add_argument("--state", default=None, help="state file keeping the epoch in force across restarts "

@@ -206,27 +206,29 @@ def parse_rate(value: Any, *, unit: str = "GB/s", what: str | None = None, where
     return _parse("rate", value, unit, what, where, source, positive, maximum, error)
 
 
-def flag_type(parse: Any, **options: Any) -> Any:
-    """An ``argparse`` ``type=`` for a flag that takes a quantity: its value through ``parse`` with ``options``.
+def flag_action(parse: Any, **options: Any) -> type:
+    """An ``argparse`` ``action=`` for a flag that takes a quantity: its value through ``parse`` with ``options``.
 
-    A refusal becomes argparse's usage error (exit 2) that names the flag and the accepted forms.
+    A refusal is the :class:`~topology.errors.InputError` naming the flag (one line and exit 2 from the CLI),
+    not argparse's usage text: an action's exceptions leave ``parse_args`` as they are.
 
     >>> import argparse
     >>> p = argparse.ArgumentParser(prog="x")
-    >>> _ = p.add_argument("--nic-gbps", type=flag_type(parse_rate, unit="Gb/s"))
+    >>> _ = p.add_argument("--nic-gbps", action=flag_action(parse_rate, unit="Gb/s"))
     >>> p.parse_args(["--nic-gbps", "50GB/s"]).nic_gbps, p.parse_args(["--nic-gbps", "200"]).nic_gbps
     (400.0, 200.0)
+    >>> p.parse_args(["--nic-gbps", "0"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    topology.errors.InputError: --nic-gbps: expected a rate in Gb/s ... got '0' (must be > 0)
     """
     import argparse
 
-    def convert(text: str) -> float:
-        try:
-            return parse(text, **options)
-        except InputError as exc:
-            raise argparse.ArgumentTypeError(exc.message) from None
+    class Quantity(argparse.Action):
+        def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option_string: str | None = None) -> None:
+            setattr(namespace, self.dest, parse(values, where=option_string, **options))
 
-    convert.__name__ = parse.__name__.removeprefix("parse_")  # argparse names the type in its messages
-    return convert
+    return Quantity
 
 
-__all__ = ["DURATION_FORMS", "RATE_FORMS", "SIZE_FORMS", "flag_type", "parse_duration", "parse_rate", "parse_size"]
+__all__ = ["DURATION_FORMS", "RATE_FORMS", "SIZE_FORMS", "flag_action", "parse_duration", "parse_rate", "parse_size"]
