@@ -77,7 +77,7 @@ def make_seeds(root: Path) -> dict[str, Path]:
     from flowsched.gradients import analytic_gradient_profile
 
     analytic_gradient_profile(["l0", "l1", "l2"], [4e6, 8e6, 2e6], [1e-3, 1e-3, 1e-3], [2e-3, 2e-3, 2e-3],
-                              bandwidth=1e10, overhead=1e-5).save(root / "gradients.json")
+                              bandwidth=10.0, overhead=1e-5).save(root / "gradients.json")
     seeds["gradients.json"] = root / "gradients.json"
     from placement.hived import HivedScheduler
 

@@ -52,7 +52,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -61,6 +60,7 @@ import yaml
 from topology.errors import InputError
 from topology.inputs import check_name, check_node_id, loads_json, loads_yaml, read_text
 from topology.limits import MAX_BANDWIDTH_GBS, MAX_BYTES, MAX_ITERATIONS, MAX_JOB_GPUS, MAX_JOBS, MAX_PHASE_RUNS, MAX_SECONDS
+from topology.units import parse_duration, parse_rate, parse_size
 
 FORMAT_NAME = "netweave-workload"
 FORMAT_VERSION = 1
@@ -303,48 +303,6 @@ class Workload:
     @classmethod
     def from_dict(cls, data: Any, *, source: str | None = None) -> Workload:
         return workload_from_dict(data, source=source)
-
-
-# -- units -------------------------------------------------------------------------------
-
-_SIZE_UNITS = {
-    "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0}
-_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Zµ]*)\s*$")
-
-
-def parse_size(value: Any) -> float:
-    """Bytes from a number or a string with a unit (``"256MiB"``, ``"1.5GB"``, ``"4096"``).
-
-    >>> parse_size("1GiB"), parse_size(3e6), parse_size("2 MB")
-    (1073741824.0, 3000000.0, 2000000.0)
-    """
-    return _parse_quantity(value, _SIZE_UNITS, "B", "a size in bytes (a number or e.g. '256MiB')")
-
-
-def parse_duration(value: Any) -> float:
-    """Seconds from a number or a string with a unit (``"5ms"``, ``"20us"``, ``0.1``).
-
-    >>> parse_duration("5ms"), parse_duration(2)
-    (0.005, 2.0)
-    """
-    return _parse_quantity(value, _TIME_UNITS, "s", "a duration in seconds (a number or e.g. '5ms')")
-
-
-def _parse_quantity(value: Any, units: dict[str, float], default_unit: str, expected: str) -> float:
-    if isinstance(value, bool):
-        raise ValueError(expected)
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        m = _QUANTITY.match(value)
-        if m:
-            unit = (m.group(2) or default_unit).lower()
-            if unit in units:
-                return float(m.group(1)) * units[unit]
-    raise ValueError(expected)
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -597,22 +555,10 @@ class _Reader:
         return tuple(self.string(v, f"{where}[{k}]") for k, v in enumerate(value))
 
     def size(self, value: Any, where: str) -> float:
-        try:
-            x = parse_size(value)
-        except ValueError as exc:
-            raise _err(f"expected a positive number ({exc}), got {value!r}", where, self.source) from None
-        if not (math.isfinite(x) and x > 0):
-            raise _err(f"expected a positive number, got {value!r}", where, self.source)
-        return x
+        return parse_size(value, what="a positive number of bytes", where=where, source=self.source, positive=True, error=WorkloadError)
 
-    def duration(self, value: Any, where: str, *, allow_zero: bool = True) -> float:
-        try:
-            x = parse_duration(value)
-        except ValueError as exc:
-            raise _err(f"expected a non-negative number ({exc}), got {value!r}", where, self.source) from None
-        if not math.isfinite(x) or x < 0:
-            raise _err(f"expected a non-negative number, got {value!r}", where, self.source)
-        return x
+    def duration(self, value: Any, where: str) -> float:
+        return parse_duration(value, what="a non-negative number of seconds", where=where, source=self.source, error=WorkloadError)
 
     def integer(self, value: Any, where: str, lo: int, hi: int | None, what: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
@@ -622,9 +568,7 @@ class _Reader:
     def rate(self, value: Any, where: str) -> float | None:
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise _err(f"expected a positive number (GB/s) or null, got {value!r}", where, self.source)
-        return float(value)
+        return parse_rate(value, where=where, source=self.source, what="a positive number (GB/s) or null", error=WorkloadError)
 
 
 def workload_from_dict(data: Any, *, source: str | None = None) -> Workload:
@@ -804,8 +748,6 @@ __all__ = [
     "dumps_workload",
     "example_workload",
     "loads_workload",
-    "parse_duration",
-    "parse_size",
     "read_workload",
     "validate_against_topology",
     "validate_job",

@@ -11,7 +11,7 @@ from typing import Any
 from topology.clitools import add_json_flag, add_output, emit, load_callable, progress
 from topology.errors import InputError
 from topology.inputs import check_interface, check_name, check_number
-from topology.limits import MAX_BANDWIDTH_GBS
+from topology.units import flag_action, parse_duration, parse_rate
 
 from .plan import POLICIES
 
@@ -41,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan", help="flow plan file")
     p.add_argument("--host", required=True)
     p.add_argument("--dev", default="eth0", help="egress interface (default eth0)")
-    p.add_argument("--rate-mbit", type=float, default=None, help="link rate (default: the plan's link_rate of the host)")
+    p.add_argument("--rate-mbit", action=flag_action(parse_rate, unit="Mbit/s"), default=None,
+                   help="link rate in Mbit/s, or with a unit (100Mbit, 10Gb/s) (default: the plan's link_rate of the host)")
     p.add_argument("--time-scale", type=float, default=1.0, help="divide the plan's rates by this factor (emulation)")
     p.add_argument("--netns", default=None, help="apply inside this network namespace")
     p.add_argument("--dry-run", action="store_true", help="print the tc batch instead of running it")
@@ -51,8 +52,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = fsub.add_parser("profile", help="measure a gradient profile of a torch model and write it as JSON")
     p.add_argument("--model", default=None, metavar="MODULE:CALLABLE", help="callable returning a torch.nn.Module (default: built-in MLP)")
     p.add_argument("--input-shape", default=None, help="batch shape for --model, e.g. 32,784")
-    p.add_argument("--bandwidth", type=float, default=10.0, help="all-reduce goodput in GB/s to store in the profile (default 10)")
-    p.add_argument("--overhead-us", type=float, default=10.0, help="cost of one collective launch in microseconds (default 10)")
+    p.add_argument("--bandwidth", action=flag_action(parse_rate), default=10.0,
+                   help="all-reduce goodput in GB/s, or with a unit (100Gb/s), to store in the profile (default 10)")
+    p.add_argument("--overhead-us", action=flag_action(parse_duration, unit="us"), default=10.0,
+                   help="cost of one collective launch in microseconds, or with a unit (default 10)")
     p.add_argument("--iterations", type=int, default=5)
     add_output(p, "--out", required=True)
     add_json_flag(p)
@@ -61,7 +64,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = fsub.add_parser("schedule", help="in-job gradient schedule and its modelled iteration time vs the lower bound")
     p.add_argument("--profile", required=True, help="gradient profile JSON (netweave flow profile)")
     p.add_argument("--policy", choices=("ddp", "prophet", "bytescheduler"), default="prophet")
-    p.add_argument("--bandwidth", type=float, default=None, help="override the profile's bandwidth (GB/s)")
+    p.add_argument("--bandwidth", action=flag_action(parse_rate), default=None,
+                   help="override the profile's bandwidth (GB/s, or with a unit: 100Gb/s)")
     add_output(p, "--out", default=None, help="write the plan (JSON)")
     add_json_flag(p)
     p.set_defaults(func=cmd_schedule)
@@ -69,7 +73,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = fsub.add_parser("serve", help="run the scheduler service and publish a plan")
     p.add_argument("--config", required=True, help="control-plane configuration (see docs/flowsched.md)")
     p.add_argument("--plan", required=True, help="flow plan to publish")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: until interrupted)")
+    p.add_argument("--duration", action=flag_action(parse_duration), default=None,
+                   help="stop after this many seconds, or e.g. 5min (default: until interrupted)")
     p.add_argument("--until-acked", action="store_true", help="stop as soon as every host acknowledged the plan")
     add_json_flag(p)
     p.set_defaults(func=cmd_serve)
@@ -78,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--host", required=True)
     p.add_argument("--dry-run", action="store_true", help="record tc batches instead of running them")
-    p.add_argument("--duration", type=float, default=None)
+    p.add_argument("--duration", action=flag_action(parse_duration), default=None, help="stop after this many seconds, or e.g. 5min")
     p.add_argument("--until-applied", action="store_true",
                    help="stop once a plan is in force: applied, or found intact in the kernel (a restart with a state file)")
     p.add_argument("--state", default=None, help="state file keeping the epoch in force across restarts "
@@ -162,8 +167,6 @@ def cmd_apply(args: argparse.Namespace) -> int:
     check_interface(args.dev, where="--dev")
     if args.netns is not None:
         check_name(args.netns, what="network namespace name", where="--netns")
-    if args.rate_mbit is not None:
-        check_number(args.rate_mbit, what="a rate in Mbit/s", where="--rate-mbit", positive=True, maximum=MAX_BANDWIDTH_GBS * 8e3)
     check_number(args.time_scale, what="a time scale", where="--time-scale", positive=True, maximum=1e9)
     plan = read_plan(args.plan)
     lines = host_tc_commands(plan, args.host, args.dev, rate_mbit=args.rate_mbit, time_scale=args.time_scale)
@@ -274,7 +277,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     model, make_batch, loss = _load_model(args.model, args.input_shape) if args.model else small_model()
     progress(f"profiling {args.model or 'the built-in MLP'} ({args.iterations} iterations)")
-    prof = measure_gradient_profile(model, make_batch, loss, bandwidth=args.bandwidth * 1e9, overhead=args.overhead_us * 1e-6,
+    prof = measure_gradient_profile(model, make_batch, loss, bandwidth=args.bandwidth, overhead=args.overhead_us * 1e-6,
                                     iterations=args.iterations)
     prof.save(args.out)
     emit(args, prof.to_dict(), f"{prof.layers} layers, {prof.total_bytes / 1e6:.2f} MB of gradients, backward {prof.backward * 1e3:.2f} ms, "
@@ -290,8 +293,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     prof = GradientProfile.load(args.profile)
     if args.bandwidth is not None:
-        check_number(args.bandwidth, what="a bandwidth in GB/s", where="--bandwidth", positive=True, maximum=MAX_BANDWIDTH_GBS)
-        prof = prof.with_bandwidth(args.bandwidth * 1e9)
+        prof = prof.with_bandwidth(args.bandwidth)
     plan = {"ddp": ddp_plan, "prophet": tune_prophet, "bytescheduler": tune_bytescheduler}[args.policy](prof)
     timing = simulate_iteration(prof, plan)
     bound = prof.lower_bound()

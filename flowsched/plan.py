@@ -14,11 +14,11 @@ File format ``netweave-flow-plan`` version 1 (JSON)::
       "order": ["job-b", "job-a"],     # optional: cross-job order, most urgent first
       "hosts": {
         "node0": {
-          "link_rate": 5e10,           # optional: egress capacity in bytes/s (the HTB root rate)
+          "link_rate": 5e10,           # optional: egress capacity in bytes/s (the HTB root rate); "400Gb/s" too
           "rules": [
             {"job": "job-a", "priority": 1, "dscp": 48},
             {"job": "job-a", "tensor": "layer3", "priority": 2, "dscp": 40},
-            {"job": "job-b", "peer": "node1", "priority": 0, "dscp": 56, "rate": 1.2e9},
+            {"job": "job-b", "peer": "node1", "priority": 0, "dscp": 56, "rate": 1.2e9},   # bytes/s, or "9.6Gb/s"
             {"job": "job-b", "comm": "order:1", "priority": 0, "dscp": 56}
           ]
         }
@@ -71,6 +71,7 @@ from topology.collectives import collective_flows
 from topology.errors import InputError
 from topology.inputs import check_name, check_number, loads_json, read_text
 from topology.io import atomic_write_text
+from topology.units import parse_rate
 
 from . import ncclhook
 from .coflow import Coflow, Flow, ParrotAllocation, parrot_rates, priority_bands, sincronia_order
@@ -86,6 +87,13 @@ MAX_RATE = 1e12
 
 class FlowPlanError(InputError):
     """A flow plan file or object that does not follow the format."""
+
+
+def _rate(value: Any, where: str, source: str | None) -> Any:
+    """A rate as a plan file may write it: bytes/s as a number (kept as written), or with a unit (``400Gb/s``, ``50 GB/s``)."""
+    if not isinstance(value, str):
+        return value    # None, or a number that validate_plan checks
+    return parse_rate(value, unit="B/s", where=where, source=source, maximum=MAX_RATE, error=FlowPlanError)
 
 
 @dataclass(frozen=True)
@@ -303,8 +311,11 @@ def plan_from_dict(data: Any, *, source: str | None = None) -> FlowPlan:
             if not _is_int(rd["priority"]) or not 0 <= rd["priority"] < NUM_PRIORITIES:
                 raise _err(f"expected an integer class 0..{NUM_PRIORITIES - 1} (0 = most urgent), got {rd['priority']!r}",
                            f"{where}.priority", source)
-            rules.append(FlowRule(**{k: rd[k] for k in _RULE_KEYS if k in rd}))
-        hosts[str(host)] = HostPlan(rules, hd.get("link_rate"))
+            fields = {k: rd[k] for k in _RULE_KEYS if k in rd}
+            if "rate" in fields:
+                fields["rate"] = _rate(fields["rate"], f"{where}.rate", source)
+            rules.append(FlowRule(**fields))
+        hosts[str(host)] = HostPlan(rules, _rate(hd.get("link_rate"), f"hosts.{host}.link_rate", source))
     plan = FlowPlan(hosts, data.get("epoch", 0), data.get("policy", ""), data.get("order"), data.get("meta", {}))
     validate_plan(plan, source=source)
     return plan

@@ -52,7 +52,11 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except (InputError, PlanFormatError) as exc:  # a flag's value refused by its action (topology.units.flag_action)
+        print(f"netweave: error: {exc}", file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -405,7 +405,7 @@ def _data_parallel(topo: Topology, spec: JobSpec, prof, gpus: Sequence[str], pip
     bandwidth = max(total, 1.0) / max(t_big - t_small, 1e-12)
     gp = analytic_gradient_profile([lay.name for lay in layers], [lay.param_bytes / spec.tp for lay in layers],
                                    [lay.fwd_s / speed for lay in layers], [lay.bwd_s / speed for lay in layers],
-                                   bandwidth=bandwidth, overhead=t_small)
+                                   bandwidth=bandwidth / 1e9, overhead=t_small)
     tuned = True
     if policy == "ddp":
         cp = intrajob.ddp_plan(gp)

@@ -11,24 +11,7 @@ from typing import Any
 
 from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str, *, where: str = "--memory") -> float:
-    """``80GiB``, ``40GB``, ``1.5TiB`` or a plain byte count.
-
-    >>> parse_bytes("80GiB") == 80 * 2**30
-    True
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise InputError(f"expected a size like 80GiB or 40GB, got {text!r}", where=where)
-    from topology.inputs import check_number
-    from topology.limits import MAX_BYTES
-
-    return check_number(float(m.group(1)) * _UNITS[m.group(2).lower()], what="a size", where=where, positive=True, maximum=MAX_BYTES)
-
+from topology.units import parse_size
 
 SOURCE_LABELS = {"interleaved": ("ranks' profile between steps", "error_interleaved"),
                  "replay": ("ranks' replay of their actions", "error_replay"),
@@ -151,7 +134,7 @@ def _load(args: argparse.Namespace):
     if len(devices) != args.stages:
         raise InputError(f"{len(devices)} GPUs given for {args.stages} stages", where="--gpus")
     if args.memory:
-        mem = parse_bytes(args.memory)
+        mem = parse_size(args.memory, where="--memory", positive=True)
         devices = [Device(d.name, d.speed, mem) for d in devices]
     recompute = [o.strip() for o in args.recompute.split(",") if o.strip()]
     return prof, topo, devices, links, recompute

@@ -19,6 +19,9 @@ priority      guaranteed priority 0..1000 (optional, default 0)
 Communication time is not part of ``duration_s``: it comes from the placement
 (routed collectives) and from contention with other jobs during the replay.
 
+Sizes and times may carry a unit, as in a jobs file (``grad_bytes: 2GB``,
+``compute_ms: 0.1s``; :mod:`topology.units`); a plain number is in the column's unit.
+
 Importers (the public traces carry no model information, so ``compute_ms`` and
 ``grad_bytes`` are drawn, seeded, from :data:`MODEL_MIX`, a mix of common
 models' per-iteration compute and gradient sizes):
@@ -53,7 +56,8 @@ from typing import Any
 
 from topology.errors import InputError
 from topology.inputs import check_name, check_node_id, loads_json, read_text
-from topology.limits import MAX_BYTES, MAX_JOB_GPUS, MAX_JOBS, MAX_SECONDS
+from topology.limits import MAX_JOB_GPUS, MAX_JOBS, MAX_SECONDS
+from topology.units import parse_duration, parse_size
 
 from .profiles import JobSpec
 
@@ -118,6 +122,16 @@ def _num(row: Mapping[str, Any], key: str, where: str, source: str | None, *, in
     return out
 
 
+def _quantity(row: Mapping[str, Any], key: str, where: str, source: str | None, parse: Any, default: float | None = None, **unit: Any) -> float:
+    """A size or duration column through :mod:`topology.units` (``2GB``, ``120ms``; a plain number in the column's unit)."""
+    value = row.get(key)
+    if value in (None, ""):
+        if default is not None:
+            return default
+        raise InputError(f"missing {key!r}", source=source, where=where)
+    return parse(value, where=f"{where}.{key}", source=source, **unit)
+
+
 def _job_from_row(row: Mapping[str, Any], where: str, source: str | None) -> TraceJob:
     name = check_node_id(row.get("name"), what="job name", source=source, where=f"{where}.name")
     vc = row.get("vc") or None
@@ -125,17 +139,15 @@ def _job_from_row(row: Mapping[str, Any], where: str, source: str | None) -> Tra
         check_name(vc, what="virtual-cluster name", source=source, where=f"{where}.vc")
     job = TraceJob(
         name=name,
-        arrival_s=_num(row, "arrival_s", where, source),
+        arrival_s=_quantity(row, "arrival_s", where, source, parse_duration),
         gpus=_num(row, "gpus", where, source, integer=True, minimum=1, maximum=MAX_JOB_GPUS),
-        duration_s=_num(row, "duration_s", where, source),
-        compute_ms=_num(row, "compute_ms", where, source, default=100.0, maximum=MAX_SECONDS * 1e3),
-        grad_bytes=_num(row, "grad_bytes", where, source, default=0.0, maximum=MAX_BYTES),
+        duration_s=_quantity(row, "duration_s", where, source, parse_duration),
+        compute_ms=_quantity(row, "compute_ms", where, source, parse_duration, 100.0, unit="ms", positive=True),
+        grad_bytes=_quantity(row, "grad_bytes", where, source, parse_size, 0.0),
         tp=_num(row, "tp", where, source, integer=True, default=1, minimum=1, maximum=MAX_JOB_GPUS),
         vc=vc,
         priority=_num(row, "priority", where, source, integer=True, default=0, maximum=1000),
     )
-    if job.compute_ms <= 0:
-        raise InputError("expected compute_ms > 0", source=source, where=f"{where}.compute_ms")
     if job.gpus % job.tp:
         raise InputError(f"tp={job.tp} must divide gpus={job.gpus}", source=source, where=f"{where}.tp")
     return job

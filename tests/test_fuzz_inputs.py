@@ -234,7 +234,7 @@ def test_nic_speeds_must_be_positive_and_finite(flag, value, tmp_path, capsys):
     conf = tmp_path / "t.conf"
     conf.write_text("SwitchName=s0 Nodes=a[0-1]\n")
     code, _, err = run(["topo", "import", conf, "--format", "slurm", flag, value, "--out", tmp_path / "o.json"], capsys)
-    assert code == 2 and "nic_gbps" in err
+    assert code == 2 and "--nic-gbps: expected a rate in Gb/s" in err  # the flag as typed (topology.units)
     assert not (tmp_path / "o.json").exists()
 
 

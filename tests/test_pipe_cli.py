@@ -9,7 +9,6 @@ import re
 import pytest
 
 from netweave.cli import main
-from pipesched.cli import parse_bytes
 from pipesched.export import TORCH_CLASSES
 from pipesched.partition import FAMILIES
 
@@ -115,8 +114,16 @@ def test_new_families_plan_and_export(capsys, gpt, tmp_path, family):
     assert len((tmp_path / family / "schedule.csv").read_text().splitlines()) == 2
 
 
-def test_parse_bytes():
-    assert parse_bytes("1.5GB") == 1.5e9 and parse_bytes("64") == 64 and parse_bytes("2TiB") == 2 * 2**40
+def test_memory_flag_takes_every_size_form(capsys, gpt):
+    """--memory goes through topology.units: 80GiB and 85899345920 are the same; 80G (GB or GiB?) is refused on one line."""
+    plans = []
+    for memory in ("80GiB", "85899345920"):
+        code, out, _ = run(capsys, "pipe", "plan", "--model", str(gpt), "--stages", "2", "--microbatches", "4", "--memory", memory, "--json")
+        assert code == 0
+        plans.append(json.loads(out))
+    assert plans[0] == plans[1]
+    code, _, err = run(capsys, "pipe", "plan", "--model", str(gpt), "--stages", "2", "--microbatches", "4", "--memory", "80G")
+    assert code == 2 and "error: --memory: expected a size in bytes" in err and "ambiguous" in err and err.count("\n") == 1
 
 
 def test_demo(tmp_path, cluster):

@@ -12,6 +12,7 @@ from .errors import TopologyError
 from .inputs import check_number
 from .limits import MAX_HOSTS, MAX_TOPOLOGY_NODES
 from .model import Topology
+from .units import flag_action, parse_rate
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -39,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--node", default=None, help="slurm: populate every Slurm node with a full server of this kind (e.g. dgx-h100)")
     p.add_argument("--gpu-model", default=None, help="nvidia-smi: GPU model (e.g. H100-SXM5-80GB); guessed from NV# otherwise")
     p.add_argument("--pcie-gen", type=int, default=None, help="nvidia-smi: PCIe generation of the x16 links")
-    p.add_argument("--nic-gbps", type=float, default=None, help="nvidia-smi, slurm: NIC line rate in Gb/s (default 400)")
+    p.add_argument("--nic-gbps", action=flag_action(parse_rate, unit="Gb/s"), default=None,
+                   help="nvidia-smi, slurm: NIC line rate in Gb/s, or with a unit (400Gb/s, 50GB/s) (default 400)")
     p.add_argument("--nccl-model", action="store_true", help="nvidia-smi: use NCCL's bandwidth figures")
     add_json_flag(p)
     p.set_defaults(func=cmd_import)
