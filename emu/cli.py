@@ -7,8 +7,8 @@ Actions
         runs both backends and prints the agreement table (per-job iteration-time error, MAPE);
     ``example --out FILE``
         writes an example workload (YAML, or JSON for ``.json``);
-    ``sweep WORKLOAD [--topology FILE] --set FIELD=V1,V2,... --out DIR``
-        simulates every combination of the values (see :mod:`emu.sweep`).
+    ``sweep WORKLOAD [--topology FILE] --set FIELD=V1,V2,... [--executor local|ray] [--address HOST:PORT] --out DIR``
+        simulates every combination of the values, locally or as Ray tasks (see :mod:`emu.sweep`).
 
 ``--topology`` defaults to ``topology.default_cluster()``. Every action takes ``--json``.
 """
@@ -55,8 +55,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", default=None)
     p.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2", required=True,
                    help="a sweep axis, e.g. jobs.dp-b.start_offset=0,0.001,0.002 or config.sharing=strict,weighted (repeatable)")
-    p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto",
+                   help="local process pool, or Ray tasks (auto: Ray when --address or $RAY_ADDRESS names a cluster, else local)")
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="a Ray cluster's head (as 'ray start --head' prints it); without it --executor ray starts Ray on this machine")
+    p.add_argument("--workers", type=int, default=None, help="processes (local) or CPUs of a Ray instance started here")
     p.add_argument("--out", default=None, help="write sweep.json here")
     add_json_flag(p)
     p.set_defaults(func=cmd_sweep)
@@ -176,13 +179,16 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import format_sweep, get_executor, parse_axes, sweep
+    from .sweep import RayExecutor, eta_progress, format_sweep, get_executor, parse_axes, sweep
 
     topo, workload = load_inputs(args.workload, args.topology)
     axes = parse_axes(args.set)
-    executor = get_executor(args.executor, max_workers=args.workers)
-    progress(f"emu: sweeping {' x '.join(f'{k} ({len(v)})' for k, v in axes.items())} on the {executor.name} executor")
-    table = sweep(topo, workload, axes, executor=executor)
+    executor = get_executor(args.executor, max_workers=args.workers, address=args.address)
+    if isinstance(executor, RayExecutor):
+        executor.check()
+    where = f" at {executor.address}" if getattr(executor, "address", None) else ""
+    progress(f"emu: sweeping {' x '.join(f'{k} ({len(v)})' for k, v in axes.items())} on the {executor.name} executor{where}")
+    table = sweep(topo, workload, axes, executor=executor, progress=eta_progress("emu: sweep"))
     if args.out:
         from topology.io import atomic_write_text
 
