@@ -1,7 +1,7 @@
 """``netweave emu``: run a workload on the simulator or the Mininet emulator, compare them, sweep parameters.
 
 Actions
-    ``run WORKLOAD [--topology FILE] [--backend sim|mininet] [--time-scale K] --out DIR``
+    ``run WORKLOAD [--topology FILE] [--backend sim|mininet|ns3] [--time-scale K] --out DIR``
         writes ``DIR/result.json`` and ``DIR/timeline.png`` and prints the per-job table;
     ``compare WORKLOAD [--topology FILE] [--time-scale K] --out DIR``
         runs both backends and prints the agreement table (per-job iteration-time error, MAPE);
@@ -32,7 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = esub.add_parser("run", help="run a workload on one backend; writes result.json and timeline.png")
     _common(p)
-    p.add_argument("--backend", choices=["sim", "mininet"], default="sim")
+    p.add_argument("--backend", choices=["sim", "mininet", "ns3"], default="sim",
+                   help="flow-level simulator, Mininet emulator, or ns-3 packet-level simulation (pip install 'netweave[ns3]')")
+    p.add_argument("--ns3-tcp", default="TcpCubic", metavar="VARIANT", help="ns3: TCP congestion control (TcpCubic, TcpNewReno, TcpDctcp, ...)")
+    p.add_argument("--ns3-queue", type=int, default=1000, metavar="PACKETS", help="ns3: packets per priority band of every port (default 1000)")
+    p.add_argument("--ns3-min-rto-ms", type=float, default=5.0, metavar="MS", help="ns3: TCP's minimum retransmission timeout (default 5 ms)")
     p.add_argument("--time-scale", type=float, default=1000.0, metavar="K",
                    help="emulation time dilation: bandwidths / K, durations x K (mininet only; default 1000)")
     p.add_argument("--byte-scale", type=float, default=1.0, metavar="M", help="emulation: divide every flow's bytes by M (mininet only)")
@@ -116,6 +120,16 @@ def _mininet(topo: Any, workload: Any, args: argparse.Namespace, out: Path) -> R
         raise InputError(f"emulation failed: {exc}") from None
 
 
+def _ns3(topo: Any, workload: Any, args: argparse.Namespace) -> RunResult:
+    from .ns3_backend import Ns3Options, check_options, import_ns3, run_ns3
+
+    options = Ns3Options(tcp=args.ns3_tcp, routing=args.routing, queue_packets=args.ns3_queue, min_rto_ms=args.ns3_min_rto_ms)
+    check_options(options)  # before the slow import
+    progress("emu: loading ns-3 (its C++ headers are parsed at import: tens of seconds)")
+    import_ns3()
+    return run_ns3(topo, workload, options)
+
+
 def _write(result: RunResult, out: Path, stem: str) -> dict[str, str]:
     from .plots import plot_timeline
 
@@ -136,7 +150,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     topo, workload = load_inputs(args.workload, args.topology)
     out = Path(args.out)
     progress(f"emu: running {workload.name!r} ({len(workload.jobs)} jobs) on {topo.name!r} with the {args.backend} backend")
-    result = _simulate(topo, workload, args) if args.backend == "sim" else _mininet(topo, workload, args, out)
+    if args.backend == "sim":
+        result = _simulate(topo, workload, args)
+    elif args.backend == "ns3":
+        result = _ns3(topo, workload, args)
+    else:
+        result = _mininet(topo, workload, args, out)
     files = _write(result, out, "result")
     text = "\n".join([f"{result.backend}: {workload.name} on {topo.name}, makespan {result.makespan * 1e3:.4f} ms", *_job_lines(result),
                       f"wrote {files['result']} and {files['timeline']}"])
