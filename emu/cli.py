@@ -120,11 +120,22 @@ def _mininet(topo: Any, workload: Any, args: argparse.Namespace, out: Path) -> R
         raise InputError(f"emulation failed: {exc}") from None
 
 
-def _ns3(topo: Any, workload: Any, args: argparse.Namespace) -> RunResult:
-    from .ns3_backend import Ns3Options, check_options, import_ns3, run_ns3
+def _ns3_options(args: argparse.Namespace) -> Any:
+    """The ns-3 backend's options, checked (before anything runs), and the package found."""
+    import importlib.util
+
+    from .ns3_backend import Ns3Error, Ns3Options, check_options
 
     options = Ns3Options(tcp=args.ns3_tcp, routing=args.routing, queue_packets=args.ns3_queue, min_rto_ms=args.ns3_min_rto_ms)
-    check_options(options)  # before the slow import
+    check_options(options)
+    if importlib.util.find_spec("ns") is None:
+        raise Ns3Error("the ns-3 backend needs the 'ns3' package (pip install 'netweave[ns3]', ns3==3.44.post0); use --backend sim")
+    return options
+
+
+def _ns3(topo: Any, workload: Any, options: Any) -> RunResult:
+    from .ns3_backend import import_ns3, run_ns3
+
     progress("emu: loading ns-3 (its C++ headers are parsed at import: tens of seconds)")
     import_ns3()
     return run_ns3(topo, workload, options)
@@ -148,12 +159,13 @@ def _job_lines(result: RunResult) -> list[str]:
 
 def cmd_run(args: argparse.Namespace) -> int:
     topo, workload = load_inputs(args.workload, args.topology)
+    ns3_options = _ns3_options(args) if args.backend == "ns3" else None
     out = Path(args.out)
     progress(f"emu: running {workload.name!r} ({len(workload.jobs)} jobs) on {topo.name!r} with the {args.backend} backend")
     if args.backend == "sim":
         result = _simulate(topo, workload, args)
     elif args.backend == "ns3":
-        result = _ns3(topo, workload, args)
+        result = _ns3(topo, workload, ns3_options)
     else:
         result = _mininet(topo, workload, args, out)
     files = _write(result, out, "result")
