@@ -59,6 +59,7 @@ from topology import Topology
 from topology.errors import InputError
 from topology.routing import flow_paths
 
+from .mininet_backend import _PhaseRun as _Phase  # the same walk of a phase instance, in simulated time
 from .results import FlowRecord, JobResult, PhaseRecord, RunResult
 from .sim import phase_flows
 from .workload import ComputePhase, Job, Workload
@@ -323,19 +324,6 @@ def _build_network(ns: Any, topo: Topology, paths: Iterable[tuple[str, ...]], op
 
 
 # -- the driver ---------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Phase:
-    job: Job
-    iteration: int
-    index: int
-    steps: list[list[tuple[str, str, float]]] = field(default_factory=list)
-    step: int = -1
-    pending: set[int] = field(default_factory=set)
-    start: float = math.nan
-    end: float = math.nan
-    done: bool = False
 
 
 def _node_path(edges: list[tuple[str, str, Any]]) -> tuple[str, ...]:
