@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._common import write_results  # noqa: E402
-from emu.ns3_backend import Ns3Options, import_ns3, run_ns3  # noqa: E402
+from emu.ns3_backend import Ns3Error, Ns3Options, import_ns3, run_ns3  # noqa: E402
 from emu.sim import simulate  # noqa: E402
 from emu.workload import CollectivePhase, ComputePhase, Job, P2PPhase, Transfer, Workload  # noqa: E402
 from topology import LinkKind, NodeKind, Topology  # noqa: E402
@@ -46,7 +46,7 @@ def two_tier(hosts: int, per_leaf: int = 16, spines: int = 4) -> Topology:
     return t
 
 
-def dp_jobs(hosts: int, size: int = 8, nbytes: float = 4e6, compute_s: float = 2e-3, iterations: int = 3) -> Workload:
+def dp_jobs(hosts: int, size: int = 8, nbytes: float = 1e6, compute_s: float = 2e-3, iterations: int = 2) -> Workload:
     """Jobs of ``size`` GPUs, each GPU on a different leaf where possible (stride = hosts / size): rings cross the spines."""
     jobs = []
     stride = hosts // size
@@ -96,14 +96,17 @@ def main() -> None:
     cases += [(f"two-tier-{hosts}", two_tier(hosts), dp_jobs(hosts), Ns3Options()) for hosts in args.hosts]
     rows: list[dict] = []
     for case in cases:  # results are written after every case: the largest may not finish in the time one has
-        rows += compare(*case)
+        try:
+            rows += compare(*case)
+        except Ns3Error as exc:  # recorded, not hidden: the table says which case ns-3 could not finish and why
+            rows.append({"case": case[0], "hosts": len(case[1].hosts()), "jobs": len(case[2].jobs), "error": str(exc)})
         peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
         notes = f"""
 Per-job mean iteration time, flow simulator (fluid max-min, exact for its model) vs ns-3 3.44 (packet-level TCP Cubic,
 9000-byte MTU, 9 strict-priority bands of 1000 packets, min RTO 5 ms; incast cases {args.incast_queue} packets per band).
 Links at 10 Gbit/s (1 us per hop; two-tier: 16 hosts per leaf, 4 spines at 40 Gbit/s, 1:1, ECMP). Jobs in `two-tier-N`:
-N/8 data-parallel jobs of 8 GPUs on 8 different leaves (their rings cross the spines), 2 ms compute + 4 MB ring all-reduce,
-3 iterations. `mape_pct`: mean over jobs of |ns3 - sim| / sim; `worst_err_pct` signed (ns3 - sim).
+N/8 data-parallel jobs of 8 GPUs on 8 different leaves (their rings cross the spines), 2 ms compute + 1 MB ring all-reduce,
+2 iterations. `mape_pct`: mean over jobs of |ns3 - sim| / sim; `worst_err_pct` signed (ns3 - sim).
 ns-3 import (header parsing) took {import_s:.0f} s; peak RSS of the whole run {peak_mb:.0f} MB. Wall times on a shared,
 loaded 2-core machine (load average ~8 during the run).
 
@@ -111,7 +114,8 @@ Where they agree: an idle ring is within a few percent of the closed form (the g
 handshake and slow start of each step's connection). Where they part: many-to-one (incast) - the fluid model divides the
 receiver's link exactly, while TCP senders overflow the switch buffer, lose packets and wait for retransmission timeouts.
 """
-        write_results("ns3_agreement", rows, title="Flow simulator vs ns-3 packet-level TCP", notes=notes,
+        columns = list(dict.fromkeys(k for r in rows for k in r))
+        write_results("ns3_agreement", rows, title="Flow simulator vs ns-3 packet-level TCP", notes=notes, columns=columns,
                       extra={"import_s": import_s, "peak_rss_mb": peak_mb, "link_gbs": LINK})
 
 if __name__ == "__main__":

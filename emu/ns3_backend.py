@@ -423,6 +423,7 @@ def run_ns3(topo: Topology, workload: Workload, options: Ns3Options | None = Non
             next_step(run, t)
 
     total = sum(j.iterations * len(j.phases) for j in workload.jobs)
+    idle, last_now = 0, -1.0
     while True:
         progress = True
         while progress:  # start every phase instance whose dependencies are met
@@ -474,8 +475,11 @@ def run_ns3(topo: Topology, workload: Workload, options: Ns3Options | None = Non
             flows[fid][6] -= 1
             if flows[fid][6] == 0:
                 flow_done(fid, float(t))
-        # Run() also returns at a Stop() left from an earlier round (a flow completed first): then nothing is due, go on.
-        if not finished and due is None and (now >= options.timeout_s - TIME_RESOLUTION_S or ns.Simulator.IsFinished()):
+        # Run() also returns at a Stop() left from an earlier round (a flow completed first): then go on. Two rounds in a row
+        # that neither finish a flow nor move the clock mean ns-3 has no events left while connections are open: a stall.
+        idle = 0 if finished or now > last_now else idle + 1
+        last_now = now
+        if not finished and due is None and (now >= options.timeout_s - TIME_RESOLUTION_S or idle >= 2):
             raise Ns3Error(f"workload {workload.name!r} did not finish within {options.timeout_s:g} simulated seconds "
                            f"({len(conn_of)} TCP connections still open at {now:.6g} s)")
     events = int(ns.Simulator.GetEventCount()) if hasattr(ns.Simulator, "GetEventCount") else None
