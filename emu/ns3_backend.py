@@ -423,7 +423,6 @@ def run_ns3(topo: Topology, workload: Workload, options: Ns3Options | None = Non
             next_step(run, t)
 
     total = sum(j.iterations * len(j.phases) for j in workload.jobs)
-    idle, last_now = 0, -1.0
     while True:
         progress = True
         while progress:  # start every phase instance whose dependencies are met
@@ -465,8 +464,10 @@ def run_ns3(topo: Topology, workload: Workload, options: Ns3Options | None = Non
         stop_at = due if due is not None else options.timeout_s
         if stop_at > options.timeout_s:
             raise Ns3Error(f"workload {workload.name!r} did not finish within {options.timeout_s:g} simulated seconds")
-        ns.Simulator.Stop(ns.NanoSeconds(max(1, math.ceil((stop_at - now) * 1e9))))
+        stop = ns.Simulator.Stop(ns.NanoSeconds(max(1, math.ceil((stop_at - now) * 1e9))))
         ns.Simulator.Run()
+        if stop is not None:  # a flow completed first: cancel this round's stop, or it would end a later round early
+            ns.Simulator.Cancel(stop)
         now = ns.Simulator.Now().GetSeconds()
         finished = list(zip(list(driver.doneIds), list(driver.doneTimes), strict=True))
         driver.Take()
@@ -475,11 +476,8 @@ def run_ns3(topo: Topology, workload: Workload, options: Ns3Options | None = Non
             flows[fid][6] -= 1
             if flows[fid][6] == 0:
                 flow_done(fid, float(t))
-        # Run() also returns at a Stop() left from an earlier round (a flow completed first): then go on. Two rounds in a row
-        # that neither finish a flow nor move the clock mean ns-3 has no events left while connections are open: a stall.
-        idle = 0 if finished or now > last_now else idle + 1
-        last_now = now
-        if not finished and due is None and (now >= options.timeout_s - TIME_RESOLUTION_S or idle >= 2):
+        # Run() returned with no flow finished and nothing due: ns-3 ran out of events (or time) with connections open.
+        if not finished and due is None:
             raise Ns3Error(f"workload {workload.name!r} did not finish within {options.timeout_s:g} simulated seconds "
                            f"({len(conn_of)} TCP connections still open at {now:.6g} s)")
     events = int(ns.Simulator.GetEventCount()) if hasattr(ns.Simulator, "GetEventCount") else None
