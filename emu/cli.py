@@ -1,14 +1,14 @@
 """``netweave emu``: run a workload on the simulator or the Mininet emulator, compare them, sweep parameters.
 
 Actions
-    ``run WORKLOAD [--topology FILE] [--backend sim|mininet] [--time-scale K] --out DIR``
+    ``run WORKLOAD [--topology FILE] [--backend sim|mininet|ns3] [--time-scale K] --out DIR``
         writes ``DIR/result.json`` and ``DIR/timeline.png`` and prints the per-job table;
     ``compare WORKLOAD [--topology FILE] [--time-scale K] --out DIR``
         runs both backends and prints the agreement table (per-job iteration-time error, MAPE);
     ``example --out FILE``
         writes an example workload (YAML, or JSON for ``.json``);
-    ``sweep WORKLOAD [--topology FILE] --set FIELD=V1,V2,... --out DIR``
-        simulates every combination of the values (see :mod:`emu.sweep`).
+    ``sweep WORKLOAD [--topology FILE] --set FIELD=V1,V2,... [--executor local|ray] [--address HOST:PORT] --out DIR``
+        simulates every combination of the values, locally or as Ray tasks (see :mod:`emu.sweep`).
 
 ``--topology`` defaults to ``topology.default_cluster()``. Every action takes ``--json``.
 """
@@ -32,7 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = esub.add_parser("run", help="run a workload on one backend; writes result.json and timeline.png")
     _common(p)
-    p.add_argument("--backend", choices=["sim", "mininet"], default="sim")
+    p.add_argument("--backend", choices=["sim", "mininet", "ns3"], default="sim",
+                   help="flow-level simulator, Mininet emulator, or ns-3 packet-level simulation (pip install 'netweave[ns3]')")
+    p.add_argument("--ns3-tcp", default="TcpCubic", metavar="VARIANT", help="ns3: TCP congestion control (TcpCubic, TcpNewReno, TcpDctcp, ...)")
+    p.add_argument("--ns3-queue", type=int, default=1000, metavar="PACKETS", help="ns3: packets per priority band of every port (default 1000)")
+    p.add_argument("--ns3-min-rto-ms", type=float, default=5.0, metavar="MS", help="ns3: TCP's minimum retransmission timeout (default 5 ms)")
     p.add_argument("--time-scale", type=float, default=1000.0, metavar="K",
                    help="emulation time dilation: bandwidths / K, durations x K (mininet only; default 1000)")
     p.add_argument("--byte-scale", type=float, default=1.0, metavar="M", help="emulation: divide every flow's bytes by M (mininet only)")
@@ -55,8 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", default=None)
     p.add_argument("--set", action=CommaSettings, default=[], metavar="FIELD=V1,V2", required=True,
                    help="a sweep axis, e.g. jobs.dp-b.start_offset=0,0.001,0.002 or config.sharing=strict,weighted (repeatable)")
-    p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto")
-    p.add_argument("--workers", type=int, default=None)
+    p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto",
+                   help="local process pool, or Ray tasks (auto: Ray when --address or $RAY_ADDRESS names a cluster, else local)")
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="a Ray cluster's head (as 'ray start --head' prints it); without it --executor ray starts Ray on this machine")
+    p.add_argument("--workers", type=int, default=None, help="processes (local) or CPUs of a Ray instance started here")
     add_output(p, "--out", default=None, help="write sweep.json into this directory", directory=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_sweep)
@@ -113,6 +120,27 @@ def _mininet(topo: Any, workload: Any, args: argparse.Namespace, out: Path) -> R
         raise InputError(f"emulation failed: {exc}") from None
 
 
+def _ns3_options(args: argparse.Namespace) -> Any:
+    """The ns-3 backend's options, checked (before anything runs), and the package found."""
+    import importlib.util
+
+    from .ns3_backend import Ns3Error, Ns3Options, check_options
+
+    options = Ns3Options(tcp=args.ns3_tcp, routing=args.routing, queue_packets=args.ns3_queue, min_rto_ms=args.ns3_min_rto_ms)
+    check_options(options)
+    if importlib.util.find_spec("ns") is None:
+        raise Ns3Error("the ns-3 backend needs the 'ns3' package (pip install 'netweave[ns3]', ns3==3.44.post0); use --backend sim")
+    return options
+
+
+def _ns3(topo: Any, workload: Any, options: Any) -> RunResult:
+    from .ns3_backend import import_ns3, run_ns3
+
+    progress("emu: loading ns-3 (its C++ headers are parsed at import: tens of seconds)")
+    import_ns3()
+    return run_ns3(topo, workload, options)
+
+
 def _write(result: RunResult, out: Path, stem: str) -> dict[str, str]:
     from .plots import plot_timeline
 
@@ -140,9 +168,15 @@ def check_scales(args: argparse.Namespace) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     check_scales(args)
     topo, workload = load_inputs(args.workload, args.topology)
+    ns3_options = _ns3_options(args) if args.backend == "ns3" else None
     out = Path(args.out)
     progress(f"emu: running {workload.name!r} ({len(workload.jobs)} jobs) on {topo.name!r} with the {args.backend} backend")
-    result = _simulate(topo, workload, args) if args.backend == "sim" else _mininet(topo, workload, args, out)
+    if args.backend == "sim":
+        result = _simulate(topo, workload, args)
+    elif args.backend == "ns3":
+        result = _ns3(topo, workload, ns3_options)
+    else:
+        result = _mininet(topo, workload, args, out)
     files = _write(result, out, "result")
     text = "\n".join([f"{result.backend}: {workload.name} on {topo.name}, makespan {result.makespan * 1e3:.4f} ms", *_job_lines(result),
                       f"wrote {files['result']} and {files['timeline']}"])
@@ -186,13 +220,16 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import format_sweep, get_executor, parse_axes, sweep
+    from .sweep import RayExecutor, eta_progress, format_sweep, get_executor, parse_axes, sweep
 
     topo, workload = load_inputs(args.workload, args.topology)
     axes = parse_axes(args.set)
-    executor = get_executor(args.executor, max_workers=args.workers)
-    progress(f"emu: sweeping {' x '.join(f'{k} ({len(v)})' for k, v in axes.items())} on the {executor.name} executor")
-    table = sweep(topo, workload, axes, executor=executor)
+    executor = get_executor(args.executor, max_workers=args.workers, address=args.address)
+    if isinstance(executor, RayExecutor):
+        executor.check()
+    where = f" at {executor.address}" if getattr(executor, "address", None) else ""
+    progress(f"emu: sweeping {' x '.join(f'{k} ({len(v)})' for k, v in axes.items())} on the {executor.name} executor{where}")
+    table = sweep(topo, workload, axes, executor=executor, progress=eta_progress("emu: sweep"))
     if args.out:
         from topology.io import atomic_write_text
 

@@ -105,6 +105,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_output(p, "--plot", default=None, help="write a JCT distribution plot (PNG)")
     p.add_argument("--fluid-radius", type=int, default=None, metavar="R",
                    help="re-simulate only jobs within R shared-link hops of each change (faster, approximate; default: exact)")
+    p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto",
+                   help="run the policies' replays in local processes or as Ray tasks (auto: Ray when --address or $RAY_ADDRESS is set)")
+    p.add_argument("--address", default=None, metavar="HOST:PORT", help="a Ray cluster's head; without it --executor ray starts Ray here")
+    p.add_argument("--workers", type=int, default=1, help="local processes (default 1), or CPUs of a Ray instance started here")
     add_json_flag(p)
     p.set_defaults(func=cmd_replay)
 
@@ -241,8 +245,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .contention import FluidSlowdown
-    from .replay import POLICIES, replay
+    from .replay import POLICIES
     from .traces import read_trace
 
     topo = _topology(args.topology)
@@ -257,10 +260,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
             raise InputError(f"unknown policy {p!r}; expected one of {', '.join(POLICIES)}", where="--policy")
     if args.fluid_radius is not None and args.fluid_radius < 1:
         raise InputError(f"expected a radius >= 1, got {args.fluid_radius}", where="--fluid-radius")
-    results: dict[str, Any] = {}
-    for p in policies:
-        progress(f"replaying {len(trace)} jobs under {p} ...")
-        results[p] = replay(topo, trace, p, routing=args.routing, slowdown=FluidSlowdown(topo, radius=args.fluid_radius))
+    from emu.sweep import RayExecutor, eta_progress, get_executor
+
+    from .replay_set import replay_many
+
+    executor = get_executor(args.executor, max_workers=args.workers, address=args.address)
+    if isinstance(executor, RayExecutor):
+        executor.check()
+    progress(f"replaying {len(trace)} jobs under {', '.join(policies)} on the {executor.name} executor")
+    done = replay_many(topo, {"trace": trace}, policies, executor=executor, fluid_radius=args.fluid_radius, routing=args.routing,
+                       progress=eta_progress("place replay"))
+    results: dict[str, Any] = {p: done["trace", p] for p in policies}
     from emu.fluid import fluid_engine
 
     data = {"topology": topo.name, "jobs": len(trace), "fluid_engine": fluid_engine(), "fluid_radius": args.fluid_radius,
