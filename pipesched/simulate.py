@@ -381,46 +381,87 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     if cores is None and rendezvous is None and engine == "direct":
         # Without processor sharing or a rendezvous an action starts at max(its rank free, its inputs there) and every
         # link carries its sender's messages in that rank's order, so each rank can run ahead until an input is missing.
+        # The loop below is the hot path of a plan (tens of thousands of actions per simulation): what an action of a
+        # stage and kind needs and does is looked up once per (stage, kind) (``step``), and the inputs of F, B, I and W
+        # are read inline; the arithmetic is the event loop's, so both engines give identical floats.
         free = [0.0] * R
+        step: dict[tuple[int, str], tuple] = {}
+        ready_reduce = ready_data            # REDUCE_GRAD (Chimera) only: the general rule
         progress = True
         while done < total and progress:
             progress = False
             for r in range(R):
                 row, k, end, events = acts[r], ptr[r], free[r], mem_events[r]
-                while k < len(row):
+                n_row = len(row)
+                while k < n_row:
                     a = row[k]
-                    t = ready_data(a)
-                    if t is None:
-                        break
-                    dur, alloc, freed, message, ends_backward = effects(a.stage, a.kind)
+                    stage, kind, mb = a.stage, a.kind, a.mb
+                    how = step.get((stage, kind))
+                    if how is None:
+                        if kind not in ("F", "B", "I", "W"):
+                            ready_data(a)            # REDUCE_GRAD, or the event loop's error for a kind it cannot run
+                        dur, alloc, freed, message, ends_backward = effects(stage, kind)
+                        prev, nxt = neighbours[stage]
+                        route = None
+                        if message is not None:
+                            dst_stage, what, nbytes = message
+                            src, dst = stage_rank[stage], stage_rank[dst_stage]
+                            if src == dst or links is None:
+                                route = (dst_stage, what, None)
+                            else:
+                                bw, lat = links.link(src, dst)
+                                route = (dst_stage, what, (src, dst, nbytes, nbytes / bw if nbytes > 0 else 0.0, lat))
+                        how = step[(stage, kind)] = (dur, alloc, freed, route, ends_backward, prev, nxt)
+                    dur, alloc, freed, route, ends_backward, prev, nxt = how
+                    if kind == "F":
+                        if prev is None:
+                            t = 0.0
+                        else:
+                            t = arrive.get((stage, "act", mb))
+                            if t is None:
+                                break
+                        flight_events[stage].append((end if end >= t else t, 1))
+                    elif kind == "B" or kind == "I":
+                        t = finish.get((stage, "F", mb))
+                        if t is None:
+                            break
+                        if nxt is not None:
+                            g = arrive.get((stage, "grad", mb))
+                            if g is None:
+                                break
+                            if g > t:
+                                t = g
+                    elif kind == "W":
+                        t = finish.get((stage, "I", mb))
+                        if t is None:
+                            break
+                    else:
+                        t = ready_reduce(a)
+                        if t is None:
+                            break
                     begin = end if end >= t else t
                     end = begin + dur
                     if alloc is not None:
                         events.append((begin, alloc))
-                    if a.kind == "F":
-                        flight_events[a.stage].append((begin, 1))
-                    finish[(a.stage, a.kind, a.mb)] = end
+                    finish[(stage, kind, mb)] = end
                     busy[r] += end - begin
                     timeline.append(Span(r, a, begin, end))
-                    if message is not None:     # as send() and move() without a rendezvous
-                        dst_stage, what, nbytes = message
-                        src, dst = stage_rank[a.stage], stage_rank[dst_stage]
-                        key = (dst_stage, what, a.mb)
-                        if src == dst or links is None:
-                            arrive[key] = end
+                    if route is not None:     # as send() and move() without a rendezvous
+                        dst_stage, what, hop = route
+                        if hop is None:
+                            arrive[(dst_stage, what, mb)] = end
                         else:
-                            bw, lat = links.link(src, dst)
+                            src, dst, nbytes, serial, lat = hop
                             go = max(end, 0.0, link_free.get((src, dst), 0.0))
-                            serial = nbytes / bw if nbytes > 0 else 0.0
                             link_free[(src, dst)] = go + serial
-                            arrive[key] = go + serial + lat
+                            arrive[(dst_stage, what, mb)] = go + serial + lat
                             transfers.append(Transfer(src, dst, f"{what} {a}", nbytes, go, go + serial + lat))
                     if freed is not None:
                         events.append((end, freed))
                     if ends_backward:
-                        backward_count[a.stage] += 1
-                        last_backward[a.stage] = end
-                        flight_events[a.stage].append((end, -1))
+                        backward_count[stage] += 1
+                        last_backward[stage] = end
+                        flight_events[stage].append((end, -1))
                     k += 1
                     done += 1
                     progress = True
