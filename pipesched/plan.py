@@ -262,6 +262,7 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
     # whose bound is above the best simulated iteration that fits (by more than tie_margin) cannot win: not simulated.
     prepared: list[tuple[str, Partition, list[Device], LinkModel, Schedule, float]] = []
     partitions: dict[tuple, Partition] = {}
+    partition_cache: dict = {}      # what the partitions of one profile share (partition()'s cache)
     for fam in families:
         try:
             if fam == "chimera" and (p % 2 or microbatches % 2):
@@ -283,7 +284,8 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
                 part = replace(partitions[same], family=fam)
             else:
                 part = partitions[same] = partition(profile, devices, links, microbatches=microbatches, family=fam, chunks=fam_chunks,
-                                                    max_replicas=same[-1], recompute=recompute, objective=objective)
+                                                    max_replicas=same[-1], recompute=recompute, objective=objective,
+                                                    cache=partition_cache)
             # A replicated stage runs on one rank standing for its replica group.
             replicated = any(len(st.devices) > 1 for st in part.stages)
             devs = _group_devices(devices, part) if replicated else list(devices)

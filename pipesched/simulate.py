@@ -375,6 +375,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     done = 0
     seq = 0                                   # start order: completions at one instant are handled in it
     ends: list[tuple[float, int, int]] = []   # without processor sharing: (end, start order, rank), a heap
+    lanes: list[list[Span]] = []              # the run-ahead engine's timeline, per rank
     for r in range(R):
         reach(r, 0.0)
     dirty.update(range(R))
@@ -385,13 +386,14 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         # stage and kind needs and does is looked up once per (stage, kind) (``step``), and the inputs of F, B, I and W
         # are read inline; the arithmetic is the event loop's, so both engines give identical floats.
         free = [0.0] * R
+        lanes = [[] for _ in range(R)]    # each rank's spans, in its order
         step: dict[tuple[int, str], tuple] = {}
         ready_reduce = ready_data            # REDUCE_GRAD (Chimera) only: the general rule
         progress = True
         while done < total and progress:
             progress = False
             for r in range(R):
-                row, k, end, events = acts[r], ptr[r], free[r], mem_events[r]
+                row, k, end, events, lane = acts[r], ptr[r], free[r], mem_events[r], lanes[r]
                 n_row = len(row)
                 while k < n_row:
                     a = row[k]
@@ -445,7 +447,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
                         events.append((begin, alloc))
                     finish[(stage, kind, mb)] = end
                     busy[r] += end - begin
-                    timeline.append(Span(r, a, begin, end))
+                    lane.append(Span(r, a, begin, end))
                     if route is not None:     # as send() and move() without a rendezvous
                         dst_stage, what, hop = route
                         if hop is None:
@@ -455,7 +457,8 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
                             go = max(end, 0.0, link_free.get((src, dst), 0.0))
                             link_free[(src, dst)] = go + serial
                             arrive[(dst_stage, what, mb)] = go + serial + lat
-                            transfers.append(Transfer(src, dst, f"{what} {a}", nbytes, go, go + serial + lat))
+                            label = f"{what} {stage}{kind}{'' if mb is None else mb}"     # f"{what} {a}" without a call
+                            transfers.append(Transfer(src, dst, label, nbytes, go, go + serial + lat))
                     if freed is not None:
                         events.append((end, freed))
                     if ends_backward:
@@ -510,12 +513,12 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         for _, r in finished:
             complete(r, now)
             done += 1
-    makespan = max((s.end for s in timeline), default=0.0)
+    makespan = max((s.end for lane in (lanes or [timeline]) for s in lane), default=0.0)
     peaks, traces = [], []
     for r in range(R):
         base = sum(cost(s).state_bytes for s in range(schedule.num_stages) if schedule.stage_rank[s] == r)
         level, peak, trace = base, base, [(0.0, base)]
-        for t, delta in sorted(mem_events[r], key=lambda e: (e[0], e[1])):   # frees before allocations at equal times
+        for t, delta in sorted(mem_events[r]):   # by time, frees (negative) before allocations at equal times
             level += delta
             peak = max(peak, level)
             trace.append((t, level))
@@ -524,11 +527,13 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     flights = {}
     for s, events in flight_events.items():
         level = best = 0
-        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        for _, delta in sorted(events):
             level += delta
             best = max(best, level)
         flights[s] = best
-    return SimResult(makespan, sorted(timeline, key=lambda x: (x.rank, x.start)), transfers, busy, peaks, traces, flights, R,
+    # The run-ahead engine's lanes are each in its rank's order, which is start order: their concatenation is the sorted timeline.
+    timeline = [span for lane in lanes for span in lane] if lanes else sorted(timeline, key=lambda x: (x.rank, x.start))
+    return SimResult(makespan, timeline, transfers, busy, peaks, traces, flights, R,
                      names=list(getattr(links, "names", []) or []))
 
 
