@@ -393,7 +393,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         while done < total and progress:
             progress = False
             for r in range(R):
-                row, k, end, events, lane = acts[r], ptr[r], free[r], mem_events[r], lanes[r]
+                row, k, end, events, lane, busy_r = acts[r], ptr[r], free[r], mem_events[r], lanes[r], busy[r]
                 n_row = len(row)
                 while k < n_row:
                     a = row[k]
@@ -445,8 +445,9 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
                     end = begin + dur
                     if alloc is not None:
                         events.append((begin, alloc))
-                    finish[(stage, kind, mb)] = end
-                    busy[r] += end - begin
+                    if kind == "F" or kind == "I":     # the only finishes an input waits for (B/I on F, W on I)
+                        finish[(stage, kind, mb)] = end
+                    busy_r += end - begin
                     lane.append(Span(r, a, begin, end))
                     if route is not None:     # as send() and move() without a rendezvous
                         dst_stage, what, hop = route
@@ -468,7 +469,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
                     k += 1
                     done += 1
                     progress = True
-                ptr[r], free[r] = k, end
+                ptr[r], free[r], busy[r] = k, end, busy_r
         if done < total:
             waiting = [f"rank {r} at {acts[r][ptr[r]]}" for r in range(R) if ptr[r] < len(acts[r])]
             raise ScheduleError("deadlock: " + ", ".join(waiting))
