@@ -16,11 +16,12 @@ import time
 from pathlib import Path
 
 import pytest
+from test_pipe_partition import random_profile
 
 from pipesched.devices import Device, LinkModel
 from pipesched.partition import PlanError
 from pipesched.plan import plan
-from pipesched.profile import GPTConfig, LayerProfile, ModelProfile, analytic_profile
+from pipesched.profile import GPTConfig, ModelProfile, analytic_profile
 
 REFERENCE = Path(__file__).parent / "data" / "pipe_auto_reference.json"
 # CPU seconds allowed for auto at 1000 layers / 64 devices: the goal (measured ~3 s on the loaded 2-core machine, see
@@ -33,21 +34,6 @@ def perturbed_gpt(layers: int, hidden: int, seed: int) -> ModelProfile:
     prof = analytic_profile(GPTConfig(layers=layers, hidden=hidden, heads=hidden // 128, seq_len=2048, vocab=50257))
     rng = random.Random(seed)
     return dataclasses.replace(prof, layers=tuple(dataclasses.replace(lay, fwd_s=lay.fwd_s * rng.uniform(0.7, 1.3)) for lay in prof.layers))
-
-
-def random_profile(rng: random.Random, n: int) -> ModelProfile:
-    layers = []
-    for i in range(n):
-        f = rng.uniform(0.5, 3.0)
-        none = rng.randint(20, 100)
-        sel = rng.randint(5, none)
-        full = rng.randint(1, sel)
-        layers.append(LayerProfile(
-            name=f"l{i}", fwd_s=f, bwd_input_s=rng.uniform(0.5, 3), bwd_weight_s=rng.uniform(0.2, 2), output_bytes=rng.randint(1, 50),
-            param_bytes=rng.randint(1, 20), saved_bytes={"none": none, "selective": sel, "full": full},
-            recompute_s={"none": 0.0, "selective": rng.uniform(0, 0.5) * f, "full": f}, weight_grad_bytes=0,
-        ))
-    return ModelProfile("rand", tuple(layers), state_factor=2.0)
 
 
 def shapes() -> dict[str, dict]:
