@@ -293,7 +293,7 @@ class _StageModel:
         self.px, self.options, self.memory = px, list(options), memory
         self.memory_tol = memory * (1 + MEMORY_REL_TOL) + 1e-9     # an exact fit may come out a few ulps over
         self.flight = flight
-        per_replica = math.ceil(flight / replicas)
+        per_replica = self.per_replica = math.ceil(flight / replicas)
         sync = 4.0 * (replicas - 1) / (replicas * allreduce_bw) / microbatches if replicas > 1 else 0.0
         # Stage times do not depend on the memory budget: models of one speed share their time-limited ends.
         self._time_key = (speed, sync)
@@ -353,9 +353,49 @@ class _StageModel:
         return math.inf, self.options[0], math.inf
 
 
+def _fill_jmax_mem(models: Sequence[_StageModel], px: _Prefix, shared: dict | None = None) -> None:
+    """Every model's :meth:`_StageModel.jmax_mem` for every option, as one vectorised binary search over all (model, option)
+    rows instead of one per row (a 64-device plan has up to a few hundred): the same comparisons, so the same ends. A row
+    that has converged stays put (its ``lo`` always fits), so searching it longer with the others changes nothing.
+
+    ``shared``: ends already found for this profile, by (memory limit, micro-batches held per replica, option), the only
+    inputs of the memory test besides the profile; filled with the new ones (plan() shares it between families)."""
+    shared = {} if shared is None else shared
+    rows = []
+    for model in models:
+        for o in model.options:
+            if o in model._jmax_mem:
+                continue
+            known = shared.get((model.memory_tol, model.per_replica, o))
+            if known is not None:
+                model._jmax_mem[o] = known
+            else:
+                rows.append((model, o))
+    if not rows:
+        return
+    n = px.n
+    Y = np.stack([model.Y[o] for model, o in rows])
+    tol = np.array([model.memory_tol for model, _ in rows])[:, None]
+    by_option = {o: np.array([k for k, (_, q) in enumerate(rows) if q == o]) for o in {o for _, o in rows}}
+    starts = np.arange(n + 1)
+    at = np.arange(len(rows))[:, None]
+    lo, hi = np.tile(starts, (len(rows), 1)), np.full(Y.shape, n)
+    gap = np.empty(Y.shape)
+    while (hi > lo).any():
+        mid = (lo + hi + 1) // 2
+        for o, ks in by_option.items():
+            gap[ks] = px.gap[o].query(starts[None, :], mid[ks])
+        ok = Y[at, mid] - Y[at, starts[None, :]] + gap <= tol
+        lo = np.where(ok, mid, lo)
+        hi = np.where(ok, hi, mid - 1)
+    for k, (model, o) in enumerate(rows):
+        model._jmax_mem[o] = shared[(model.memory_tol, model.per_replica, o)] = lo[k].copy()
+
+
 def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel, *, microbatches: int,
               family: str = "1f1b", stages: int | None = None, chunks: int = 1, max_replicas: int = 1,
-              recompute: Sequence[str] = RECOMPUTE_OPTIONS, rel_tol: float = 1e-12, objective: str = "bottleneck") -> Partition:
+              recompute: Sequence[str] = RECOMPUTE_OPTIONS, rel_tol: float = 1e-12, objective: str = "bottleneck",
+              cache: dict | None = None) -> Partition:
     """Optimal contiguous partition of ``profile`` over ``devices`` (see the module docstring).
 
     ``stages``: number of pipeline positions (default: one per device, or ``chunks * len(devices)`` logical
@@ -376,6 +416,10 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
     time and memory grow with the span); the second pass is the min-sum DP restricted to stages and cuts
     within the found bottleneck, whose inner minimum over starts is a range minimum (sparse table). Both are
     O(P * R * n log n), which is what makes 1000 layers into 64 stages fast.
+
+    ``cache``: a dict to share between calls on the same ``profile`` (and only that profile): the memory-fit ends per
+    (memory, in-flight count, option) found by one call serve the next (:func:`pipesched.plan.plan` partitions every
+    family ``auto`` ranks with one). Results are the same with or without it.
     """
     n = len(profile.layers)
     p = len(devices)
@@ -423,6 +467,8 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
                 models[key] = _StageModel(px, speed, memory, flight, r, ar_bw, microbatches, options, time_cache)
             stage_model[(d, r)] = models[key]
 
+    _fill_jmax_mem(list(models.values()), px, None if cache is None else cache.setdefault("jmax_mem", {}))
+
     def comm_vector(first: int) -> np.ndarray:
         """Time to move the activation forward and its gradient back across a cut before position ``first``, per cut layer."""
         if first == 0:
@@ -443,6 +489,7 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
         """Per position count d, the cut points a prefix of d positions can end at with every stage and cut within ``limit``."""
         reach = [np.zeros(n + 1, dtype=bool) for _ in range(positions + 1)]
         reach[0][0] = True
+        fars: dict[int, np.ndarray] = {}    # positions that share a stage model share its reach at this limit
         for d in range(1, positions + 1):
             for r in replica_choices:
                 if r > d:
@@ -451,7 +498,9 @@ def partition(profile: ModelProfile, devices: Sequence[Device], links: LinkModel
                 if not starts.any():
                     continue
                 model = stage_model[(d - 1, r)]
-                far = np.max([model.jmax(o, limit) for o in model.useful], axis=0)
+                far = fars.get(id(model))
+                if far is None:
+                    far = fars[id(model)] = np.max([model.jmax(o, limit) for o in model.useful], axis=0)
                 # union of [i+1, far(i)] over the starts: x is covered iff some start i < x reaches far(i) >= x
                 reach_from = np.full(n + 1, -1, dtype=np.int64)
                 reach_from[1:] = np.where(starts[:-1], far[:-1], -1)

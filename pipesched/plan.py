@@ -33,7 +33,7 @@ from .partition import (
 from .profile import RECOMPUTE_OPTIONS, ModelProfile
 from .runtimes import rendezvous_for
 from .schedules import LOOPED, Schedule, ScheduleError, bytes_text, cached_schedule, fits_memory, validate
-from .simulate import SharedCpu, SimResult, StageCost, lower_bound, simulate
+from .simulate import SharedCpu, SimResult, StageCost, gc_paused, lower_bound, simulate
 
 __all__ = ["Plan", "check_plan", "choose_robust", "devices_from_topology", "plan", "plan_partition", "resimulate", "stage_costs",
            "uniform_plan", "with_runtime"]
@@ -252,6 +252,12 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
     """
     if microbatches < 1:
         raise PlanError("need at least one micro-batch", where="--microbatches")
+    with gc_paused():      # schedules and simulations allocate many small objects and free none in the plan's course
+        return _plan(profile, devices, links, microbatches, schedule, chunks, recompute, max_replicas, cores, refine_budget, tie_margin)
+
+
+def _plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | None, microbatches: int, schedule: str, chunks: int,
+          recompute: Sequence[str], max_replicas: int, cores: float | SharedCpu | None, refine_budget: int, tie_margin: float) -> Plan:
     p = len(devices)
     links = links if links is not None else LinkModel.uniform(p, math.inf, 0.0)
     families = list(AUTO_FAMILIES) if schedule == "auto" else [schedule]
@@ -262,6 +268,7 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
     # whose bound is above the best simulated iteration that fits (by more than tie_margin) cannot win: not simulated.
     prepared: list[tuple[str, Partition, list[Device], LinkModel, Schedule, float]] = []
     partitions: dict[tuple, Partition] = {}
+    partition_cache: dict = {}      # what the partitions of one profile share (partition()'s cache)
     for fam in families:
         try:
             if fam == "chimera" and (p % 2 or microbatches % 2):
@@ -283,7 +290,8 @@ def plan(profile: ModelProfile, devices: Sequence[Device], links: LinkModel | No
                 part = replace(partitions[same], family=fam)
             else:
                 part = partitions[same] = partition(profile, devices, links, microbatches=microbatches, family=fam, chunks=fam_chunks,
-                                                    max_replicas=same[-1], recompute=recompute, objective=objective)
+                                                    max_replicas=same[-1], recompute=recompute, objective=objective,
+                                                    cache=partition_cache)
             # A replicated stage runs on one rank standing for its replica group.
             replicated = any(len(st.devices) > 1 for st in part.stages)
             devs = _group_devices(devices, part) if replicated else list(devices)

@@ -28,10 +28,12 @@ the activations recomputation re-materialises.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,6 +215,27 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     """
     if engine not in ("direct", "events"):
         raise ValueError(f"engine must be 'direct' or 'events', got {engine!r}")
+    # A simulation allocates a few objects per action (spans, transfers, events) and frees none of them before it returns:
+    # the cyclic collector's passes over them, and over everything else the caller holds, would find nothing to free, and
+    # in a process that keeps a few plans they cost more than the simulation itself. Paused while it runs.
+    with gc_paused():
+        return _simulate(schedule, costs, links, cores, rendezvous, engine)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for an allocation-heavy step that creates no garbage cycles (restored after)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any, cores: float | SharedCpu | None,
+              rendezvous: Rendezvous | None, engine: str) -> SimResult:
     message_cpu = action_cpu = 0.0
     efficiency = 1.0
     if isinstance(cores, SharedCpu):
@@ -375,56 +398,101 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     done = 0
     seq = 0                                   # start order: completions at one instant are handled in it
     ends: list[tuple[float, int, int]] = []   # without processor sharing: (end, start order, rank), a heap
+    lanes: list[list[Span]] = []              # the run-ahead engine's timeline, per rank
     for r in range(R):
         reach(r, 0.0)
     dirty.update(range(R))
     if cores is None and rendezvous is None and engine == "direct":
         # Without processor sharing or a rendezvous an action starts at max(its rank free, its inputs there) and every
         # link carries its sender's messages in that rank's order, so each rank can run ahead until an input is missing.
+        # The loop below is the hot path of a plan (tens of thousands of actions per simulation): what an action of a
+        # stage and kind needs and does is looked up once per (stage, kind) (``step``), and the inputs of F, B, I and W
+        # are read inline; the arithmetic is the event loop's, so both engines give identical floats.
         free = [0.0] * R
+        lanes = [[] for _ in range(R)]    # each rank's spans, in its order
+        step: dict[tuple[int, str], tuple] = {}
+        ready_reduce = ready_data            # REDUCE_GRAD (Chimera) only: the general rule
         progress = True
         while done < total and progress:
             progress = False
             for r in range(R):
-                row, k, end, events = acts[r], ptr[r], free[r], mem_events[r]
-                while k < len(row):
+                row, k, end, events, lane, busy_r = acts[r], ptr[r], free[r], mem_events[r], lanes[r], busy[r]
+                n_row = len(row)
+                while k < n_row:
                     a = row[k]
-                    t = ready_data(a)
-                    if t is None:
-                        break
-                    dur, alloc, freed, message, ends_backward = effects(a.stage, a.kind)
+                    stage, kind, mb = a.stage, a.kind, a.mb
+                    how = step.get((stage, kind))
+                    if how is None:
+                        if kind not in ("F", "B", "I", "W"):
+                            ready_data(a)            # REDUCE_GRAD, or the event loop's error for a kind it cannot run
+                        dur, alloc, freed, message, ends_backward = effects(stage, kind)
+                        prev, nxt = neighbours[stage]
+                        route = None
+                        if message is not None:
+                            dst_stage, what, nbytes = message
+                            src, dst = stage_rank[stage], stage_rank[dst_stage]
+                            if src == dst or links is None:
+                                route = (dst_stage, what, None)
+                            else:
+                                bw, lat = links.link(src, dst)
+                                route = (dst_stage, what, (src, dst, nbytes, nbytes / bw if nbytes > 0 else 0.0, lat))
+                        how = step[(stage, kind)] = (dur, alloc, freed, route, ends_backward, prev, nxt)
+                    dur, alloc, freed, route, ends_backward, prev, nxt = how
+                    if kind == "F":
+                        if prev is None:
+                            t = 0.0
+                        else:
+                            t = arrive.get((stage, "act", mb))
+                            if t is None:
+                                break
+                        flight_events[stage].append((end if end >= t else t, 1))
+                    elif kind == "B" or kind == "I":
+                        t = finish.get((stage, "F", mb))
+                        if t is None:
+                            break
+                        if nxt is not None:
+                            g = arrive.get((stage, "grad", mb))
+                            if g is None:
+                                break
+                            if g > t:
+                                t = g
+                    elif kind == "W":
+                        t = finish.get((stage, "I", mb))
+                        if t is None:
+                            break
+                    else:
+                        t = ready_reduce(a)
+                        if t is None:
+                            break
                     begin = end if end >= t else t
                     end = begin + dur
                     if alloc is not None:
                         events.append((begin, alloc))
-                    if a.kind == "F":
-                        flight_events[a.stage].append((begin, 1))
-                    finish[(a.stage, a.kind, a.mb)] = end
-                    busy[r] += end - begin
-                    timeline.append(Span(r, a, begin, end))
-                    if message is not None:     # as send() and move() without a rendezvous
-                        dst_stage, what, nbytes = message
-                        src, dst = stage_rank[a.stage], stage_rank[dst_stage]
-                        key = (dst_stage, what, a.mb)
-                        if src == dst or links is None:
-                            arrive[key] = end
+                    if kind == "F" or kind == "I":     # the only finishes an input waits for (B/I on F, W on I)
+                        finish[(stage, kind, mb)] = end
+                    busy_r += end - begin
+                    lane.append(Span(r, a, begin, end))
+                    if route is not None:     # as send() and move() without a rendezvous
+                        dst_stage, what, hop = route
+                        if hop is None:
+                            arrive[(dst_stage, what, mb)] = end
                         else:
-                            bw, lat = links.link(src, dst)
+                            src, dst, nbytes, serial, lat = hop
                             go = max(end, 0.0, link_free.get((src, dst), 0.0))
-                            serial = nbytes / bw if nbytes > 0 else 0.0
                             link_free[(src, dst)] = go + serial
-                            arrive[key] = go + serial + lat
-                            transfers.append(Transfer(src, dst, f"{what} {a}", nbytes, go, go + serial + lat))
+                            arrive[(dst_stage, what, mb)] = go + serial + lat
+                            label = f"{what} {stage}{kind}{'' if mb is None else mb}"     # f"{what} {a}" without a call
+                            transfers.append(Transfer(src, dst, label, nbytes, go, go + serial + lat))
                     if freed is not None:
                         events.append((end, freed))
                     if ends_backward:
-                        backward_count[a.stage] += 1
-                        last_backward[a.stage] = end
-                        flight_events[a.stage].append((end, -1))
+                        backward_count[stage] += 1
+                        last_backward[stage] = end
+                        flight_events[stage].append((end, -1))
                     k += 1
                     done += 1
                     progress = True
-                ptr[r], free[r] = k, end
+                ptr[r], free[r], busy[r] = k, end, busy_r
         if done < total:
             waiting = [f"rank {r} at {acts[r][ptr[r]]}" for r in range(R) if ptr[r] < len(acts[r])]
             raise ScheduleError("deadlock: " + ", ".join(waiting))
@@ -469,12 +537,12 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         for _, r in finished:
             complete(r, now)
             done += 1
-    makespan = max((s.end for s in timeline), default=0.0)
+    makespan = max((s.end for lane in (lanes or [timeline]) for s in lane), default=0.0)
     peaks, traces = [], []
     for r in range(R):
         base = sum(cost(s).state_bytes for s in range(schedule.num_stages) if schedule.stage_rank[s] == r)
         level, peak, trace = base, base, [(0.0, base)]
-        for t, delta in sorted(mem_events[r], key=lambda e: (e[0], e[1])):   # frees before allocations at equal times
+        for t, delta in sorted(mem_events[r]):   # by time, frees (negative) before allocations at equal times
             level += delta
             peak = max(peak, level)
             trace.append((t, level))
@@ -483,11 +551,13 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     flights = {}
     for s, events in flight_events.items():
         level = best = 0
-        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        for _, delta in sorted(events):
             level += delta
             best = max(best, level)
         flights[s] = best
-    return SimResult(makespan, sorted(timeline, key=lambda x: (x.rank, x.start)), transfers, busy, peaks, traces, flights, R,
+    # The run-ahead engine's lanes are each in its rank's order, which is start order: their concatenation is the sorted timeline.
+    timeline = [span for lane in lanes for span in lane] if lanes else sorted(timeline, key=lambda x: (x.rank, x.start))
+    return SimResult(makespan, timeline, transfers, busy, peaks, traces, flights, R,
                      names=list(getattr(links, "names", []) or []))
 
 
