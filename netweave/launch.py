@@ -59,7 +59,8 @@ from topology.io import _umask, atomic_write_text
 from topology.model import Topology
 
 PIPELINE_FAMILIES = ("1f1b", "zbh1", "interleaved", "gpipe")   # what `schedule: auto` tries (Chimera is not exportable)
-TORCH_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B"}
+# Families whose torch class the runtime has run (tests/test_runtime_example.py); the others run from the plan's CSV.
+RUNTIME_TORCH_FAMILIES = ("1f1b", "gpipe", "interleaved")
 RANK_LAYOUT = "pp-dp-tp: rank (s*dp + d)*tp + t is pipeline stage s, replica d, tensor rank t"
 MiB = 1024 * 1024
 
@@ -434,13 +435,13 @@ def _data_parallel(topo: Topology, spec: JobSpec, prof, gpus: Sequence[str], pip
 
 
 def _pipeline_section(spec: JobSpec, p) -> jp.Pipeline:
-    from pipesched.export import schedule_csv, spans_for_schedule
+    from pipesched.export import schedule_csv, spans_for_schedule, torch_schedule_class
 
     sched = p.schedule
     spans = spans_for_schedule(sched, p.partition)
     stages = tuple(jp.Stage(index=sid, rank=sched.stage_rank[sid], layers=tuple(spans[sid]),
                             recompute=p.partition.stages[sched.stage_layers[sid]].recompute) for sid in range(sched.num_stages))
-    torch_class = TORCH_CLASSES.get(p.family)
+    torch_class = torch_schedule_class(p.family) if p.family in RUNTIME_TORCH_FAMILIES else None
     if p.family == "interleaved" and sched.microbatches % max(1, sched.microbatches // sched.ranks):
         torch_class = None  # torch's ScheduleInterleaved1F1B needs micro-batches in whole rounds; its runtime runs our CSV
     return jp.Pipeline(schedule=p.family, microbatches=sched.microbatches, stages=stages, chunks=p.chunks if p.family == "interleaved" else 1,
