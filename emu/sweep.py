@@ -350,12 +350,12 @@ def format_sweep(table: dict[str, Any]) -> str:
     """The sweep as a text table: one line per point."""
     axes = list(table["axes"])
     jobs = list(table["rows"][0]["jobs"]) if table["rows"] else []
-    head = " ".join(f"{a:>22}" for a in axes) + f" {'mean JCT (ms)':>14} {'makespan (ms)':>14}  " + " ".join(f"{j[:12]:>12}" for j in jobs)
-    lines = [head + ("  <- mean iteration (ms)" if jobs else "")]
-    for r in table["rows"]:
-        cells = " ".join(f"{r['point'][a]!s:>22}" for a in axes)
-        its = " ".join(f"{r['jobs'][j]['mean_iteration_s'] * 1e3:>12.4f}" for j in jobs)
-        lines.append(f"{cells} {r['mean_jct_s'] * 1e3:>14.4f} {r['makespan_s'] * 1e3:>14.4f}  {its}")
+    from topology.clitools import render_table
+
+    columns = [f"{a}>" for a in axes] + ["mean JCT ms>", "makespan ms>"] + [f"{j} iteration ms>" for j in jobs]
+    rows = [[str(r["point"][a]) for a in axes] + [f"{r['mean_jct_s'] * 1e3:.4f}", f"{r['makespan_s'] * 1e3:.4f}"]
+            + [f"{r['jobs'][j]['mean_iteration_s'] * 1e3:.4f}" for j in jobs] for r in table["rows"]]
+    lines = [render_table(columns, rows)]
     lines.append(f"best: {table['best']['point']} (mean JCT {table['best']['mean_jct_s'] * 1e3:.4f} ms) on the {table['executor']} executor")
     return "\n".join(lines)
 

@@ -7,7 +7,7 @@ import os
 import warnings
 from typing import Any
 
-from .clitools import CommaSettings, Stages, add_json_flag, add_output, check_options, emit, progress
+from .clitools import CommaSettings, Stages, add_json_flag, add_output, check_options, emit, progress, render_table
 from .errors import TopologyError
 from .inputs import check_number
 from .limits import MAX_HOSTS, MAX_TOPOLOGY_NODES
@@ -227,16 +227,16 @@ def format_description(info: dict[str, Any]) -> str:
     lines.append("  devices: " + ", ".join(f"{n} {k}" for k, n in info["nodes"].items()))
     if info["switch_tiers"]:
         lines.append("  network switches: " + ", ".join(f"{n} {t}" for t, n in info["switch_tiers"].items()))
-    lines.append("  links (per direction):")
-    for kind, entry in info["links"].items():
-        lines.append(f"    {kind:<8} {entry['directed_links'] // 2:>7} duplex links, {entry['total_bw_gbs'] / 2:>12,.1f} GB/s in total")
+    lines.append("  links:")
+    link_rows = [(kind, f"{e['directed_links'] // 2:,}", f"{e['total_bw_gbs'] / 2:,.1f}") for kind, e in info["links"].items()]
+    lines.append(render_table(["kind", "duplex links>", "GB/s in total, per direction>"], link_rows, indent=4))
     if "bisection" in info:
         b = info["bisection"]
         lines.append(f"  bisection bandwidth: {b['bw']:,.1f} GB/s per direction ({b['cut']})")
     if "gpu_bandwidth_classes" in info:
         lines.append("  GPU-to-GPU bandwidth classes:")
-        for c in info["gpu_bandwidth_classes"]:
-            lines.append(f"    {c['path_type']:<4} {c['bw']:>8.1f} GB/s  {c['pairs']:>9} ordered pairs")
+        lines.append(render_table(["path", "GB/s>", "ordered pairs>"], [(c["path_type"], f"{c['bw']:.1f}", f"{c['pairs']:,}")
+                                                                     for c in info["gpu_bandwidth_classes"]], indent=4))
     return "\n".join(lines)
 
 

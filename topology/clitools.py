@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 
@@ -44,6 +45,42 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
 def progress(message: str) -> None:
     """A progress line on stderr (stdout stays clean for --json)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def render_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, title: str | None = None, indent: int = 0,
+                 terminal: bool | None = None) -> str:
+    """A text table of ``rows`` under ``columns`` (rich), for a command's human output.
+
+    A column whose name ends in ``>`` is right-aligned (the ``>`` is dropped): numbers. Cells are printed with
+    ``str``, so callers format numbers themselves. On a terminal (``terminal=None`` asks whether stdout is one)
+    the header is bold and underlined by a rule; otherwise the table is plain text without colour codes or
+    box characters, stable for scripts, ``grep`` and tests: columns two spaces apart, no trailing blanks.
+
+    >>> print(render_table(["policy", "avg JCT s>"], [["fifo", "4,136"], ["hived+cassini", "1,208"]], terminal=False))
+    policy         avg JCT s
+    fifo               4,136
+    hived+cassini      1,208
+    """
+    import io
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    if terminal is None:
+        terminal = sys.stdout.isatty()
+    table = Table(title=title, box=box.SIMPLE_HEAD if terminal else None, show_edge=False, pad_edge=False, padding=(0, 2, 0, 0),
+                  header_style="bold" if terminal else "", title_justify="left", title_style="")
+    for name in columns:
+        right = name.endswith(">")
+        table.add_column(name[:-1] if right else name, justify="right" if right else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*(str(c) for c in row))
+    buffer = io.StringIO()
+    Console(file=buffer, width=100_000, force_terminal=terminal, no_color=not terminal, highlight=False, emoji=False,
+            markup=False).print(table)
+    pad = " " * indent
+    return "\n".join(pad + line.rstrip() for line in buffer.getvalue().splitlines() if line.strip())
 
 
 class Stages:
