@@ -36,11 +36,11 @@ import json
 import math
 import os
 import socket
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any, Protocol
 
+from topology.clitools import eta_progress
 from topology.errors import InputError
 from topology.model import Topology
 
@@ -61,40 +61,6 @@ class Executor(Protocol):
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any], progress: ProgressFn | None = None) -> list[Any]:
         """``[fn(x) for x in items]``, in order, however the engine runs them; ``progress`` hears of each finished item."""
         ...
-
-
-def eta_progress(label: str, *, every_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
-                 write: Callable[[str], None] | None = None) -> ProgressFn:
-    """A ``progress`` callback that prints ``label: 3/8 done, 4.1 s elapsed, ETA 6.8 s`` on stderr.
-
-    The ETA assumes the items left take as long on average as those done.
-    Lines come at most every ``every_s`` seconds, and always for the last item.
-
-    >>> lines, now = [], iter([0.0, 3.0, 6.0]).__next__
-    >>> tick = eta_progress("sweep", every_s=0, clock=now, write=lines.append)
-    >>> tick(0, 4); tick(1, 4); tick(2, 4)
-    >>> lines
-    ['sweep: 0/4 done', 'sweep: 1/4 done, 3.0 s elapsed, ETA 9.0 s', 'sweep: 2/4 done, 6.0 s elapsed, ETA 6.0 s']
-    """
-    if write is None:
-        from topology.clitools import progress as write
-    state = {"start": None, "last": -math.inf}
-
-    def tick(done: int, total: int) -> None:
-        now = clock()
-        if state["start"] is None:
-            state["start"] = now
-        if done < total and now - state["last"] < every_s:
-            return
-        state["last"] = now
-        elapsed = now - state["start"]
-        if done == 0:
-            write(f"{label}: 0/{total} done")
-        else:
-            eta = elapsed / done * (total - done)
-            write(f"{label}: {done}/{total} done, {elapsed:.1f} s elapsed" + (f", ETA {eta:.1f} s" if done < total else ""))
-
-    return tick
 
 
 class LocalExecutor:

@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import CommaList, add_json_flag, add_output, emit, progress, render_table
+from topology.clitools import CommaList, add_json_flag, add_output, emit, eta_progress, progress, render_table
 from topology.errors import InputError
 from topology.inputs import check_number
 from topology.io import atomic_write_text
@@ -260,7 +260,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             raise InputError(f"unknown policy {p!r}; expected one of {', '.join(POLICIES)}", where="--policy")
     if args.fluid_radius is not None and args.fluid_radius < 1:
         raise InputError(f"expected a radius >= 1, got {args.fluid_radius}", where="--fluid-radius")
-    from emu.sweep import RayExecutor, eta_progress, get_executor
+    from emu.sweep import RayExecutor, get_executor
 
     from .replay_set import replay_many
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -81,6 +83,40 @@ def render_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, title
             markup=False).print(table)
     pad = " " * indent
     return "\n".join(pad + line.rstrip() for line in buffer.getvalue().splitlines() if line.strip())
+
+
+def eta_progress(label: str, *, every_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                 write: Callable[[str], None] | None = None) -> Callable[[int, int], None]:
+    """A ``progress`` callback that prints ``label: 3/8 done, 4.1 s elapsed, ETA 6.8 s`` on stderr.
+
+    The ETA assumes the items left take as long on average as those done.
+    Lines come at most every ``every_s`` seconds, and always for the last item.
+
+    >>> lines, now = [], iter([0.0, 3.0, 6.0]).__next__
+    >>> tick = eta_progress("sweep", every_s=0, clock=now, write=lines.append)
+    >>> tick(0, 4); tick(1, 4); tick(2, 4)
+    >>> lines
+    ['sweep: 0/4 done', 'sweep: 1/4 done, 3.0 s elapsed, ETA 9.0 s', 'sweep: 2/4 done, 6.0 s elapsed, ETA 6.0 s']
+    """
+    if write is None:
+        write = progress
+    state = {"start": None, "last": -math.inf}
+
+    def tick(done: int, total: int) -> None:
+        now = clock()
+        if state["start"] is None:
+            state["start"] = now
+        if done < total and now - state["last"] < every_s:
+            return
+        state["last"] = now
+        elapsed = now - state["start"]
+        if done == 0:
+            write(f"{label}: 0/{total} done")
+        else:
+            eta = elapsed / done * (total - done)
+            write(f"{label}: {done}/{total} done, {elapsed:.1f} s elapsed" + (f", ETA {eta:.1f} s" if done < total else ""))
+
+    return tick
 
 
 class Stages:
