@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, add_output, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, progress, render_table
 from topology.errors import InputError
 from topology.units import parse_size
 
@@ -209,13 +209,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         prof = profile_mlp(widths, args.dim, args.microbatch, threads=args.threads)
     if args.out:
         atomic_write_text(args.out, dumps_profile(prof))
+    mib = 2**20
+    rows = [(lay.name, f"{lay.fwd_s * 1e3:.4g}", f"{lay.bwd_input_s * 1e3:.4g}", f"{lay.bwd_weight_s * 1e3:.4g}", f"{lay.output_bytes / mib:.3g}",
+             f"{lay.param_bytes / mib:.4g}", "/".join(f"{lay.saved_bytes[k] / mib:.4g}" for k in ("none", "selective", "full")))
+            for lay in prof.layers]
     lines = [f"profile {prof.name} ({prof.source}, micro-batch {prof.microbatch_size}): {len(prof.layers)} layers",
-             f"{'layer':<12} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'out MiB':>9} {'param MiB':>10} {'act none/sel/full MiB':>24}"]
-    for lay in prof.layers:
-        sv = lay.saved_bytes
-        lines.append(f"{lay.name:<12} {lay.fwd_s * 1e3:>9.4g} {lay.bwd_input_s * 1e3:>9.4g} {lay.bwd_weight_s * 1e3:>9.4g} "
-                     f"{lay.output_bytes / 2**20:>9.3g} {lay.param_bytes / 2**20:>10.4g} "
-                     f"{sv['none'] / 2**20:>8.4g}/{sv['selective'] / 2**20:.4g}/{sv['full'] / 2**20:.4g}")
+             render_table(["layer", "F ms>", "I ms>", "W ms>", "out MiB>", "param MiB>", "act none/sel/full MiB>"], rows)]
     for group in prof.reference.get("tied", []):
         lines.append(f"tied: {' = '.join(group['params'])} ({group['bytes'] / 2**20:.4g} MiB) held by layers "
                      f"{', '.join(str(k) for k in group['layers'])}, counted in each")

@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import CommaList, add_json_flag, add_output, emit, progress
+from topology.clitools import CommaList, add_json_flag, add_output, emit, eta_progress, progress, render_table
 from topology.errors import InputError
 from topology.inputs import check_number
 from topology.io import atomic_write_text
@@ -180,9 +180,9 @@ def cmd_cells(args: argparse.Namespace) -> int:
     lines = []
     for chain, d in data.items():
         lines.append(f"chain {chain}: {d['gpus']} GPUs")
-        for lv in reversed(d["levels"]):
-            tag = " (forged)" if lv["forged"] else (" (node level)" if lv["node_level"] else "")
-            lines.append(f"  {lv['name']:<12} {lv['size']:>6} GPUs  x{lv['cells']:<5} fan-out {lv['fanout']}{tag}")
+        rows = [(lv["name"], lv["size"], lv["cells"], lv["fanout"], "forged" if lv["forged"] else ("node level" if lv["node_level"] else ""))
+                for lv in reversed(d["levels"])]
+        lines.append(render_table(["level", "GPUs per cell>", "cells>", "fan-out>", "note"], rows, indent=2))
     emit(args, data, "\n".join(lines))
     return 0
 
@@ -260,7 +260,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             raise InputError(f"unknown policy {p!r}; expected one of {', '.join(POLICIES)}", where="--policy")
     if args.fluid_radius is not None and args.fluid_radius < 1:
         raise InputError(f"expected a radius >= 1, got {args.fluid_radius}", where="--fluid-radius")
-    from emu.sweep import RayExecutor, eta_progress, get_executor
+    from emu.sweep import RayExecutor, get_executor
 
     from .replay_set import replay_many
 
@@ -279,12 +279,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         atomic_write_text(args.out, json.dumps({**data, "per_job": {p: r.jobs for p, r in results.items()}}, indent=1, default=str) + "\n")
     if args.plot:
         plot_jct(results, args.plot, title=f"{len(trace)} jobs on {topo.name}")
-    lines = [f"{'policy':<15}{'avg JCT s':>12}{'p99 JCT s':>12}{'avg queue s':>13}{'frag':>7}{'util':>7}{'overload link-s':>17}"]
-    for p, r in results.items():
-        m = r.metrics
-        lines.append(f"{p:<15}{_f(m['avg_jct_s']):>12}{_f(m['p99_jct_s']):>12}{_f(m['avg_queue_s']):>13}{m['fragmentation']:>7.3f}"
-                     f"{m['gpu_utilisation']:>7.3f}{m['overloaded_link_s']:>17.1f}")
-    emit(args, data, "\n".join(lines))
+    rows = [(p, _f(m["avg_jct_s"]), _f(m["p99_jct_s"]), _f(m["avg_queue_s"]), f"{m['fragmentation']:.3f}", f"{m['gpu_utilisation']:.3f}",
+             f"{m['overloaded_link_s']:.1f}") for p, m in ((p, r.metrics) for p, r in results.items())]
+    emit(args, data, render_table(["policy", "avg JCT s>", "p99 JCT s>", "avg queue s>", "frag>", "util>", "overload link-s>"], rows))
     return 0
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from topology.clitools import add_json_flag, emit
+from topology.clitools import add_json_flag, emit, render_table
 from topology.errors import InputError
 
 
@@ -50,9 +50,8 @@ def cmd_import_hived(args: argparse.Namespace) -> int:
     lines = []
     for chain, d in data["chains"].items():
         lines.append(f"chain {chain}: {d['gpus']} GPUs, {len(cfg.trees()[chain].tops)} top-level cell(s)")
-        for lv in reversed(d["levels"]):
-            tag = " (node level)" if lv["node_level"] else ""
-            lines.append(f"  {lv['name']:<24} {lv['size']:>6} GPUs  x{lv['cells']:<5} fan-out {lv['fanout']}{tag}")
+        rows = [(lv["name"], lv["size"], lv["cells"], lv["fanout"], "node level" if lv["node_level"] else "") for lv in reversed(d["levels"])]
+        lines.append(render_table(["level", "GPUs per cell>", "cells>", "fan-out>", "note"], rows, indent=2))
     for vc, chains in data["virtual_clusters"].items():
         quota = ", ".join(f"{chain}: {', '.join(f'{t} x{n}' for t, n in q.items())}" for chain, q in chains.items()) or "no quota"
         pins = ", ".join(a for _, a in cfg.pinned_cells().get(vc, []))
