@@ -66,7 +66,7 @@ def cmd_export_hived(args: argparse.Namespace) -> int:
     from .cells import cell_hierarchy
     from .cli import _topology
     from .hived import HivedScheduler
-    from .hived_config import config_from_trees, dumps_hived_config, write_hived_config
+    from .hived_config import config_from_trees, write_hived_config
     from .planner import load_jobs
 
     topo = _topology(args.topology)
@@ -80,5 +80,6 @@ def cmd_export_hived(args: argparse.Namespace) -> int:
                          "export-hived writes full cells only: use a topology whose top-level cells are full", where="--topology")
     data = config_from_trees(trees, quotas)
     write_hived_config(data, args.out)
-    emit(args, data, dumps_hived_config(data).rstrip())
+    vc_names = ", ".join(quotas) or "none"
+    emit(args, data, f"wrote {args.out}: {len(trees)} chain(s) of cells, virtual clusters: {vc_names}")  # the file holds the YAML
     return 0
