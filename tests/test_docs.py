@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from doc_steps import Step, page_steps, prepare_workdir, run_in_order, verdict
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -106,20 +107,55 @@ def test_guides_are_short(page):
                                       f"(at most {GUIDE_MAX_LINES}): move histories to docs/validation/")
 
 
-@pytest.mark.parametrize("page", [p for p in GUIDES if ">>> " in p.read_text(encoding="utf-8")], ids=page_id)
-def test_guide_examples_run(page):
-    """The guide's ``>>>`` examples run as doctests (a code fence ends an example's expected output)."""
-    text = re.sub(r"^```.*$", "", page.read_text(encoding="utf-8"), flags=re.MULTILINE)
-    test = doctest.DocTestParser().get_doctest(text, {}, page_id(page), str(page), 0)
-    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    runner.run(test)
-    assert runner.summarize(verbose=False).failed == 0
+# Guides whose commands are not run yet, with the reason (the README has its own test, tests/test_readme.py).
+NOT_RUN = {
+    "emu.md": "rewritten on another branch (issue #22, emukeep); its blocks need their test markers first",
+    "flowsched.md": "rewritten on another branch (issue #22, tables); its blocks need their test markers first",
+}
+GUIDE_STEPS = [(page, step) for page in GUIDES if page.name != "README.md" and page.name not in NOT_RUN
+               for step in page_steps(page.read_text(encoding="utf-8"))]
+
+
+def _step_param(page: Path, step: Step):
+    why = verdict(step)
+    label = step.text if step.kind != "heredoc" else f"write {step.path}"
+    marks = [pytest.mark.emulation] if why and why[0] == "emulation" else []
+    return pytest.param(page, step, id=f"{page.name}:L{step.line} {label[:50]}", marks=marks)
+
+
+@pytest.fixture(scope="module")
+def page_dirs(tmp_path_factory):
+    """One working directory per guide, shared by its steps (they run in order)."""
+    dirs: dict[Path, Path] = {}
+
+    def get(page: Path) -> Path:
+        if page not in dirs:
+            dirs[page] = prepare_workdir(tmp_path_factory.mktemp(page.stem))
+        return dirs[page]
+
+    return get
+
+
+@pytest.mark.parametrize(("page", "step"), [_step_param(p, s) for p, s in GUIDE_STEPS])
+def test_guide_step(page, step, page_dirs, monkeypatch, capsys):
+    """Each guide's commands run as written, in order, in the guide's own empty directory; a ``console`` block's
+    output is what the command prints; ``>>>`` examples run as doctests; python blocks run."""
+    why = verdict(step)
+    if why and why[0] == "skip":
+        pytest.skip(why[1])
+    workdir = page_dirs(page)
+    monkeypatch.chdir(workdir)
+    steps = [s for p, s in GUIDE_STEPS if p == page]
+    run_in_order(steps, step, page_id(page), workdir, capsys)
 
 
 def test_helpers():
     import sys
 
+    import doc_steps
+
     assert doctest.testmod(sys.modules[__name__]).failed == 0
+    assert doctest.testmod(doc_steps).failed == 0
 
 
 def test_the_checks_catch_what_they_look_for(tmp_path):
