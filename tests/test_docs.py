@@ -165,3 +165,98 @@ def test_the_checks_catch_what_they_look_for(tmp_path):
     cited = cited_results(text)
     assert [p for _, p in cited if not result_exists(p)] == [
         "bench/results/no_such_result.md", "bench/results/nothing_*.md"]
+
+
+def netweave_mentions(text: str) -> list[tuple[int, str]]:
+    """``(line, command)`` for every ``netweave VERB ...`` a page writes: in code spans, indented lines and fenced blocks.
+
+    >>> netweave_mentions("netweave is a tool: run `netweave topo show c.json` or\\n\\n    netweave pipe plan --stages 4  # x\\n")
+    [(1, 'netweave topo show c.json'), (3, 'netweave pipe plan --stages 4')]
+    """
+    found, fenced = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.startswith("```"):
+            fenced = not fenced
+            continue
+        spans = [line.split("#")[0]] if fenced or line.startswith("    ") else re.findall(r"`([^`]*)`", line)
+        for span in spans:
+            for m in re.finditer(r"(?:^|[\s$(])(netweave(?: [^#`]*)?)", span):
+                found.append((n, m.group(1).split(" # ")[0].strip()))
+    return found
+
+
+def _subcommands(parser) -> dict:
+    import argparse
+
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return subs[0].choices if subs else {}
+
+
+def check_mention(parser, command: str) -> str | None:
+    """What is wrong with a command a page mentions: an unknown sub-command or a flag its sub-command lacks.
+
+    Words after the sub-commands are not checked (placeholders); ``--flags`` after them are, up to ``--extra`` (whose
+    arguments go to another program). Synopses may list alternatives: ``serve/agent``, and ``| env [--plan F]``
+    (a sibling sub-command after ``|``).
+    """
+    words = command.split()[1:]
+    if "--extra" in words:
+        words = words[: words.index("--extra")]
+    segments, current = [], []
+    for word in words:
+        if word == "|":
+            segments.append(current)
+            current = []
+        else:
+            current.append(word)
+    segments.append(current)
+    parent, path, at = None, ["netweave"], parser
+    for k, segment in enumerate(segments):
+        if k and segment and parent is not None and segment[0] in _subcommands(parent):
+            at, path = parent, path[:-1]
+        elif k:
+            pass  # an alternative value of the same command (`--model a | --model b`)
+        leaves = [at]
+        for i, word in enumerate(segment):
+            names = word.split("/")
+            subs = _subcommands(leaves[0])
+            if not subs or word.startswith("-") or not all(n in subs for n in names):
+                if k == 0 and i == 0 and subs and re.fullmatch(r"[a-z][a-z-]*", word):
+                    return f"no command 'netweave {word}'"
+                segment = segment[i:]
+                break
+            parent, leaves = leaves[0], [subs[n] for n in names]
+            path.append(word)
+        else:
+            segment = []
+        at = leaves[0]
+        for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", " ".join(segment)):
+            for leaf in leaves:
+                if flag not in {o for a in leaf._actions for o in a.option_strings}:
+                    return f"'{' '.join(path)}' has no {flag}"
+    return None
+
+
+@pytest.mark.parametrize("page", PAGES, ids=page_id)
+def test_every_command_a_page_mentions_exists(page):
+    """Every ``netweave ...`` a page mentions, even in prose and synopses, names sub-commands and flags that exist."""
+    from netweave.cli import build_parser
+
+    parser = build_parser()
+    wrong = [f"line {n}: `{cmd}`: {why}" for n, cmd in netweave_mentions(page.read_text(encoding="utf-8"))
+             if (why := check_mention(parser, cmd))]
+    assert not wrong, f"{page_id(page)}:\n" + "\n".join(wrong)
+
+
+def test_mention_check_can_fail():
+    from netweave.cli import build_parser
+
+    parser = build_parser()
+    assert check_mention(parser, "netweave topo show c.json --json") is None
+    assert check_mention(parser, "netweave topo show c.json --no-such-flag") == "'netweave topo show' has no --no-such-flag"
+    assert check_mention(parser, "netweave topology show") == "no command 'netweave topology'"
+    assert check_mention(parser, "netweave flow serve/agent --config F") is None
+    assert check_mention(parser, "netweave flow serve/agent --host H") == "'netweave flow serve/agent' has no --host"
+    assert check_mention(parser, "netweave flow nccl build [--sanitize] | env [--plan F] | loopback [--class K]") is None
+    assert check_mention(parser, "netweave flow nccl build | env [--sanitize]") == "'netweave flow nccl env' has no --sanitize"
+    assert check_mention(parser, "netweave bench sim --extra --quick") is None
