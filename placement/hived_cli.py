@@ -29,7 +29,7 @@ def register_hived(psub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", required=True, help="topology file, or 'default'")
     p.add_argument("--jobs", default=None, help="jobs file whose virtual_clusters become virtualClusters")
     p.add_argument("--no-forge", action="store_true", help="do not add forged binary levels")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="HiveD configuration file to write (hivedscheduler.yaml)")
     add_json_flag(p)
     p.set_defaults(func=cmd_export_hived)
 

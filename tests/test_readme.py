@@ -96,3 +96,29 @@ def test_every_command_takes_json():
 
     walk(build_parser(), [])
     assert missing == []
+
+
+# Arguments still without a help text, on files being rewritten on other branches (issue #22): emu/cli.py (emukeep).
+HELP_PENDING = {"netweave emu compare --time-scale", "netweave emu compare --byte-scale", "netweave emu sweep workload",
+                "netweave emu sweep --topology"}
+
+
+def test_every_argument_has_a_help_text():
+    """`netweave VERB --help` explains every argument: a positional or a flag without a help text is a gap."""
+    import argparse
+
+    from netweave.cli import build_parser
+
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, path: list[str]) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for name, sub in action.choices.items():
+                    walk(sub, [*path, name])
+            elif not isinstance(action, (argparse._HelpAction, argparse._VersionAction)) and not action.help:
+                missing.append(" ".join([*path, (action.option_strings or [action.dest])[0]]))
+
+    walk(build_parser(), ["netweave"])
+    assert sorted(set(missing) - HELP_PENDING) == []
+    assert set(missing) >= HELP_PENDING, f"help written for {sorted(HELP_PENDING - set(missing))}: drop them from HELP_PENDING"
