@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from topology.clitools import add_json_flag, emit
+from topology.clitools import add_json_flag, add_output, emit
 from topology.errors import InputError
 
 
@@ -21,7 +21,7 @@ def register_hived(psub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("import-hived", help="read HiveD's configuration (physicalCluster, virtualClusters): cells, quotas, safety check")
     p.add_argument("config", help="HiveD configuration file (hivedscheduler.yaml)")
     p.add_argument("--topology", default=None, help="netweave topology whose GPUs the file's cells name (default: the file's hosts alone)")
-    p.add_argument("--out", default=None, help="write the configuration back (the same data, canonical YAML)")
+    add_output(p, "--out", default=None, help="write the configuration back (the same data, canonical YAML)")
     add_json_flag(p)
     p.set_defaults(func=cmd_import_hived)
 
@@ -29,7 +29,7 @@ def register_hived(psub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", required=True, help="topology file, or 'default'")
     p.add_argument("--jobs", default=None, help="jobs file whose virtual_clusters become virtualClusters")
     p.add_argument("--no-forge", action="store_true", help="do not add forged binary levels")
-    p.add_argument("--out", required=True, help="HiveD configuration file to write (hivedscheduler.yaml)")
+    add_output(p, "--out", required=True, help="HiveD configuration file to write (hivedscheduler.yaml)")
     add_json_flag(p)
     p.set_defaults(func=cmd_export_hived)
 
