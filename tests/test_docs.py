@@ -109,11 +109,12 @@ def test_guides_are_short(page):
 
 # Guides whose commands are not run yet, with the reason (the README has its own test, tests/test_readme.py).
 NOT_RUN = {
-    "emu.md": "rewritten on another branch (issue #22, emukeep); its blocks need their test markers first",
-    "flowsched.md": "rewritten on another branch (issue #22, tables); its blocks need their test markers first",
+    "emu.md": "edited on other branches (issue #22); fragments and a two-machine Ray recipe need their test markers first",
+    "flowsched.md": "edited on other branches (issue #22); a python fragment needs its test marker first",
 }
-GUIDE_STEPS = [(page, step) for page in GUIDES if page.name != "README.md" and page.name not in NOT_RUN
-               for step in page_steps(page.read_text(encoding="utf-8"))]
+# Their ``>>>`` examples run all the same (they need no earlier step).
+GUIDE_STEPS = [(page, step) for page in GUIDES if page.name != "README.md" for step in page_steps(page.read_text(encoding="utf-8"))
+               if page.name not in NOT_RUN or step.kind == "doctest"]
 
 
 def _step_param(page: Path, step: Step):
@@ -121,6 +122,13 @@ def _step_param(page: Path, step: Step):
     label = step.text if step.kind != "heredoc" else f"write {step.path}"
     marks = [pytest.mark.emulation] if why and why[0] == "emulation" else []
     return pytest.param(page, step, id=f"{page.name}:L{step.line} {label[:50]}", marks=marks)
+
+
+@pytest.mark.parametrize("name", sorted(NOT_RUN))
+def test_guides_whose_commands_do_not_run_yet(name):
+    """A visible gap, not a silent one: these guides' commands are not run (their ``>>>`` examples are)."""
+    assert (DOCS / name).exists(), f"docs/{name} is gone: drop it from NOT_RUN"
+    pytest.skip(f"docs/{name}: {NOT_RUN[name]}")
 
 
 @pytest.fixture(scope="module")
