@@ -220,7 +220,7 @@ def run_step(step: Step, page: str, workdir: Path, capsys) -> None:
         assert code == 0, f"{where}: `{step.text}` exited {code}\n{err[-2000:]}"
         _check_output(where, step, out)
     else:
-        env = {**os.environ, "PATH": f"{workdir / '.venv' / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        env = {**os.environ, "PATH": os.pathsep.join([str(workdir / ".venv" / "bin"), str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
                "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH", "")]))}
         res = subprocess.run(["bash", "-c", step.text], cwd=workdir, env=env, capture_output=True, text=True, timeout=600)
         assert res.returncode == 0, f"{where}: `{step.text}` exited {res.returncode}\n{res.stderr[-2000:]}"

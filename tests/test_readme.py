@@ -1,12 +1,13 @@
 """The README's commands run as written: its ``sh`` blocks, in order, in one temporary directory.
 
 Whatever ``sh`` blocks the README holds are read at collection time, so a section added on another branch is
-tested too. ``netweave ...`` lines run in-process through :func:`netweave.cli.main` (the console entry point
-without the interpreter start-up) and must exit 0; ``cat > FILE <<'TAG'`` here-documents write their file;
-``make`` lines (the set-up) are left out. What needs more than this machine is marked or skipped with the
-reason: Mininet runs under the ``emulation`` marker, CUDA runs without a GPU, commands for a cluster host
-(``bash``/``sbatch`` of a launch bundle), and runs of minutes (``pipe run`` on the CPU, ``bench`` runs) unless
-``NETWEAVE_README_SLOW=1``. The README's ``python`` blocks run too.
+tested too. The steps are read and run by ``tests/doc_steps.py`` (shared with the guides' test in
+``test_docs.py``): ``netweave ...`` lines run in-process through :func:`netweave.cli.main` and must exit 0;
+``cat > FILE <<'TAG'`` here-documents write their file; ``make`` lines (the set-up) are left out. What needs more
+than this machine is skipped with the reason, or marked: Mininet runs under the ``emulation`` marker, CUDA runs
+without a GPU, commands for a cluster host (any non-``netweave`` command of the README: ``bash``/``sbatch`` of a
+launch bundle), and runs of minutes (``pipe run`` on the CPU, ``bench`` runs) unless ``NETWEAVE_DOCS_SLOW=1``
+(or ``NETWEAVE_README_SLOW=1``). The README's ``python`` blocks run too.
 
 The inputs a user brings are supplied: ``nvidia-smi-topo.txt`` is the sample DGX H100 dump of ``tests/data``,
 and ``examples/`` (scripts the README names by path) is linked from the checkout.
