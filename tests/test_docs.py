@@ -268,3 +268,22 @@ def test_mention_check_can_fail():
     assert check_mention(parser, "netweave flow nccl build [--sanitize] | env [--plan F] | loopback [--class K]") is None
     assert check_mention(parser, "netweave flow nccl build | env [--sanitize]") == "'netweave flow nccl env' has no --sanitize"
     assert check_mention(parser, "netweave bench sim --extra --quick") is None
+
+
+def test_step_runner_can_fail(tmp_path, monkeypatch, capsys):
+    """A console block's shown output is compared (a wrong line fails), a failing command fails, markers are read."""
+    import doc_steps
+
+    monkeypatch.chdir(prepare_workdir(tmp_path))
+    right, wrong, failing = page_steps(
+        "```console\n$ netweave flow nccl env --class 5\n# ib fabric: ...\nexport NCCL_IB_TC=160\nexport NCCL_IB_SL=5\n"
+        "$ netweave flow nccl env --class 4\nexport NCCL_IB_TC=999\n...\n$ netweave topo show no-such-file.json\n```\n")
+    doc_steps.run_step(right, "page.md", tmp_path, capsys)
+    with pytest.raises(AssertionError, match="but the page shows"):
+        doc_steps.run_step(wrong, "page.md", tmp_path, capsys)
+    with pytest.raises(AssertionError, match="exited 2"):
+        doc_steps.run_step(failing, "page.md", tmp_path, capsys)
+    marked = page_steps("<!-- test: skip a cluster host -->\n```sh\nsbatch x\n```\n<!-- test: output varies -->\n```console\n$ ls\nx\n```\n")
+    assert verdict(marked[0]) == ("skip", "a cluster host") and verdict(marked[1]) is None
+    with pytest.raises(ValueError, match="unknown test marker"):
+        page_steps("<!-- test: skp typo -->\n```sh\nls\n```\n")
