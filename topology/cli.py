@@ -33,13 +33,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_build)
 
     p = tsub.add_parser("import", help="convert nvidia-smi / NCCL XML / Slurm files to netweave JSON")
-    p.add_argument("file")
-    p.add_argument("--format", choices=["nvidia-smi", "nccl-xml", "slurm", "json"], default=None)
-    add_output(p, "--out", required=True)
+    p.add_argument("file", help="the file to import: an nvidia-smi topo -m dump, NCCL topology XML, a Slurm topology.conf or JSON")
+    p.add_argument("--format", choices=["nvidia-smi", "nccl-xml", "slurm", "json"], default=None,
+                   help="the file's format (default: guessed from its name and content)")
+    add_output(p, "--out", required=True, help="output file (netweave JSON)")
     p.add_argument("--host", default=None, help="host name for the imported server (nvidia-smi, nccl-xml)")
     p.add_argument("--node", default=None, help="slurm: populate every Slurm node with a full server of this kind (e.g. dgx-h100)")
-    p.add_argument("--gpu-model", default=None, help="nvidia-smi: GPU model (e.g. H100-SXM5-80GB); guessed from NV# otherwise")
-    p.add_argument("--pcie-gen", type=int, default=None, help="nvidia-smi: PCIe generation of the x16 links")
+    p.add_argument("--gpu-model", default=None,
+                   help="nvidia-smi: GPU model (e.g. H100-SXM5-80GB); default: the dump's nvidia-smi -L lines, "
+                        "else guessed from NV# (NV18 H100, NV12 A100), else H100 with a note")
+    p.add_argument("--pcie-gen", type=int, default=None,
+                   help="nvidia-smi: PCIe generation of the x16 links (default by GPU model: 5 for H100/B200, 4 for A100/L40S)")
     p.add_argument("--nic-gbps", action=flag_action(parse_rate, unit="Gb/s"), default=None,
                    help="nvidia-smi, slurm: NIC line rate in Gb/s, or with a unit (400Gb/s, 50GB/s) (default 400)")
     p.add_argument("--nccl-model", action="store_true", help="nvidia-smi: use NCCL's bandwidth figures")
@@ -47,26 +51,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_import)
 
     p = tsub.add_parser("show", help="summary: devices, links by type, bisection, GPU bandwidth classes")
-    p.add_argument("file")
+    p.add_argument("file", help="topology file: netweave JSON, or any format topo import reads (guessed)")
     add_json_flag(p)
     p.set_defaults(func=cmd_show)
 
     p = tsub.add_parser("path", help="the path between two GPUs, its NCCL path class and bottleneck bandwidth")
-    p.add_argument("file")
-    p.add_argument("gpu_a")
-    p.add_argument("gpu_b")
+    p.add_argument("file", help="topology file: netweave JSON, or any format topo import reads (guessed)")
+    p.add_argument("gpu_a", help="a GPU id (node0/gpu3) or global GPU number (11 or gpu11)")
+    p.add_argument("gpu_b", help="the other GPU, the same way")
     add_json_flag(p)
     p.set_defaults(func=cmd_path)
 
     p = tsub.add_parser("draw", help="draw the topology: PNG, SVG or PDF by the extension of --out")
-    p.add_argument("file")
+    p.add_argument("file", help="topology file: netweave JSON, or any format topo import reads (guessed)")
     add_output(p, "--out", required=True, help="picture file: .png, .svg or .pdf")
     add_json_flag(p)
     p.set_defaults(func=cmd_draw)
 
     p = tsub.add_parser("export", help="write NCCL topology XML, Slurm topology.conf or JSON")
-    p.add_argument("file")
-    p.add_argument("--format", choices=["nccl-xml", "slurm", "json"], required=True)
+    p.add_argument("file", help="topology file: netweave JSON, or any format topo import reads (guessed)")
+    p.add_argument("--format", choices=["nccl-xml", "slurm", "json"], required=True, help="the format to write")
     p.add_argument("--host", default=None, help="nccl-xml: which server to write (NCCL reads one file per host)")
     add_output(p, "--out", default=None, help="output file (default: stdout)")
     add_json_flag(p)
