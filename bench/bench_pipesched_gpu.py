@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -44,11 +45,14 @@ def model_specs(device: str) -> dict[str, dict[str, Any]]:
         return {"mlp": {"model": "pipesched.models:mlp_chain", "model_kwargs": {"widths": tail_heavy_widths(8, 4096, 16384, heavy=2), "dim": 4096},
                         "input_shape": [4096], "batch": 2048},
                 "transformer": {"model": "pipesched.models:transformer_chain", "model_kwargs": {"blocks": 8, "dim": 1024, "heads": 16},
-                                "input_shape": [256, 1024], "batch": 32}}
+                                "input_shape": [256, 1024], "batch": 32},
+                "probe": {"model": "pipesched.models:mlp_chain", "model_kwargs": {"widths": [16] * 8, "dim": 4096}, "input_shape": [4096],
+                          "batch": 2048}}
     return {"mlp": {"model": "pipesched.models:mlp_chain", "model_kwargs": {"widths": tail_heavy_widths(8, 32, 128, heavy=2), "dim": 32},
                     "input_shape": [32], "batch": 64},
             "transformer": {"model": "pipesched.models:transformer_chain", "model_kwargs": {"blocks": 8, "dim": 32, "heads": 4},
-                            "input_shape": [8, 32], "batch": 16}}
+                            "input_shape": [8, 32], "batch": 16},
+            "probe": {"model": "pipesched.models:mlp_chain", "model_kwargs": {"widths": [4] * 8, "dim": 32}, "input_shape": [32], "batch": 64}}
 
 
 def _save(path: Path, data: dict[str, Any]) -> None:
@@ -62,10 +66,12 @@ def collect(args: argparse.Namespace) -> int:
 
     from pipesched.calibrate import AUTO_TIE_MARGIN, _ours_arm, _plan_candidates, _uniform_arm
     from pipesched.devices import Device
+    from pipesched.export import schedule_csv
     from pipesched.gpu_calibration import GpuCalibration, calibrate_gpu
-    from pipesched.plan import uniform_plan
+    from pipesched.plan import choose_robust, uniform_plan
     from pipesched.profile import profile_from_dict
     from pipesched.runner import run_pipeline
+    from pipesched.schedules import make_schedule
     from pipesched.simulate import SharedCpu
 
     cuda = args.device == "cuda"
@@ -76,6 +82,8 @@ def collect(args: argparse.Namespace) -> int:
     specs = model_specs(args.device)
     entries = []
     for name in args.models.split(","):
+        if name not in specs or name == "probe":
+            raise SystemExit(f"--models: unknown model {name!r} (known: mlp, transformer)")
         spec = specs[name]
         for m in (int(v) for v in args.microbatches.split(",")):
             entries.append({"name": f"{name}-m{m}", "model": spec["model"], "model_kwargs": spec["model_kwargs"], "input_shape": spec["input_shape"],
@@ -101,13 +109,33 @@ def collect(args: argparse.Namespace) -> int:
     _save(out, raw)
     print(f"[collect {sharing}] calibration {raw['calibration_s']:.1f} s", flush=True)
     devices = [Device(f"gpu0-rank{r}") for r in range(args.stages)]
+    # The probe pipeline (part of the calibration): near-empty blocks passing the MLP's activations, our runtime's 1F1B
+    # on a uniform split; its trace gives the runtime's host time between actions and a message's hop (trace_overheads).
+    probe = specs["probe"]
+    m = max(e["microbatches"] for e in entries)
+    probe_sched = make_schedule("1f1b", args.stages, m)
+    t1 = time.monotonic()
+    try:
+        spans = [(8 * r // args.stages, 8 * (r + 1) // args.stages) for r in range(args.stages)]
+        run = run_pipeline(spans, list(range(args.stages)), microbatches=m, batch=probe["batch"],
+                           dim=probe["input_shape"][-1], model=probe["model"], model_kwargs=probe["model_kwargs"], iterations=args.iterations,
+                           warmup=args.warmup, device=args.device, csv_text=schedule_csv(probe_sched), input_shape=tuple(probe["input_shape"]),
+                           trace=True, timeout_s=args.timeout)
+        raw["calibration"]["probe"] = {"message_bytes": 4 * probe["batch"] // m * math.prod(probe["input_shape"]), "microbatches": m,
+                                       "seconds": time.monotonic() - t1, "result": run.to_dict()}
+        print(f"[collect {sharing}] probe {1e3 * run.median_s:.1f} ms, {time.monotonic() - t1:.1f} s", flush=True)
+    except (RuntimeError, TimeoutError) as exc:
+        raw["probe_error"] = str(exc)[:5000]
+        print(f"[collect {sharing}] probe failed: {str(exc)[:2000]}", flush=True)
+    _save(out, raw)
     shared = SharedCpu(1.0) if sharing == "time-slice" else None
     # runs: every model at the larger micro-batch count first (the most valuable results first if time runs out)
     for e in sorted(entries, key=lambda e: (-e["microbatches"], list(specs).index(e["key"]))):
         cal_entry = next(c for c in raw["calibration"]["entries"] if c["name"] == e["name"])
         profile = profile_from_dict(cal_entry["profile"])
         link = GpuCalibration.from_raw(raw["calibration"], e["name"]).link(args.stages)
-        best, _ = _plan_candidates(profile, devices, link, microbatches=e["microbatches"], schedule="auto", cores=shared, tie_margin=AUTO_TIE_MARGIN)
+        best = choose_robust([_plan_candidates(profile, devices, link, microbatches=e["microbatches"], schedule=fam, cores=shared,
+                                               tie_margin=AUTO_TIE_MARGIN)[0] for fam in args.families.split(",")], AUTO_TIE_MARGIN)
         uni = uniform_plan(profile, devices, link, microbatches=e["microbatches"], family="1f1b", cores=shared)
         for arm, chosen, how in (_ours_arm(best), _uniform_arm(uni)):
             t1 = time.monotonic()
@@ -147,8 +175,10 @@ def rebuild_plan(run: dict[str, Any], cal_entry: dict[str, Any], stages: int, sh
     return plan_partition(profile, part, devices, link, family=run["family"], microbatches=run["microbatches"], chunks=run["chunks"], cores=cores)
 
 
-def measured_action_medians(result: dict[str, Any], clock: str = "event") -> dict[str, float]:
-    """Per "stage kind": median over all traced steps and micro-batches of the CUDA-event (or host) duration."""
+def measured_action_medians(result: dict[str, Any], clock: str = "host") -> dict[str, float]:
+    """Per "stage kind": median over all traced steps and micro-batches of the host-clock duration (what the pipeline
+    sees: from the synchronised start to the end of the action's kernels) or of the CUDA-event pair (``clock="event"``;
+    time-sliced, a context's wait for its slice before the start event is not in it)."""
     per: dict[str, list[float]] = {}
     for rank_trace in result["traces"]:
         for step in rank_trace:
@@ -157,62 +187,102 @@ def measured_action_medians(result: dict[str, Any], clock: str = "event") -> dic
     return {key: statistics.median(v) for key, v in per.items()}
 
 
-def evaluate(paths: list[str], out_dir: Path | None, name: str) -> int:
-    from pipesched.gpu_calibration import GpuCalibration, predict_contended
+RUNTIME_OF_ARM = {"ours": "torch-runtime", "uniform_torch_1f1b": "torch-1f1b"}
 
-    rows, details = [], []
-    meta = []
+
+def _mape(predicted: dict[str, float], measured: dict[str, float]) -> float | None:
+    errs = [predicted[k] / v - 1 for k, v in measured.items() if k in predicted and v > 0]
+    return statistics.mean(abs(x) for x in errs) if errs else None
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:+.1f} %"
+
+
+def evaluate(paths: list[str], out_dir: Path | None, name: str) -> int:
+    from dataclasses import replace
+
+    from pipesched.gpu_calibration import GpuCalibration, predict_contended, trace_overheads
+
+    rows, details, meta = [], [], []
     for path in paths:
         raw = json.loads(Path(path).read_text())
         sharing, stages = raw["sharing"], raw["stages"]
-        meta.append({k: raw.get(k) for k in ("device", "torch", "nccl", "sharing", "mps_active_thread_percentage", "date", "iterations")})
+        probe = (raw["calibration"] or {}).get("probe")
+        meta.append({**{k: raw.get(k) for k in ("device", "torch", "nccl", "sharing", "mps_active_thread_percentage", "date", "iterations")},
+                     "source": Path(path).name, "probe": bool(probe)})
         cal_entries = {c["name"]: c for c in raw["calibration"]["entries"]}
+        # "fitted": the runtime's gap and hop taken from this session's own pipelined runs that the probe stands for
+        # (our runtime on 1F1B; pooled), for sessions measured before the calibration had its probe pipeline;
+        # reported apart from the calibrated prediction.
+        like_probe = [run for run in raw["runs"] if run["arm"] == "ours" and run["family"] == "1f1b"] or raw["runs"]
+        over = [trace_overheads(run["result"]) for run in like_probe]
+        fit_gap = statistics.median(o["gap_s"] for o in over) if over else 0.0
+        fit_hop = statistics.median(o["hop_s"] for o in over if o["hop_s"] is not None) if over else None
         for run in raw["runs"]:
             res = run["result"]
             measured = statistics.median(res["iteration_s"])
             base = rebuild_plan(run, cal_entries[run["entry"]], stages, sharing)
             cal = GpuCalibration.from_raw(raw["calibration"], run["entry"])
-            pred, info = predict_contended(base, cal)
+            runtime = RUNTIME_OF_ARM[run["arm"]]
+            pred, info = predict_contended(base, cal, runtime=runtime)
+            msg_bytes = cal_entries[run["entry"]]["message_bytes"]
+            fitted, _ = predict_contended(base, replace(cal, gap_s=fit_gap, hop_s=fit_hop, hop_bytes=msg_bytes), runtime=runtime)
             meas_act = measured_action_medians(res)
             sim_act: dict[str, list[float]] = {}
-            for s in pred.sim.timeline:
-                sim_act.setdefault(f"{s.action.stage} {s.action.kind}", []).append(s.end - s.start)
-            act_err = [statistics.median(sim_act[k]) / v - 1 for k, v in meas_act.items() if k in sim_act and v > 0]
-            profile_err = [base.costs[int(k.split()[0])].duration(k.split()[1]) / v - 1 for k, v in meas_act.items() if v > 0]
+            for sp in pred.sim.timeline:
+                sim_act.setdefault(f"{sp.action.stage} {sp.action.kind}", []).append(sp.end - sp.start)
+            pred_act = {k: statistics.median(v) for k, v in sim_act.items()}
+            prof_act = {k: base.costs[int(k.split()[0])].duration(k.split()[1]) for k in meas_act}
             err = pred.sim.makespan / measured - 1
-            rows.append({"sharing": sharing, "model": run["key"], "microbatches": run["microbatches"], "arm": run["arm"], "schedule": run["family"],
-                         "spans": " ".join(f"{a}-{b}" for a, b in run["spans"]), "measured_ms": round(1e3 * measured, 1),
-                         "predicted_ms": round(1e3 * pred.sim.makespan, 1), "error": f"{100 * err:+.1f} %",
-                         "profile_only_ms": round(1e3 * base.sim.makespan, 1),
-                         "profile_only_error": f"{100 * (base.sim.makespan / measured - 1):+.1f} %",
-                         "action_mape": f"{100 * statistics.mean(abs(x) for x in act_err):.1f} %" if act_err else "-",
-                         "profile_action_mape": f"{100 * statistics.mean(abs(x) for x in profile_err):.1f} %" if profile_err else "-"})
-            details.append({"source": path, "entry": run["entry"], "arm": run["arm"], "sharing": sharing, "measured_s": measured,
-                            "predicted_s": pred.sim.makespan, "error": err, "profile_only_s": base.sim.makespan, "calibration": cal.to_dict(),
-                            "fixed_point": info, "measured_action_s": meas_act,
-                            "predicted_action_s": {k: statistics.median(v) for k, v in sim_act.items()}})
-    within = sum(abs(d["error"]) <= TOLERANCE for d in details)
-    speedups = {}
+            row = {"sharing": sharing, "model": run["key"], "microbatches": run["microbatches"], "arm": run["arm"], "schedule": run["family"],
+                   "spans": " ".join(f"{a}-{b}" for a, b in run["spans"]), "measured_ms": round(1e3 * measured, 1),
+                   "predicted_ms": round(1e3 * pred.sim.makespan, 1), "error": _pct(err), "calibration": "probe" if probe else "no probe",
+                   "fitted_ms": round(1e3 * fitted.sim.makespan, 1), "fitted_error": _pct(fitted.sim.makespan / measured - 1),
+                   "profile_only_ms": round(1e3 * base.sim.makespan, 1), "profile_only_error": _pct(base.sim.makespan / measured - 1),
+                   "action_mape": _pct(_mape(pred_act, meas_act)).lstrip("+"), "profile_action_mape": _pct(_mape(prof_act, meas_act)).lstrip("+")}
+            rows.append(row)
+            details.append({"source": Path(path).name, "entry": run["entry"], "arm": run["arm"], "sharing": sharing, "measured_s": measured,
+                            "iteration_s": res["iteration_s"], "predicted_s": pred.sim.makespan, "error": err, "probe": bool(probe),
+                            "fitted_s": fitted.sim.makespan, "fitted_error": fitted.sim.makespan / measured - 1,
+                            "fitted_gap_s": fit_gap, "fitted_hop_s": fit_hop, "profile_only_s": base.sim.makespan,
+                            "calibration": cal.to_dict(), "fixed_point": info, "measured_action_s": meas_act,
+                            "measured_action_event_s": measured_action_medians(res, "event"), "predicted_action_s": pred_act})
+    speedups: dict[tuple[str, str], dict[str, float]] = {}
     for d in details:
         speedups.setdefault((d["source"], d["entry"]), {})[d["arm"]] = d["measured_s"]
     ratios = [v["uniform_torch_1f1b"] / v["ours"] for v in speedups.values() if len(v) == 2]
+
+    def count(key: str, subset) -> str:
+        chosen = [d for d in details if subset(d)]
+        return f"{sum(abs(d[key]) <= TOLERANCE for d in chosen)} of {len(chosen)}"
+
     m = meta[0] if meta else {}
+    kinds = ((True, "calibrated (probe)", "error"), (False, "fitted on the run", "fitted_error"))
+    summary = {f"{sh} {kind}": count(key, lambda d, sh=sh, pr=pr: d["sharing"] == sh and d["probe"] == pr)
+               for sh in ("mps", "time-slice") for pr, kind, key in kinds}
+    sessions = "; ".join(f"{x['source']} ({x['sharing']}, {x['date']}, probe: {'yes' if x['probe'] else 'no'})" for x in meta)
     notes = f"""
-Device: {m.get('device')}, torch {m.get('torch')}, NCCL {m.get('nccl')}; measured {', '.join(f"{x['sharing']} {x['date']}" for x in meta)}.
+Device: {m.get('device')}, torch {m.get('torch')}, NCCL {m.get('nccl')}; sessions: {sessions}.
 Four pipeline ranks on the one GPU (each its own NCCL_HOSTID; activations over NCCL's socket transport on loopback),
-under MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 for every process) or time-sliced. Models: the tail-heavy MLP (8 blocks
-on dim 4096, the last two 4x wider, batch 2048) and a chain of 8 transformer blocks (dim 1024, 16 heads, sequence 256,
-batch 32), each with 4 and 8 micro-batches; our plan and the uniform split with torch's Schedule1F1B; measured = median
-of the timed steps. "predicted": the contention model (pipesched.gpu_calibration.predict_contended) from the
-calibration the same session measured before its runs (profile, action/profile ratio, slowdown at 1..4 computing ranks,
-waiting and pending NCCL operations, send time per size); "profile_only": the earlier model (each rank a device of its
-own at the profile's speed under MPS, processor sharing of one device when time-sliced). action_mape: mean absolute
-error of the per-action medians (CUDA events) against the prediction's.
-Within {100 * TOLERANCE:.0f} %: {within} of {len(details)} runs; our plan / uniform + torch 1F1B measured speed-up, median
-{statistics.median(ratios) if ratios else float('nan'):.3f} (range {min(ratios, default=float('nan')):.3f}-{max(ratios, default=float('nan')):.3f}).
+under MPS (CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 for every process) or time-sliced (no MPS). Models: the tail-heavy MLP
+(8 blocks on dim 4096, the last two 4x wider, batch 2048) and a chain of 8 transformer blocks (dim 1024, 16 heads,
+sequence 256, batch 32), each with 8 and 4 micro-batches; our plan (planned from the session's own profile) and the
+uniform split with torch's Schedule1F1B. measured = median of the timed steps.
+"predicted": the contention model (pipesched.gpu_calibration.predict_contended) from the calibration measured by
+the same session before its runs: profile, action/profile ratio, slowdown at 1..4 computing ranks, waiting-rank
+weight, NCCL send time per size and, where the session had it ("probe"), the probe pipeline's gap between actions
+and message hop; each arm's message posting as its executor posts it. Without a probe the gap is 0 and a message
+costs the ping-pong's time. "fitted": the same model with the gap and hop taken from the session's own pipelined
+runs (fitted on the run, not a prediction). "profile_only": the earlier model (each rank a device of its own at
+the profile's speed under MPS; processor sharing of one device when time-sliced). action_mape: mean absolute error
+of the per-action medians (host clock, all timed steps) against the prediction's.
+Within {100 * TOLERANCE:.0f} %: {'; '.join(f'{k}: {v}' for k, v in summary.items() if not v.endswith(' 0'))}.
+Our plan / uniform + torch 1F1B measured speed-up: median {statistics.median(ratios) if ratios else float('nan'):.3f}
+(range {min(ratios, default=float('nan')):.3f}-{max(ratios, default=float('nan')):.3f}).
 """
     write_results(name, rows, title="Pipeline planner on a GPU: predicted vs measured (NCCL)", notes=notes,
-                  extra={"runs": details, "within": within, "total": len(details), "meta": meta}, out_dir=out_dir)
+                  extra={"runs": details, "summary": summary, "meta": meta}, out_dir=out_dir)
     return 0
 
 
@@ -226,6 +296,9 @@ def main() -> int:
     ap.add_argument("--models", default="mlp,transformer")
     ap.add_argument("--microbatches", default="8,4")
     ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--families", default="1f1b,zbh1,gpipe",
+                    help="our plan's candidate families (interleaved is left out by default: on one GPU over NCCL it ran 28 %% slower than "
+                         "predicted and slower than the baseline, bench/results/pipesched_gpu_validation.md)")
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--reps", type=int, default=6, help="calibration repetitions per phase")

@@ -4,7 +4,7 @@
 #   2. the runtime's GPU check (tests/gpu_runtime_check.py, short)            -> runtime_gpu.{json,md}
 #   3. pipesched time-sliced (MPS stopped): the same                            -> raw_ts.json
 # The raw files are evaluated on any machine: bench/bench_pipesched_gpu.py --evaluate raw_mps.json raw_ts.json
-# Usage: bench/gpu_session.sh OUT [MPS_S RUNTIME_S TS_S]
+# Usage: bench/gpu_session.sh OUT [MPS_S RUNTIME_S TS_S]   (a time of 0 skips that piece; COLLECT_ARGS: more collect options)
 set -u
 OUT=${1:?usage: gpu_session.sh OUT [MPS_S RUNTIME_S TS_S]}
 MPS_S=${2:-175}; RUNTIME_S=${3:-70}; TS_S=${4:-145}
@@ -16,9 +16,12 @@ say() { echo "[gpu_session $(date -u +%T)] $*" | tee -a "$LOG"; }
 say "start; $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1)"
 export CUDA_MPS_PIPE_DIRECTORY=/tmp/gpu-session-mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/gpu-session-mps-log
 mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-if nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
+COLLECT_ARGS=${COLLECT_ARGS:-}
+if [ "$MPS_S" = 0 ]; then
+  say "MPS runs skipped"
+elif nvidia-cuda-mps-control -d >>"$LOG" 2>&1; then
   say "MPS daemon started"
-  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 timeout -k 5 "$MPS_S" $PY bench/bench_pipesched_gpu.py --collect "$OUT/raw_mps.json" --sharing mps 2>&1 | tee -a "$LOG"
+  CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=25 timeout -k 5 "$MPS_S" $PY bench/bench_pipesched_gpu.py --collect "$OUT/raw_mps.json" --sharing mps $COLLECT_ARGS 2>&1 | tee -a "$LOG"
   say "mps collect exit ${PIPESTATUS[0]}; MPS servers: $(echo get_server_list | nvidia-cuda-mps-control 2>&1 | tr '\n' ' ')"
   tail -5 "$CUDA_MPS_LOG_DIRECTORY/control.log" >>"$LOG" 2>/dev/null
   echo quit | nvidia-cuda-mps-control >>"$LOG" 2>&1
@@ -28,9 +31,13 @@ else
   say "MPS daemon did not start: no MPS runs"
 fi
 unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
-mkdir -p "$OUT/runtime"
-timeout -k 5 "$RUNTIME_S" $PY tests/gpu_runtime_check.py --out-dir "$OUT/runtime" --steps 10 --width 256 --depth 4 2>&1 | tee -a "$LOG"
-say "runtime check exit ${PIPESTATUS[0]}"
-timeout -k 5 "$TS_S" $PY bench/bench_pipesched_gpu.py --collect "$OUT/raw_ts.json" --sharing time-slice 2>&1 | tee -a "$LOG"
-say "time-slice collect exit ${PIPESTATUS[0]}"
+if [ "$RUNTIME_S" != 0 ]; then
+  mkdir -p "$OUT/runtime"
+  timeout -k 5 "$RUNTIME_S" $PY tests/gpu_runtime_check.py --out-dir "$OUT/runtime" --steps 10 --width 256 --depth 4 2>&1 | tee -a "$LOG"
+  say "runtime check exit ${PIPESTATUS[0]}"
+fi
+if [ "$TS_S" != 0 ]; then
+  timeout -k 5 "$TS_S" $PY bench/bench_pipesched_gpu.py --collect "$OUT/raw_ts.json" --sharing time-slice $COLLECT_ARGS 2>&1 | tee -a "$LOG"
+  say "time-slice collect exit ${PIPESTATUS[0]}"
+fi
 ls -la "$OUT" "$OUT/runtime" | tee -a "$LOG"

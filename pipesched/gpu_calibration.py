@@ -307,6 +307,9 @@ class GpuCalibration:
     latency_s: float
     bandwidth_bps: float
     raw_wait: dict[str, list[float]] = field(default_factory=dict)
+    gap_s: float = 0.0                 # the runtime's host time between two actions of a rank (probe pipeline)
+    hop_s: float | None = None         # producer's end to consumer's start at hop_bytes, consumer idle (probe pipeline)
+    hop_bytes: float = 0.0
 
     @staticmethod
     def from_raw(raw: dict[str, Any], name: str) -> GpuCalibration:
@@ -336,8 +339,13 @@ class GpuCalibration:
         pending = {kind: med("pending_recv", kind) / solo[kind] for kind in "FB"} if "pending_recv" in ph else {"F": 1.0, "B": 1.0}
         pts = [(p["bytes"], p["one_way_s"]) for p in raw["p2p"]]
         lat, slope = _line(pts)
-        return GpuCalibration(ratio, slow, max(0.0, statistics.median(weights)) if weights else 0.0, pending, max(0.0, lat),
-                              1.0 / slope if slope > 0 else math.inf, raw_wait)
+        cal = GpuCalibration(ratio, slow, max(0.0, statistics.median(weights)) if weights else 0.0, pending, max(0.0, lat),
+                             1.0 / slope if slope > 0 else math.inf, raw_wait)
+        probe = raw.get("probe")
+        if probe:
+            over = trace_overheads(probe["result"])
+            cal = replace(cal, gap_s=over["gap_s"], hop_s=over["hop_s"], hop_bytes=probe["message_bytes"])
+        return cal
 
     def factor(self, kind: str, load: float) -> float:
         """Slowdown of an action of ``kind`` at ``load`` other computing-rank equivalents (1.0 at none)."""
@@ -346,11 +354,58 @@ class GpuCalibration:
         return _interp(list(range(1, len(curve) + 1)), curve, 1.0 + load)
 
     def link(self, ranks: int) -> LinkModel:
-        return LinkModel.uniform(ranks, self.bandwidth_bps, self.latency_s)
+        """Latency + bytes / bandwidth per message: the ping-pong's line, or, with a probe, its hop at ``hop_bytes``
+        less the bandwidth term (the hop includes the runtime's posting and the consumer's wake-up)."""
+        if self.hop_s is None:
+            return LinkModel.uniform(ranks, self.bandwidth_bps, self.latency_s)
+        return LinkModel.uniform(ranks, self.bandwidth_bps, max(0.0, self.hop_s - self.hop_bytes / self.bandwidth_bps))
 
     def to_dict(self) -> dict[str, Any]:
         return {"action_ratio": self.action_ratio, "slowdown": self.slowdown, "wait_weight": self.wait_weight, "pending": self.pending,
-                "latency_s": self.latency_s, "bandwidth_bps": self.bandwidth_bps, "raw_wait": self.raw_wait}
+                "latency_s": self.latency_s, "bandwidth_bps": self.bandwidth_bps, "raw_wait": self.raw_wait, "gap_s": self.gap_s,
+                "hop_s": self.hop_s, "hop_bytes": self.hop_bytes}
+
+
+def trace_overheads(result: dict[str, Any]) -> dict[str, Any]:
+    """The runtime's overheads in a traced run (``run_pipeline(trace=True)``, its ``to_dict()``), on the one host clock.
+
+    ``gap_s``: median time from a rank's action's end to its next action's start when that next action's input
+    (from another rank) was there before the first ended, or it has none (the runtime's own host work: posting,
+    waiting, launching); ``hop_s``: median time from the end of an action on one rank to the start of the action
+    it feeds on another, when the consumer was idle by then (the transfer, posting and wake-up). Stage order: F
+    of stage s feeds F of s + 1, B of s feeds B of s - 1 (also I; W needs no message).
+
+    >>> t = [[{"t0": 0.0, "actions": [[0, "F", 0, 0.0, 1.0, 0, None], [0, "F", 1, 1.2, 2.0, 0, None]]}],
+    ...      [{"t0": 0.0, "actions": [[1, "F", 0, 1.5, 2.5, 0, None], [1, "F", 1, 2.6, 3.0, 0, None]]}]]
+    >>> over = trace_overheads({"traces": t})
+    >>> round(over["gap_s"], 3), round(over["hop_s"], 3)
+    (0.15, 0.5)
+    """
+    hops, gaps = [], []
+    for k in range(len(result["traces"][0])):
+        base = min(t[k]["t0"] for t in result["traces"])
+        acts: dict[tuple[int, str, int], tuple[int, float, float, float | None]] = {}
+        for q, t in enumerate(result["traces"]):
+            off = t[k]["t0"] - base
+            prev_end = None
+            for s, kind, mb, a, b, *_ in sorted(t[k]["actions"], key=lambda x: x[3]):
+                acts[(s, kind, mb)] = (q, off + a, off + b, prev_end)
+                prev_end = off + b
+        stages = max(s for s, _, _ in acts) + 1
+        for (s, kind, mb), (q, a, _b, prev_end) in acts.items():
+            dep = (s - 1, "F", mb) if kind == "F" and s > 0 else None
+            if kind in ("B", "I") and s < stages - 1:
+                dep = next(((s + 1, kk, mb) for kk in ("B", "I") if (s + 1, kk, mb) in acts), None)
+            if dep is not None and dep in acts and acts[dep][0] != q:
+                sent = acts[dep][2]
+                if prev_end is None or prev_end < sent:
+                    hops.append(a - sent)
+                else:
+                    gaps.append(a - prev_end)
+            elif prev_end is not None:
+                gaps.append(a - prev_end)
+    return {"gap_s": statistics.median(gaps) if gaps else 0.0, "hop_s": statistics.median(hops) if hops else None,
+            "gaps": len(gaps), "hops": len(hops)}
 
 
 def rank_loads(sim: SimResult, wait_weight: float) -> dict[tuple[int, int, str, int], float]:
@@ -401,22 +456,28 @@ def rank_loads(sim: SimResult, wait_weight: float) -> dict[tuple[int, int, str, 
     return out
 
 
-def predict_contended(p: Plan, cal: GpuCalibration, *, rounds: int = 8, pending: bool = True) -> tuple[Plan, dict[str, Any]]:
+def predict_contended(p: Plan, cal: GpuCalibration, *, rounds: int = 8, pending: bool = True,
+                      runtime: str = "ideal") -> tuple[Plan, dict[str, Any]]:
     """``p`` predicted with the contention model (module docstring): its costs scaled per action and simulated again.
 
     Every stage's F and B (I, W) cost starts from the plan's (the profile's) times the calibrated action ratio (and,
     with ``pending``, the own-pending-receive slowdown on ranks that receive anything); then, ``rounds`` times, the
     plan is simulated over the calibrated link and each stage-kind's cost is set to that base times the slowdown at
     its mean load in the last simulation. Returns the plan with the final costs and simulation, and a record of
-    the loads and factors.
+    the loads and factors. Every action also costs the probe's ``gap_s`` (the runtime's host work between actions),
+    and messages are posted as ``runtime`` posts them (:func:`pipesched.runtimes.rendezvous_for`: NCCL, like gloo,
+    moves a message once both sides have posted it).
     """
+    from .runtimes import rendezvous_for
+
     link = cal.link(p.schedule.ranks)
+    rendezvous = rendezvous_for(runtime, p.schedule, None)
     receives = {r for r in range(p.schedule.ranks) if any(p.schedule.cross_rank_messages(a) for a in p.schedule.actions[r])}
 
     def base(sid: int, kind: str) -> float:
         k = "F" if kind == "F" else "B"
         extra = cal.pending[k] if pending and p.schedule.stage_rank[sid] in receives else 1.0
-        return p.costs[sid].duration(kind) * cal.action_ratio[k] * extra
+        return p.costs[sid].duration(kind) * cal.action_ratio[k] * extra + cal.gap_s
 
     def costs_for(factors: dict[tuple[int, str], float]) -> dict[int, StageCost]:
         out = {}
@@ -433,7 +494,7 @@ def predict_contended(p: Plan, cal: GpuCalibration, *, rounds: int = 8, pending:
     sim = None
     for _ in range(rounds):
         costs = costs_for(factors)
-        sim = simulate(p.schedule, costs, link)
+        sim = simulate(p.schedule, costs, link, rendezvous=rendezvous)
         loads = rank_loads(sim, cal.wait_weight)
         per: dict[tuple[int, str], list[float]] = {}
         for (_, sid, kind, _), load in loads.items():
@@ -445,7 +506,7 @@ def predict_contended(p: Plan, cal: GpuCalibration, *, rounds: int = 8, pending:
             break
         factors = new
     costs = costs_for(factors)
-    sim = simulate(p.schedule, costs, link)
+    sim = simulate(p.schedule, costs, link, rendezvous=rendezvous)
     history.append(sim.makespan)
-    out = replace(p, costs=costs, sim=sim, links=link)
+    out = replace(p, costs=costs, sim=sim, links=link, runtime=runtime)
     return out, {"makespans_s": history, "factors": {f"{s} {k}": v for (s, k), v in sorted(factors.items())}}
