@@ -203,6 +203,7 @@ def evaluate(paths: list[str], out_dir: Path | None, name: str) -> int:
     from dataclasses import replace
 
     from pipesched.gpu_calibration import GpuCalibration, predict_contended, trace_overheads
+    from pipesched.profile import profile_from_dict
 
     rows, details, meta = [], [], []
     for path in paths:
@@ -225,9 +226,11 @@ def evaluate(paths: list[str], out_dir: Path | None, name: str) -> int:
             base = rebuild_plan(run, cal_entries[run["entry"]], stages, sharing)
             cal = GpuCalibration.from_raw(raw["calibration"], run["entry"])
             runtime = RUNTIME_OF_ARM[run["arm"]]
-            pred, info = predict_contended(base, cal, runtime=runtime)
+            profile = profile_from_dict(cal_entries[run["entry"]]["profile"])
+            pred, info = predict_contended(base, cal, runtime=runtime, add_gap=sharing == "mps", profile=profile)
             msg_bytes = cal_entries[run["entry"]]["message_bytes"]
-            fitted, _ = predict_contended(base, replace(cal, gap_s=fit_gap, hop_s=fit_hop, hop_bytes=msg_bytes), runtime=runtime)
+            fitted, _ = predict_contended(base, replace(cal, gap_s=fit_gap, hop_s=fit_hop, hop_bytes=msg_bytes), runtime=runtime,
+                                          add_gap=sharing == "mps", profile=profile)
             meas_act = measured_action_medians(res)
             sim_act: dict[str, list[float]] = {}
             for sp in pred.sim.timeline:
