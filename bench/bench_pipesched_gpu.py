@@ -279,7 +279,10 @@ and message hop; each arm's message posting as its executor posts it. Without a 
 costs the ping-pong's time. "fitted": the same model with the gap and hop taken from the session's own pipelined
 runs (fitted on the run, not a prediction). "profile_only": the earlier model (each rank a device of its own at
 the profile's speed under MPS; processor sharing of one device when time-sliced). action_mape: mean absolute error
-of the per-action medians (host clock, all timed steps) against the prediction's.
+of the per-action medians (host clock, all timed steps) against the prediction's. Two of the model's rules were
+set after seeing the probe session's runs, so its figures are not independent of them: zero-bubble I/W costed as
+torch's runtime splits the backward (pipesched.gpu_calibration.torch_split_costs), and no probe gap when
+time-sliced (the gap there is the wait for a slice, which the slowdown already holds; with it: +35..+37 %).
 Within {100 * TOLERANCE:.0f} %: {'; '.join(f'{k}: {v}' for k, v in summary.items() if not v.endswith(' 0'))}.
 Our plan / uniform + torch 1F1B measured speed-up: median {statistics.median(ratios) if ratios else float('nan'):.3f}
 (range {min(ratios, default=float('nan')):.3f}-{max(ratios, default=float('nan')):.3f}).

@@ -60,6 +60,7 @@ def _calibration_worker(rank: int, world: int, port: int, job: dict[str, Any], q
     import torch.distributed as dist
 
     from .profile import measure_profile
+    from .runner import half_round_trip_s
 
     torch.set_num_threads(1)
     try:
@@ -172,19 +173,8 @@ def _calibration_worker(rank: int, world: int, port: int, job: dict[str, Any], q
             msg = torch.zeros(max(1, nbytes // 4), device=dev)
             barrier()
             times = []
-            if rank < 2 and world > 1:
-                for n in range(3 + job["p2p_reps"]):
-                    sync()
-                    t0 = time.perf_counter()
-                    if rank == 0:
-                        dist.send(msg, 1)
-                        dist.recv(msg, 1)
-                    else:
-                        dist.recv(msg, 0)
-                        dist.send(msg, 0)
-                    sync()
-                    if n >= 3:
-                        times.append((time.perf_counter() - t0) / 2)
+            if rank < 2 and world > 1:   # 3 untimed round trips first
+                times = [half_round_trip_s(dist, msg, rank, sync) for _ in range(3 + job["p2p_reps"])][3:]
             if rank == 0:
                 p2p.append({"bytes": nbytes, "one_way_s": statistics.median(times) if times else 0.0, "samples_s": times})
         out["p2p"] = p2p

@@ -167,6 +167,23 @@ def _rss(field_name: str) -> int:
     return 0
 
 
+def half_round_trip_s(dist, buf: Any, rank: int, sync: Any = None) -> float:
+    """One ping-pong of ``buf`` between ranks 0 and 1 (rank 0 sends first); half its wall time, the clock read after
+    ``sync`` (a GPU's synchronisation) on both sides."""
+    if sync:
+        sync()
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    else:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+    if sync:
+        sync()
+    return (time.perf_counter() - t0) / 2
+
+
 def _ping_pong(torch, dist, rank: int, world: int, device: Any = "cpu", sync: Any = None) -> tuple[float, float]:
     """Latency and bandwidth between ranks 0 and 1 from round trips at two message sizes (``sync`` waits for a GPU)."""
     if world < 2:
@@ -176,20 +193,7 @@ def _ping_pong(torch, dist, rank: int, world: int, device: Any = "cpu", sync: An
     times = {}
     for nbytes, rounds in ((4, 30), (4 << 20, 10)):
         buf = torch.zeros(max(1, nbytes // 4), device=device)
-        samples = []
-        for _ in range(rounds):
-            if sync:
-                sync()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if sync:
-                sync()
-            samples.append((time.perf_counter() - t0) / 2)
+        samples = [half_round_trip_s(dist, buf, rank, sync) for _ in range(rounds)]
         times[nbytes] = statistics.median(samples[1:])
     small, large = times[4], times[4 << 20]
     bandwidth = (4 << 20) / max(large - small, 1e-9)
