@@ -15,7 +15,7 @@ every step, so a run cut short keeps what it measured.
 (:func:`pipesched.gpu_calibration.predict_contended`) and from the plain profile (the earlier model), and writes
 ``pipesched_gpu_validation.{json,md}`` (under ``--out-dir``, default bench/results/).
 
-Run on a GPU: ``bench/gpu_session.sh`` (both sharings, then the evaluation).
+Run on a GPU: ``bench/gpu_session.sh OUT`` (both sharings and the runtime's GPU check); then ``--evaluate`` anywhere.
 """
 
 from __future__ import annotations

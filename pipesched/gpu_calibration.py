@@ -454,7 +454,7 @@ def torch_split_costs(p: Plan, profile: ModelProfile) -> dict[int, StageCost]:
     ``stage_backward_weight`` has only the weight-gradient products left: I costs the profile's input-gradient
     time and W the rest of the fused backward (``bwd_full_s - bwd_input_s``). The profile's own ``bwd_weight_s``
     (``autograd.grad`` to the parameters on a fresh graph) also back-propagates through the layer's inside and
-    costs about a fused backward (measured on the transformer chain: W 11 ms in the run, 21 ms by the profile).
+    costs about a fused backward (measured on the transformer chain: W 11 ms in the run, about 20 ms by the profile).
     The stage that holds layer 0 has no input gradient: torch's runtime does its whole backward in W, I is empty.
     Families without a split backward keep their costs.
 
