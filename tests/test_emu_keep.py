@@ -396,7 +396,7 @@ def test_compare_with_auto_byte_scale_keeps_results_and_verdict(tmp_path):
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "netweave.cli", "emu", "compare", str(tmp_path / "w.yaml"), "--topology", str(tmp_path / "t.json"),
                            "--time-scale", "2000", "--byte-scale", "auto", "--out", str(out), "--json"],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)  # another emulation may hold the lock
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
     assert proc.returncode in (0, 3), proc.stderr[-3000:]
     report = json.loads(proc.stdout)
     verdict = report["verdict"]
