@@ -160,15 +160,17 @@ class EmulationStopped(Exception):
     """The emulation failed or stopped before its end (exit 4); what finished is kept."""
 
 
-def _choose_scale(topo: Any, workload: Any, args: argparse.Namespace, sim: RunResult) -> tuple[Any, dict[str, Any]]:
-    """The byte scale (calibrated for ``auto``) and the run's time estimate; raises InputError when nothing fits Mininet."""
+def _choose_scale(topo: Any, workload: Any, args: argparse.Namespace, sim: RunResult, peak: float) -> tuple[Any, dict[str, Any]]:
+    """The byte scale (calibrated for ``auto``) and the run's time estimate; raises InputError when nothing fits Mininet.
+
+    ``peak`` is the workload's peak network rate in GB/s (:func:`emu.scale.peak_network_rate` of the simulation).
+    """
     from .mininet_backend import workload_hosts
-    from .scale import choose_byte_scale, given_byte_scale, link_scale_bounds, measure_cpu_cost, peak_network_rate, run_estimate
+    from .scale import choose_byte_scale, given_byte_scale, link_scale_bounds, measure_cpu_cost, run_estimate
 
     hosts = workload_hosts(topo, workload)
     bounds = link_scale_bounds(topo, hosts)
     K = args.time_scale
-    peak = peak_network_rate(sim, topo)
     if args.byte_scale != "auto":
         return given_byte_scale(args.byte_scale, time_scale=K, bounds=bounds, peak_gbs=peak), run_estimate(sim.makespan, time_scale=K)
     choice = choose_byte_scale(peak, time_scale=K, calibration=None, bounds=bounds)  # the smallest that fits (raises if none)
@@ -188,17 +190,19 @@ def _emulate(topo: Any, workload: Any, args: argparse.Namespace, out: Path, stem
     from topology.io import atomic_write_text
 
     from .mininet_backend import fidelity_verdict
+    from .scale import peak_network_rate
     from .sweep import eta_progress
 
     run_mininet = mininet_runner()  # fail before simulating when the emulator cannot run
     sim = _simulate(topo, workload, args, record_flows=True)  # the flows give the peak network rate
+    peak = peak_network_rate(sim, topo)
     if args.no_flows:
         sim.flows = []
     out.mkdir(parents=True, exist_ok=True)
     files = {f"sim_{k}": v for k, v in _write(sim, out, "sim").items()}
     progress(f"emu: simulated makespan {sim.makespan * 1e3:.4g} ms; kept in {files['sim_result']}")
     try:
-        choice, estimate = _choose_scale(topo, workload, args, sim)
+        choice, estimate = _choose_scale(topo, workload, args, sim, peak)
     except (RuntimeError, OSError) as exc:  # the calibration's network failed (EmulationError) or had no agents
         raise EmulationStopped(f"calibration failed: {exc}", files) from None
     atomic_write_text(out / "byte-scale.json", json.dumps({**choice.to_dict(), "estimate": estimate}, indent=1) + "\n")
@@ -230,17 +234,28 @@ def _kept(out: Path) -> str:
 
 
 def _verdict_line(verdict: dict[str, Any], estimate_s: float | None) -> str:
+    """The verdict in one line: ok or the failed checks with their problems, and the figures behind them.
+
+    >>> line = _verdict_line({"ok": True, "failed": [], "problems": [], "cpu_busy_mean": 0.41, "cpu_limit": 0.95, "calibration_error_before": -0.012,
+    ...                       "calibration_error_after": 0.003, "wall_s": 30.2, "lock_wait_s": 10.0}, 18.0)
+    >>> print(line.replace("; ", ";\\n"))
+    fidelity: ok (CPU busy 41% on average (limit 95%);
+    calibration flow -1.2% / +0.3%;
+    took 20 s (estimated 18 s) after waiting 10 s for another emulation)
+    """
     figures = []
-    if verdict.get("cpu_busy_mean") is not None:
+    if verdict.get("cpu_busy_mean") is not None and "cpu" not in verdict["failed"]:
         figures.append(f"CPU busy {verdict['cpu_busy_mean']:.0%} on average (limit {verdict['cpu_limit']:.0%})")
     errors = [verdict.get(f"calibration_error_{k}") for k in ("before", "after")]
     if any(e is not None for e in errors):
         figures.append("calibration flow " + " / ".join(f"{e:+.1%}" if e is not None else "-" for e in errors))
     if verdict.get("wall_s") is not None:
-        figures.append(f"took {verdict['wall_s']:.0f} s" + (f" (estimated {estimate_s:.0f} s)" if estimate_s is not None else ""))
+        wait = verdict.get("lock_wait_s") or 0.0
+        figures.append(f"took {verdict['wall_s'] - wait:.0f} s" + (f" (estimated {estimate_s:.0f} s)" if estimate_s is not None else "")
+                       + (f" after waiting {wait:.0f} s for another emulation" if wait >= 1 else ""))
     if verdict["ok"]:
         return f"fidelity: ok ({'; '.join(figures)})"
-    return (f"fidelity: FAILED ({', '.join(verdict['failed']) or 'see problems'}): {'; '.join(verdict['problems'])}; {'; '.join(figures)}. "
+    return (f"fidelity: FAILED ({', '.join(verdict['failed']) or 'see problems'}): {'; '.join(verdict['problems'] + figures)}. "
             "The results are kept, but the emulation was not faithful: do not trust its times")
 
 

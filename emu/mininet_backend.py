@@ -373,8 +373,8 @@ class _Executor:
         """The measured result, in workload seconds; of a run that stopped early, what had finished.
 
         A job keeps its leading iterations whose every phase finished (an
-        iteration's time needs the previous end), the phases and flows that
-        finished, nothing that was still running.
+        iteration's time needs the previous end), the phases that finished and
+        the flows with both stamps (sent and arrived), nothing that was still running.
         """
         K = self.K
 
@@ -394,7 +394,7 @@ class _Executor:
                     ends.append(max(w(r.end) for r in done))
             jobs[job.name] = JobResult(job.name, job.arrival, job.arrival + job.start_offset, ends)
         flows = [FlowRecord(f.job, f.iteration, f.phase, f.step, f.src, f.dst, f.nbytes, w(f.start), w(f.end))
-                 for f in sorted(self.flows.values(), key=lambda f: f.id) if not math.isnan(f.end)]
+                 for f in sorted(self.flows.values(), key=lambda f: f.id) if not (math.isnan(f.start) or math.isnan(f.end))]
         return RunResult("mininet", self.workload.name, self.topo.name, jobs, phases, flows, None, K)
 
     def expected_class_bytes(self) -> dict[int, float]:
@@ -609,6 +609,7 @@ def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_di
     failures: list[str] = []
     t_wall = time.monotonic()
     with EmulatedNetwork(plan) as net:
+        fidelity["lock_wait_s"] = net.lock_wait_s  # waiting for another emulation to finish: part of wall_s, not of this run's work
         fidelity["htb_before"] = net.verify_htb()  # a broken tree is fatal before anything runs
         fidelity["calibration_before"] = net.calibrate(seconds=calibrate_seconds, tolerance=calibration_tolerance, raise_on_error=False)
         with AgentSet(net) as agents:
@@ -714,7 +715,7 @@ def fidelity_verdict(fidelity: dict[str, Any]) -> dict[str, Any]:
     return {"ok": bool(fidelity.get("ok")) and not failed, "failed": failed, "problems": list(fidelity.get("problems", [])),
             "stopped_early": fidelity.get("stopped_early"), "cpu_busy_mean": busy, "cpu_busy_p90": part("cpu").get("busy_p90"), "cpu_limit": limit,
             "calibration_error_before": part("calibration_before").get("error"), "calibration_error_after": part("calibration_after").get("error"),
-            "drops": fidelity.get("drops"), "wall_s": fidelity.get("wall_s")}
+            "drops": fidelity.get("drops"), "wall_s": fidelity.get("wall_s"), "lock_wait_s": fidelity.get("lock_wait_s")}
 
 
 # -- torch.distributed jobs -------------------------------------------------------------------------------
