@@ -38,8 +38,10 @@ from typing import Any
 
 from topology.clitools import CommaSettings, add_json_flag, add_output, emit, progress
 from topology.errors import InputError
+from topology.units import flag_action
 
 from .results import RunResult, compare_results, format_comparison
+from .scale import parse_byte_scale
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -96,19 +98,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 def _scales(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-scale", type=float, default=1000.0, metavar="K",
                    help="mininet: the emulation runs K times slower than the real fabric: durations x K (default 1000)")
-    p.add_argument("--byte-scale", type=_byte_scale_arg, default="auto", metavar="auto|M",
+    p.add_argument("--byte-scale", action=flag_action(parse_byte_scale), default="auto", metavar="auto|M",
                    help="mininet: divide every flow's bytes and every link's emulated rate by M (>= 1), so the CPU moves M times fewer "
                         "packets in the same time; auto (default): the smallest M at which a short calibration says the CPU is not the "
                         "bottleneck")
-
-
-def _byte_scale_arg(text: str) -> float | str:
-    if text.strip().lower() == "auto":
-        return "auto"
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a number >= 1, got {text!r}") from None
 
 
 def output_dir(args: argparse.Namespace, action: str) -> Path:
@@ -160,20 +153,32 @@ class EmulationStopped(Exception):
     """The emulation failed or stopped before its end (exit 4); what finished is kept."""
 
 
-def _choose_scale(topo: Any, workload: Any, args: argparse.Namespace, sim: RunResult, peak: float) -> tuple[Any, dict[str, Any]]:
-    """The byte scale (calibrated for ``auto``) and the run's time estimate; raises InputError when nothing fits Mininet.
-
-    ``peak`` is the workload's peak network rate in GB/s (:func:`emu.scale.peak_network_rate` of the simulation).
-    """
+def _check_scales_fit(topo: Any, workload: Any, args: argparse.Namespace) -> tuple[list[str] | None, tuple[float, float]]:
+    """The emulated servers and the link dilations that fit Mininet; an InputError (before anything runs) when the scales cannot fit."""
     from .mininet_backend import workload_hosts
-    from .scale import choose_byte_scale, given_byte_scale, link_scale_bounds, measure_cpu_cost, run_estimate
+    from .scale import choose_byte_scale, given_byte_scale, link_scale_bounds
 
     hosts = workload_hosts(topo, workload)
     bounds = link_scale_bounds(topo, hosts)
+    if args.byte_scale == "auto":
+        choose_byte_scale(0.0, time_scale=args.time_scale, calibration=None, bounds=bounds)
+    else:
+        given_byte_scale(args.byte_scale, time_scale=args.time_scale, bounds=bounds)
+    return hosts, bounds
+
+
+def _choose_scale(topo: Any, hosts: list[str] | None, bounds: tuple[float, float], args: argparse.Namespace, sim: RunResult,
+                  peak: float) -> tuple[Any, dict[str, Any]]:
+    """The byte scale (calibrated for ``auto``) and the run's time estimate.
+
+    ``peak`` is the workload's peak network rate in GB/s (:func:`emu.scale.peak_network_rate` of the simulation).
+    """
+    from .scale import choose_byte_scale, given_byte_scale, measure_cpu_cost, run_estimate
+
     K = args.time_scale
     if args.byte_scale != "auto":
         return given_byte_scale(args.byte_scale, time_scale=K, bounds=bounds, peak_gbs=peak), run_estimate(sim.makespan, time_scale=K)
-    choice = choose_byte_scale(peak, time_scale=K, calibration=None, bounds=bounds)  # the smallest that fits (raises if none)
+    choice = choose_byte_scale(peak, time_scale=K, calibration=None, bounds=bounds)  # the smallest that fits
     if peak <= 0:
         return choice, run_estimate(sim.makespan, time_scale=K)
     progress(f"emu: calibrating the CPU cost of emulated traffic at byte scale {choice.byte_scale:g} (a few seconds)")
@@ -194,6 +199,7 @@ def _emulate(topo: Any, workload: Any, args: argparse.Namespace, out: Path, stem
     from .sweep import eta_progress
 
     run_mininet = mininet_runner()  # fail before simulating when the emulator cannot run
+    hosts, bounds = _check_scales_fit(topo, workload, args)
     sim = _simulate(topo, workload, args, record_flows=True)  # the flows give the peak network rate
     peak = peak_network_rate(sim, topo)
     if args.no_flows:
@@ -202,7 +208,7 @@ def _emulate(topo: Any, workload: Any, args: argparse.Namespace, out: Path, stem
     files = {f"sim_{k}": v for k, v in _write(sim, out, "sim").items()}
     progress(f"emu: simulated makespan {sim.makespan * 1e3:.4g} ms; kept in {files['sim_result']}")
     try:
-        choice, estimate = _choose_scale(topo, workload, args, sim, peak)
+        choice, estimate = _choose_scale(topo, hosts, bounds, args, sim, peak)
     except (RuntimeError, OSError) as exc:  # the calibration's network failed (EmulationError) or had no agents
         raise EmulationStopped(f"calibration failed: {exc}", files) from None
     atomic_write_text(out / "byte-scale.json", json.dumps({**choice.to_dict(), "estimate": estimate}, indent=1) + "\n")
@@ -301,14 +307,10 @@ def _job_lines(result: RunResult) -> list[str]:
 
 
 def check_scales(args: argparse.Namespace) -> None:
-    """``--time-scale``: finite and positive; ``--byte-scale``: ``auto`` or a finite number >= 1 (``nan`` and ``inf`` parse as floats)."""
+    """``--time-scale``: finite and positive (``nan`` and ``inf`` parse as floats); ``--byte-scale`` is checked as it is parsed."""
     from topology.inputs import check_number
 
     check_number(args.time_scale, what="a time scale", where="--time-scale", positive=True, maximum=1e9)
-    if args.byte_scale != "auto":
-        check_number(args.byte_scale, what="a byte scale", where="--byte-scale", positive=True, maximum=1e12)
-        if args.byte_scale < 1:
-            raise InputError(f"expected 'auto' or a number >= 1, got {args.byte_scale:g}", where="--byte-scale")
 
 
 def cmd_run(args: argparse.Namespace) -> int:

@@ -64,6 +64,27 @@ _WIRE_OVERHEAD = 1514 / 1448
 DEFAULT_SETUP_S = 6.0
 
 
+def parse_byte_scale(text: str, *, where: str = "--byte-scale") -> float | str:
+    """``auto``, or a finite number >= 1; anything else is an :class:`~topology.errors.InputError` naming ``where``.
+
+    >>> parse_byte_scale("auto"), parse_byte_scale("40")
+    ('auto', 40.0)
+    >>> parse_byte_scale("0.5")
+    Traceback (most recent call last):
+    ...
+    topology.errors.InputError: --byte-scale: expected 'auto' or a number >= 1, got '0.5'
+    """
+    if str(text).strip().lower() == "auto":
+        return "auto"
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and 1 <= value <= 1e12):
+        raise InputError(f"expected 'auto' or a number >= 1, got {text!r}", where=where)
+    return value
+
+
 def scale_ladder(lo: float, hi: float) -> list[float]:
     """The byte scales tried, smallest first: ``lo`` (at least 1), then the 1-2-5 series up to ``hi``.
 
@@ -420,6 +441,7 @@ __all__ = [
     "checks_seconds",
     "choose_byte_scale",
     "given_byte_scale",
+    "parse_byte_scale",
     "link_scale_bounds",
     "measure_cpu_cost",
     "peak_network_rate",
