@@ -265,7 +265,8 @@ def choose_byte_scale(peak_gbs: float, *, time_scale: float, calibration: CpuCal
     lo, hi = bounds[0] / time_scale, bounds[1] / time_scale
     ladder = scale_ladder(lo, hi)
     if not ladder:
-        need = f"a time scale of at most {bounds[1]:.4g}" if bounds[1] < time_scale else f"at most {bounds[1]:.4g} for K * M"
+        need = (f"a time scale of at most {bounds[1]:.4g}" if bounds[0] <= bounds[1] else
+                f"K x M in {bounds[0]:.4g}..{bounds[1]:.4g}, an empty range: the links differ by more than Mininet's range")
         raise InputError(f"no byte scale >= 1 fits time scale {time_scale:g}: emulated links must carry 1..1000 Mbit/s, which needs {need}",
                          where="--time-scale")
     fits = "" if ladder[0] == 1.0 else f"; {ladder[0]:.4g} is the smallest byte scale at which every link fits Mininet (<= 1000 Mbit/s)"
