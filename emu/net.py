@@ -515,7 +515,7 @@ class EmulatedNetwork:
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("waiting for another netweave emulation to finish (%s)", LOCK_PATH)
+            log.warning("waiting for another netweave emulation to finish (it holds %s)", LOCK_PATH)
             fcntl.flock(self._lock_file, fcntl.LOCK_EX)
         self.lock_wait_s = time.monotonic() - t_lock
         from .runs import EmuRun, reap_dead_runs

@@ -93,8 +93,9 @@ class JobResult:
         return float(np.mean(times)) if times else math.nan
 
     def to_dict(self) -> dict[str, Any]:
+        done = bool(self.iteration_ends)  # a run stopped before a job's first iteration ended has no finish (null, not NaN)
         return {"name": self.name, "arrival": self.arrival, "release": self.release, "iteration_ends": list(self.iteration_ends),
-                "finish": self.finish, "jct": self.jct, "iteration_times": self.iteration_times()}
+                "finish": self.finish if done else None, "jct": self.jct if done else None, "iteration_times": self.iteration_times()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:
