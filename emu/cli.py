@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import CommaSettings, add_json_flag, add_output, emit, progress
+from topology.clitools import CommaSettings, add_json_flag, add_output, emit, progress, render_table
 from topology.errors import InputError
 from topology.units import flag_action
 
@@ -70,8 +70,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_example)
 
     p = esub.add_parser("sweep", help="simulate every combination of parameter values")
-    p.add_argument("workload")
-    p.add_argument("--topology", default=None)
+    p.add_argument("workload", help="workload file (YAML or JSON, see docs/workload.md)")
+    p.add_argument("--topology", default=None, help="topology file (default: the embedded default cluster)")
     p.add_argument("--set", action=CommaSettings, default=[], metavar="FIELD=V1,V2", required=True,
                    help="a sweep axis, e.g. jobs.dp-b.start_offset=0,0.001,0.002 or config.sharing=strict,weighted (repeatable)")
     p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto",
@@ -299,11 +299,11 @@ def _plot(result: RunResult, path: Path) -> Path:
 
 
 def _job_lines(result: RunResult) -> list[str]:
-    lines = [f"{'job':<16} {'iterations':>10} {'mean iter (ms)':>15} {'JCT (ms)':>12} {'finish (ms)':>12}"]
-    for row in result.job_table():
-        lines.append(f"{row['job']:<16} {row['iterations']:>10} {row['mean_iteration_s'] * 1e3:>15.4f} {row['jct_s'] * 1e3:>12.4f}"
-                     f" {row['finish_s'] * 1e3:>12.4f}")
-    return lines
+    def ms(seconds: float | None) -> str:   # a job of a partial run may have no finished iteration
+        return "-" if seconds is None or seconds != seconds else f"{seconds * 1e3:.4f}"
+
+    rows = [(r["job"], r["iterations"], ms(r["mean_iteration_s"]), ms(r["jct_s"]), ms(r["finish_s"])) for r in result.job_table()]
+    return [render_table(["job", "iterations>", "mean iteration ms>", "JCT ms>", "finish ms>"], rows)]
 
 
 def check_scales(args: argparse.Namespace) -> None:
