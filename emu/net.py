@@ -621,11 +621,39 @@ class EmulatedNetwork:
         for i in self.plan.interfaces:  # aggregate mode: one address per NIC, each shaped at its NIC's rate
             if i.nic_ips:
                 self.host_cmd(i.host, "; ".join(f"ip addr add {ip}/{i.prefix} dev {i.dev}" for ip in i.nic_ips))
+        self._resolve_neighbours()
         if self.disable_gso:
             # One MTU packet per skb: HTB is non-preemptive per skb, and 64 kB GSO bursts would blur priorities.
             for i in self.plan.interfaces:
                 self.host_cmd(i.host, f"ip link set dev {i.dev} gso_max_segs 1")
         self.apply_htb()
+
+    def _resolve_neighbours(self) -> None:
+        """Permanent ARP entries for every address a host can reach on each of its links.
+
+        A fabric's addresses are resolved before training starts; without this
+        the first flow between every pair of addresses waits for ARP, which made
+        the first iteration of a run up to 50 % slower on a loaded machine.
+        """
+        macs: dict[str, str] = {}
+        for host in self.plan.hosts:
+            devs = [i.dev for i in self.plan.interfaces_of(host)]
+            out = self.host_cmd(host, "; ".join(f"echo {d} $(cat /sys/class/net/{d}/address)" for d in devs))
+            for line in out.splitlines():
+                words = line.split()
+                if len(words) == 2 and words[0] in devs:
+                    macs[words[0]] = words[1]
+        for host in self.plan.hosts:
+            cmds = []
+            for mine in self.plan.interfaces_of(host):
+                for other in self.plan.interfaces:
+                    if other.host != host and other.switch == mine.switch and other.dev in macs:
+                        cmds += [f"ip neigh replace {ip} lladdr {macs[other.dev]} dev {mine.dev} nud permanent"
+                                 for ip in (other.ip, *other.nic_ips)]
+            if cmds:  # a script file: a shell line of the host's terminal holds at most 4095 characters
+                script = self.workdir / f"neigh-{host}.sh"
+                script.write_text("\n".join(cmds) + "\n")
+                self.host_cmd(host, f"sh {script}")
 
     def stop(self) -> None:
         self._stopping = True  # a SIGTERM from now on must not cut the clean-up short
