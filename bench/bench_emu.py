@@ -65,14 +65,17 @@ class Case:
     unshifted: Workload | None = None
 
 
-#: Run options of the default-cluster mixes: 400 Gb/s NICs become 50 Mbit/s (K = 8000), bytes / 50, so K/M = 160. The smallest ring step
-#: (12.5 MB) is then a 250 kB flow of 40 ms, long enough that the emulator's per-step control latency (1-3 ms: a report to the driver,
-#: an order to the agents, a TCP handshake) weighs little; at M = 100 it cost dp8 of pipeline_beside_dp ~13 % (docs/validation/emu.md).
-CLUSTER_OPTS = {"time_scale": 8000, "byte_scale": 50}
+#: Run options of the default-cluster mixes: 400 Gb/s NICs become 25 Mbit/s (K = 16000), bytes / 50, so K/M = 320. The smallest ring step
+#: (12.5 MB) is then a 250 kB flow of 80 ms, long enough that the emulator's per-step control latency (1-3 ms: a report to the driver,
+#: an order to the agents, a TCP handshake) weighs little, and 20 concurrent flows stay at 0.5 Gbit/s of emulated traffic
+#: (docs/validation/emu.md: at K = 8000, M = 100 the dp-sizes mix was CPU-bound on the loaded 2-core machine).
+CLUSTER_OPTS = {"time_scale": 16000, "byte_scale": 50}
+#: Factor on the time scale of a repeated run (see CPU_SATURATED).
+REPEAT_SCALE = 3
 BOTH_MODES = ("aggregate", "per-leaf")
 MAPE_GOAL = 10.0
-#: A run whose CPU was busier than this on average (all processes of the machine) and missed the goal is repeated at twice the time
-#: scale (same bytes): half the packet rate, so half the emulator's CPU per second, and half the weight of its control latency.
+#: A run whose CPU was busier than this on average (all processes of the machine) and missed the goal is repeated at REPEAT_SCALE times
+#: the time scale (same bytes): a third of the packet rate, so of the emulator's CPU per second, and of the weight of its control latency.
 CPU_SATURATED = 0.9
 
 
@@ -142,7 +145,7 @@ def _means(result: RunResult) -> dict[str, float]:
 
 
 def run_case(case: Case, mode: str, cpu_limit: float) -> list[dict]:
-    """The rows of one case in one NIC mode; repeated at twice the time scale when a CPU-saturated run missed the goal."""
+    """The rows of one case in one NIC mode; repeated at REPEAT_SCALE times the time scale when a CPU-saturated run missed the goal."""
     variants = [(case.name, case.workload)] + ([(case.name + " (unshifted)", case.unshifted)] if case.unshifted is not None else [])
     sims = {label: simulate(case.topo, w) for label, w in variants}
     scale, rows = 1.0, []
@@ -159,13 +162,13 @@ def run_case(case: Case, mode: str, cpu_limit: float) -> list[dict]:
         for label, _w in variants:
             emu, wall = emus[label]
             ranking = ("same" if mixes.ranking_agrees(_means(sims[label]), _means(emu)) else "DIFFERENT") + shift
-            batch += _rows(case, label + (f" [repeat x{scale:g}]" if scale > 1 else ""), mode, sims[label], emu, wall, scale, load, ranking)
+            batch += _rows(case, label + (f" [repeat, K x{scale:g}]" if scale > 1 else ""), mode, sims[label], emu, wall, scale, load, ranking)
         rows += batch
         saturated = max(r["cpu_busy"] or 0.0 for r in batch) > CPU_SATURATED
         missed = any(r["goal"] == "MISS" for r in batch)
         if not (saturated and missed) or scale > 1:
             return rows
-        scale *= 2
+        scale = REPEAT_SCALE
 
 
 def run_agreement(quick: bool, cpu_limit: float, only: str | None = None) -> list[dict]:
@@ -252,14 +255,15 @@ def main() -> None:
         write_results("emu_agreement" + ("_partial" if args.case else ""), rows,
                       title="Simulator vs Mininet emulation: mean iteration time per job, single patterns and multi-job mixes",
                       notes="Emulated times are divided by K/M (time scale / byte scale) into workload seconds. Star cases: 200 Gb/s NICs "
-                            "at K=2000 (100 Mbit/s emulated). Default cluster (4 DGX H100, 400 Gb/s rails): K=8000 (50 Mbit/s per NIC), "
+                            "at K=2000 (100 Mbit/s emulated). Default cluster (4 DGX H100, 400 Gb/s rails): K=16000 (25 Mbit/s per NIC), "
                             "M=50, in both NIC modes (aggregate: one veth per server with an HTB subtree per NIC; per-leaf: one veth per "
                             "rail). error_pct = (emu - sim) / sim; case_mape_pct = mean |error| over the case's jobs (goal <= 10 %); "
                             "ranking: does the simulator order the jobs (and shifted vs unshifted) as the emulation does (jobs within 2 % "
                             "in the simulator may go either way). cpu_busy is the whole machine's (other users included) during the run; "
                             f"load_1m the 1-minute load average at its start (at the end of the benchmark: {load[0]:.2f} {load[1]:.2f} "
-                            f"{load[2]:.2f}). A run that missed the goal with cpu_busy > {CPU_SATURATED} is repeated at 2K (half "
-                            "the packet rate, twice the duration) and marked [repeat x2]. " + note_cpu)
+                            f"{load[2]:.2f}). A run that missed the goal with cpu_busy > {CPU_SATURATED} is repeated at "
+                            f"{REPEAT_SCALE}K (a third of the packet rate, three times the duration) and marked [repeat, K x{REPEAT_SCALE}]. "
+                            + note_cpu)
     if args.only in (None, "torch"):
         write_results("emu_torch", run_torch(args.quick, args.cpu_limit), title="torch.distributed (gloo) in Mininet vs the bandwidth bound",
                       notes="bound = 2(n-1)/n * S / B with B the emulated link payload rate; busbw in real-fabric GB/s (x K). " + note_cpu)
