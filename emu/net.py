@@ -20,11 +20,14 @@ NIC modes
     on rail-optimized fabrics), so every pair of emulated servers must share a
     leaf; otherwise :class:`EmulationError` says which pair does not.
     ``"aggregate"``: a server gets ONE interface at the sum of its NIC rates on
-    a single bridge that stands for the whole fabric. It is cheap (one veth
-    per server) and exact when a server's traffic is spread evenly over its
-    NICs (ring collectives over all rails), but optimistic when traffic
-    concentrates on fewer NICs than the server has (one flow may then use the
-    whole aggregate), and it does not emulate per-rail contention.
+    a single bridge that stands for the whole fabric, with one address per NIC
+    (``10.<k+1>.x.y``) and, on both of its egress ports, an HTB subtree per
+    NIC at that NIC's rate that the NIC's address selects
+    (:func:`emu.htb.htb_tree_commands` ``nic_classes``). Flows are sent between
+    the addresses of the NICs the simulator routes them through
+    (:func:`flow_endpoints`), so per-NIC rates and contention are emulated
+    with one veth per server. (Before the subtrees, one flow could use the
+    whole aggregate: 8x its NIC's rate on a DGX.)
     Neither mode emulates spine oversubscription.
 
 What cannot be emulated here
