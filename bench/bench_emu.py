@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import write_results  # noqa: E402
 from emu import mixes  # noqa: E402
 from emu.mininet_backend import run_mininet, run_torch_job  # noqa: E402
-from emu.net import EmulatedNetwork, FidelityError, plan_network  # noqa: E402
+from emu.net import EmulatedNetwork, EmulationError, FidelityError, plan_network  # noqa: E402
 from emu.results import RunResult, compare_results  # noqa: E402
 from emu.sim import simulate  # noqa: E402
 from emu.workload import ComputePhase, Job, P2PPhase, Transfer, Workload, example_workload  # noqa: E402
@@ -179,7 +179,7 @@ def run_agreement(quick: bool, cpu_limit: float, only: str | None = None) -> lis
         for mode in case.modes:
             try:
                 rows += run_case(case, mode, cpu_limit)
-            except FidelityError as exc:  # stopped early (a qdisc tree changed under the run)
+            except (FidelityError, EmulationError) as exc:  # stopped early (a qdisc tree changed under the run), or did not finish
                 print(f"{case.name}: {exc}", file=sys.stderr)
                 rows.append({"case": case.name, "nic_mode": mode, "job": "-", "status": f"stopped: {str(exc)[:120]}"})
             print(f"{case.name} [{mode}]: {rows[-1].get('case_mape_pct')}", file=sys.stderr)
