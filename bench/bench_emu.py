@@ -125,8 +125,17 @@ def _emulate(case: Case, workload: Workload, mode: str, cpu_limit: float, scale:
     return emu, time.perf_counter() - t0
 
 
+def _bottleneck(case: Case, workload: Workload, sim: RunResult, emu: RunResult) -> str:
+    """The simulator's busiest NIC direction and its mean utilisation in both runs (from their flow records)."""
+    u_sim, u_emu = mixes.nic_utilisation(case.topo, workload, sim), mixes.nic_utilisation(case.topo, workload, emu)
+    if not u_sim:
+        return "-"
+    nic = max(u_sim, key=u_sim.get)
+    return f"{nic} {u_sim[nic]:.0%}/{u_emu.get(nic, 0.0):.0%}"
+
+
 def _rows(case: Case, label: str, mode: str, sim: RunResult, emu: RunResult, wall: float, scale: float, load: float,
-          ranking: str) -> list[dict]:
+          ranking: str, bottleneck: str) -> list[dict]:
     cmp = compare_results(sim, emu)
     fid = emu.meta["fidelity"]
     cal = fid["calibration_before"].get("error")
@@ -134,7 +143,7 @@ def _rows(case: Case, label: str, mode: str, sim: RunResult, emu: RunResult, wal
     goal = "met" if cmp["mape"] <= MAPE_GOAL else "MISS"
     return [{
         "case": label, "nic_mode": mode, "job": r["job"], "sim_iter_ms": r["sim_iteration_s"] * 1e3, "emu_iter_ms": r["mininet_iteration_s"] * 1e3,
-        "error_pct": r["error_pct"], "case_mape_pct": cmp["mape"], "goal": goal, "ranking": ranking,
+        "error_pct": r["error_pct"], "case_mape_pct": cmp["mape"], "goal": goal, "ranking": ranking, "busiest_nic_sim/emu": bottleneck,
         "cpu_busy": fid["cpu"]["busy_mean"], "load_1m": load, "calib_err_pct": None if cal is None else 100 * cal,
         "K": case.opts["time_scale"] * scale, "M": case.opts.get("byte_scale", 1.0), "wall_s": wall, "status": status,
     } for r in cmp["rows"]]
@@ -159,10 +168,11 @@ def run_case(case: Case, mode: str, cpu_limit: float) -> list[dict]:
             faster_emu = sum(_means(emus[shifted][0]).values()) < sum(_means(emus[plain][0]).values())
             shift = f"; shifted faster: sim {'yes' if faster_sim else 'no'}, emu {'yes' if faster_emu else 'no'}"
         batch = []
-        for label, _w in variants:
+        for label, w in variants:
             emu, wall = emus[label]
             ranking = ("same" if mixes.ranking_agrees(_means(sims[label]), _means(emu)) else "DIFFERENT") + shift
-            batch += _rows(case, label + (f" [repeat, K x{scale:g}]" if scale > 1 else ""), mode, sims[label], emu, wall, scale, load, ranking)
+            batch += _rows(case, label + (f" [repeat, K x{scale:g}]" if scale > 1 else ""), mode, sims[label], emu, wall, scale, load, ranking,
+                           _bottleneck(case, w, sims[label], emu))
         rows += batch
         saturated = max(r["cpu_busy"] or 0.0 for r in batch) > CPU_SATURATED
         missed = any(r["goal"] == "MISS" for r in batch)
@@ -259,7 +269,9 @@ def main() -> None:
                             "M=50, in both NIC modes (aggregate: one veth per server with an HTB subtree per NIC; per-leaf: one veth per "
                             "rail). error_pct = (emu - sim) / sim; case_mape_pct = mean |error| over the case's jobs (goal <= 10 %); "
                             "ranking: does the simulator order the jobs (and shifted vs unshifted) as the emulation does (jobs within 2 % "
-                            "in the simulator may go either way). cpu_busy is the whole machine's (other users included) during the run; "
+                            "in the simulator may go either way); busiest_nic: the simulator's most utilised NIC direction and its mean utilisation "
+                            "over the run in both backends (from their flow records). "
+                            "cpu_busy is the whole machine's (other users included) during the run; "
                             f"load_1m the 1-minute load average at its start (at the end of the benchmark: {load[0]:.2f} {load[1]:.2f} "
                             f"{load[2]:.2f}). A run that missed the goal with cpu_busy > {CPU_SATURATED} is repeated at "
                             f"{REPEAT_SCALE}K (a third of the packet rate, three times the duration) and marked [repeat, K x{REPEAT_SCALE}]. "

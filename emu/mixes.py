@@ -29,7 +29,9 @@ several jobs' traffic onto one rail.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+from .results import RunResult
 from .workload import CollectivePhase, ComputePhase, Job, P2PPhase, Transfer, Workload
 
 
@@ -113,6 +115,41 @@ def cassini_pair(shifts: Mapping[str, float] | None = None, *, iterations: int =
     ])
 
 
+def nic_utilisation(topo: Any, workload: Workload, result: RunResult, *, default_routing: str = "ecmp") -> dict[str, float]:
+    """Mean utilisation of every NIC direction over the run, from a result's flow records (any backend).
+
+    A flow between servers counts its bytes on the NIC it leaves through
+    (``"<nic> out"``) and the one it enters through (``"<nic> in"``) on the
+    simulator's route (the job's ``routing``); the utilisation is those bytes
+    over the NIC's rate times the run's makespan. The simulator's busiest NIC
+    is the mix's bottleneck; the emulation's flow records give the same
+    figure from measured times (a longer run, a lower utilisation).
+
+    >>> from topology import default_cluster
+    >>> from emu.sim import simulate
+    >>> t = default_cluster()
+    >>> u = nic_utilisation(t, three_classes(), simulate(t, three_classes()))
+    >>> max(u, key=u.get), round(max(u.values()), 2)
+    ('node0/nic0 out', 0.8)
+    """
+    from topology.model import LinkKind
+
+    from .net import route_nics
+
+    rate = {u: d["bw"] * 1e9 for u, _v, _k, d in topo.links(LinkKind.NETWORK) if topo.graph.nodes[u].get("kind") == "nic"}
+    routing = {j.name: j.routing or default_routing for j in workload.jobs}
+    carried: dict[str, float] = {}
+    for f in result.flows:
+        if topo.host_of(f.src) == topo.host_of(f.dst) or f.nbytes <= 0:
+            continue
+        out_nic, in_nic = route_nics(topo, f.src, f.dst, routing[f.job])
+        for nic, way in ((out_nic, "out"), (in_nic, "in")):
+            if nic is not None:
+                carried[f"{nic} {way}"] = carried.get(f"{nic} {way}", 0.0) + f.nbytes
+    span = result.makespan
+    return {k: b / (rate[k.split()[0]] * span) for k, b in sorted(carried.items())} if span > 0 else {}
+
+
 def ranking_agrees(reference: Mapping[str, float], other: Mapping[str, float], *, tie: float = 0.02) -> bool:
     """Whether ``other`` orders every pair of jobs as ``reference`` does (pairs within ``tie`` of each other in ``reference`` may go either way).
 
@@ -132,5 +169,5 @@ def ranking_agrees(reference: Mapping[str, float], other: Mapping[str, float], *
     return True
 
 
-__all__ = ["RAIL_PAIRS", "cassini_pair", "dp_sizes", "moe_beside_dp", "pipeline_beside_dp", "pipeline_dp_job",
+__all__ = ["RAIL_PAIRS", "cassini_pair", "dp_sizes", "moe_beside_dp", "nic_utilisation", "pipeline_beside_dp", "pipeline_dp_job",
            "ranking_agrees", "three_classes"]

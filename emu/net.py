@@ -370,7 +370,7 @@ def route_flow(plan: NetworkPlan, topo: Topology, src_gpu: str, dst_gpu: str) ->
     raise EmulationError(f"no shared leaf between {a} and {b}")
 
 
-def _route_nics(topo: Topology, src_gpu: str, dst_gpu: str, policy: str) -> tuple[str | None, str | None]:
+def route_nics(topo: Topology, src_gpu: str, dst_gpu: str, policy: str) -> tuple[str | None, str | None]:
     """The NIC a flow leaves its server through and the NIC it enters the other through, on the simulator's route.
 
     :func:`topology.routing.flow_paths` under ``policy`` (an ECMP split differs
@@ -412,7 +412,7 @@ def flow_endpoints(plan: NetworkPlan, topo: Topology, src_gpu: str, dst_gpu: str
     a, b = topo.host_of(src_gpu), topo.host_of(dst_gpu)
     if a == b:
         return None
-    out_nic, in_nic = _route_nics(topo, src_gpu, dst_gpu, policy)
+    out_nic, in_nic = route_nics(topo, src_gpu, dst_gpu, policy)
     ha, hb = plan.emu_host(a), plan.emu_host(b)
     if plan.nic_mode == "aggregate":
         tx, rx = plan.interfaces_of(ha)[0], plan.interfaces_of(hb)[0]

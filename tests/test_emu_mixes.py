@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from emu import mixes
 from emu.htb import NUM_PRIORITIES, _address_key, batch_state, check_htb_tree, class_counters, htb_tree_commands, nic_ack_classid, nic_classid
-from emu.net import WIRE_OVERHEAD, _route_nics, flow_endpoints, plan_network
+from emu.net import WIRE_OVERHEAD, flow_endpoints, plan_network, route_nics
 from emu.sim import simulate
 from emu.workload import CollectivePhase, Job, Workload, WorkloadError, loads_workload
 from topology import default_cluster
@@ -63,7 +63,7 @@ def test_pxn_classes_share_one_nic_in_priority_order(topo):
     alone = {j.name: _iteration(topo, Workload("solo", [j]), j.name) for j in w.jobs}
     assert times["hi"] == pytest.approx(alone["hi"], rel=1e-9)  # class 0 never waits
     assert times["hi"] < times["mid"] < times["lo"] and times["mid"] > alone["mid"] and times["lo"] > alone["lo"]
-    out_nic = {_route_nics(topo, *mixes.RAIL_PAIRS[j], "rail")[0] for j in times}
+    out_nic = {route_nics(topo, *mixes.RAIL_PAIRS[j], "rail")[0] for j in times}
     assert out_nic == {"node0/nic0"}  # the shared NIC the case is built on
 
 
@@ -138,7 +138,7 @@ def test_flows_leave_and_enter_through_the_nics_the_simulator_routes_them_throug
     agg = plan_network(topo, time_scale=8000, nic_mode="aggregate", prefix="nw")
     leaf = plan_network(topo, time_scale=1000, prefix="nw")
     for src, dst in [("node0/gpu1", "node3/gpu6"), ("node2/gpu5", "node1/gpu5"), ("node1/gpu7", "node0/gpu0")]:
-        out_nic, in_nic = _route_nics(topo, src, dst, policy)
+        out_nic, in_nic = route_nics(topo, src, dst, policy)
         tx, src_ip, rx, dst_ip = flow_endpoints(agg, topo, src, dst, policy)
         assert src_ip == tx.nic_ips[tx.nics.index(out_nic)] and dst_ip == rx.nic_ips[rx.nics.index(in_nic)]
         tx, src_ip, rx, dst_ip = flow_endpoints(leaf, topo, src, dst, policy)
@@ -198,3 +198,15 @@ def test_the_tree_check_names_a_missing_nic_leaf_and_filter():
     problems = check_htb_tree(spec, qd, broken, "")
     assert any("NIC leaf 1:113 (10.1.0.1, priority 3) missing" in p for p in problems)
     assert any("no u32 filter sending src 10.1.0.1 with TOS 0x80 to 1:113" in p for p in problems)
+
+
+def test_nic_utilisation_of_a_lone_transfer_is_its_share_of_the_run(topo):
+    # one 50 MB send and nothing else: the send's two NICs are busy for the whole run, every other NIC idle
+    from emu.workload import P2PPhase, Transfer
+
+    w = Workload("one", [Job("j", ("node0/gpu1", "node2/gpu6"), (P2PPhase("s", (Transfer("node0/gpu1", "node2/gpu6", 50e6),)),))])
+    u = mixes.nic_utilisation(topo, w, simulate(topo, w, latency=False))
+    assert u == pytest.approx({"node0/nic1 out": 1.0, "node2/nic6 in": 1.0})
+    rail = w.with_job(Job("j", ("node0/gpu1", "node2/gpu6"), w.jobs[0].phases, routing="rail"))
+    u = mixes.nic_utilisation(topo, rail, simulate(topo, rail, latency=False))
+    assert u == pytest.approx({"node0/nic6 out": 1.0, "node2/nic6 in": 1.0})  # PXN: out through the destination's rail
