@@ -10,8 +10,9 @@ in a controller that lives in this process:
   concurrent point-to-point flows (step *s+1* starts when every flow of step
   *s* has arrived); a ``p2p`` phase is one step;
 - a flow between GPUs of different servers is a real TCP connection from the
-  source server's agent to the destination's, over the interface that
-  :func:`emu.net.route_flow` picks, marked with the DSCP of the phase's
+  source server's agent to the destination's, over the interface and
+  addresses that :func:`emu.net.flow_endpoints` picks (the NICs of the
+  simulator's route under the job's ``routing``), marked with the DSCP of the phase's
   priority (``IP_TOS``) and paced with ``SO_MAX_PACING_RATE`` when the phase
   has a ``rate_cap``; its end is the receiver's stamp of the last byte;
 - a flow between GPUs of one server is *modelled*, not emulated: a timer of
@@ -58,9 +59,9 @@ from topology import Topology
 from topology.errors import InputError
 
 from .htb import NUM_PRIORITIES, tos_for_priority
-from .net import WIRE_OVERHEAD, CpuMonitor, EmulatedNetwork, EmulationError, FidelityError, NetworkPlan, plan_network, route_flow
+from .net import WIRE_OVERHEAD, CpuMonitor, EmulatedNetwork, EmulationError, FidelityError, NetworkPlan, flow_endpoints, plan_network
 from .results import FlowRecord, JobResult, PhaseRecord, RunResult
-from .sim import phase_flows
+from .sim import SimConfig, phase_flows
 from .workload import ComputePhase, Job, Workload
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ DEFAULT_CPU_LIMIT = 0.95
 #: scheduled promptly (a starved receiver stalls its TCP flow); raising their priority keeps the emulation faithful while
 #: other work shares the machine. Root may lower niceness; the driver's own niceness is restored after the run.
 EMULATION_NICE = -10
+#: Routing of jobs without their own ``routing``: the simulator's default, so both backends use the same NICs.
+DEFAULT_ROUTING = SimConfig().routing
 
 
 # -- control plane ----------------------------------------------------------------------------------------
@@ -280,16 +283,16 @@ class _Executor:
             flow = _Flow(next(self.ids), job.name, run.iteration, phase.name, run.step, src, dst, nbytes, prio)
             self.flows[flow.id] = flow
             run.pending.add(flow.id)
-            route = route_flow(self.plan, self.topo, src, dst)
+            route = flow_endpoints(self.plan, self.topo, src, dst, job.routing or DEFAULT_ROUTING)
             if route is None or nbytes <= 0:
                 flow.emulated = False
                 flow.start = now
                 seconds = 0.0 if nbytes <= 0 else self._intra_seconds(src, dst, nbytes)
                 self.timers.append((now + seconds * self.K, "flow", flow))
                 continue
-            tx, rx = route
+            tx, src_ip, _rx, dst_ip = route
             order = {"type": "send", "flow": flow.id, "nbytes": max(1, int(round(nbytes / self.byte_scale))), "tos": tos_for_priority(prio),
-                     "src_ip": tx.ip, "dst_ip": rx.ip, "port": self.agents.port}
+                     "src_ip": src_ip, "dst_ip": dst_ip, "port": self.agents.port}
             if cap:
                 order["pacing_bytes_per_s"] = int(cap * 1e9 / self.plan.time_scale * WIRE_OVERHEAD)
             self.agents.controller.send(tx.host, order)
