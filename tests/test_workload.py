@@ -211,7 +211,7 @@ def test_the_documented_example_loads_and_round_trips():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "workload.md").read_text()
-    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    block = text.split("cat > w.yaml <<'YAML'\n", 1)[1].split("\nYAML\n", 1)[0]  # the guide writes it with a heredoc
     w = loads_workload(block, source="docs/workload.md")
     w.validate(default_cluster())
     b = w.job("dp-b")
