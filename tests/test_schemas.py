@@ -52,6 +52,8 @@ def test_every_schema_is_a_documented_draft_2020_12_schema(fmt):
     for name, definition in schema.get("$defs", {}).items():   # shared definitions are copies of the one source
         if name in UNITS["$defs"]:
             assert definition == UNITS["$defs"][name], f"{fmt.name}: $defs.{name} differs from topology/schemas/units.schema.json"
+    refs = set(re.findall(r'"\$ref": "#/\$defs/([A-Za-z0-9]+)"', json.dumps(schema)))
+    assert refs == set(schema.get("$defs", {})), f"{fmt.name}: $refs {sorted(refs)} against $defs {sorted(schema.get('$defs', {}))}"
     # the top-level fields say what they are (or are a constant, or a shared definition that does)
     for field, sub in schema.get("properties", {}).items():
         assert sub.get("description") or sub.get("title") or "const" in sub or "$ref" in sub, f"{fmt.name}: {field}"
@@ -355,14 +357,34 @@ def test_schema_and_hand_reader_agree_on_every_single_mutation(fmt, monkeypatch)
     assert _valid(fmt, doc) and _hand_verdict(read, doc) is None
     cases = 0
     for label, mutated in _mutations(doc):
-        schema_ok = _valid(fmt, mutated)
-        hand = _hand_verdict(read, mutated)
-        if not schema_ok:
-            assert hand is not None or re.fullmatch(_TIGHTENINGS, label), f"{fmt}: {label}: the schema refuses what the reader accepts"
-        elif hand is not None:
-            assert re.search(semantic, hand), f"{fmt}: {label}: the reader refuses ({hand}) what the schema accepts"
+        _agree(fmt, read, semantic, label, mutated)
         cases += 1
     assert cases > 100
+
+
+def _agree(fmt: str, read, semantic: str, label: str, doc: Any) -> None:
+    schema_ok = _valid(fmt, doc)
+    hand = _hand_verdict(read, doc)
+    if not schema_ok:
+        assert hand is not None or re.search(_TIGHTENINGS, label), f"{fmt}: {label}: the schema refuses what the reader accepts"
+    elif hand is not None:
+        assert re.search(semantic, hand), f"{fmt}: {label}: the reader refuses ({hand}) what the schema accepts"
+
+
+@settings(max_examples=25, deadline=None)
+@given(fmt=st.sampled_from(["jobs", "workload", "flow-plan", "topology", "hived-config"]), data=st.data())
+def test_schema_and_hand_reader_agree_on_random_double_mutations(fmt, data):
+    """Two mutations at once, picked by hypothesis: the same rules as for single ones."""
+    import importlib
+
+    seed, read, module, semantic = _readers()[fmt]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(importlib.import_module(module), "validate", lambda *a, **k: None)
+        doc, labels = seed(), []
+        for _ in range(2):
+            label, doc = data.draw(st.sampled_from(list(_mutations(doc))), label="mutation")
+            labels.append(label)
+        _agree(fmt, read, semantic, " and ".join(labels), doc)
 
 
 def _job_plan_seed() -> dict[str, Any]:
@@ -402,13 +424,11 @@ def test_job_plan_schema_and_runtime_reader_agree_exactly(monkeypatch):
     assert disagreements == []
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.data())
 def test_job_plan_agreement_on_random_double_mutations(data):
     """Two mutations at once (hypothesis picks them): still the same verdict."""
-    import pytest as _pytest
-
-    with _pytest.MonkeyPatch.context() as mp:
+    with pytest.MonkeyPatch.context() as mp:
         read = _job_plan_reader(mp)
         doc = _job_plan_seed()
         for _ in range(2):
@@ -446,7 +466,7 @@ def test_schema_list_and_show(capsys):
     ('{"jobs": [{"name": "a"}]}', "jobs.json: jobs[0].gpus: missing required field"),
     ('{"jobs": []}', "jobs.json: jobs: expected a non-empty list"),
     ('[]', "jobs.json: (top level): expected a non-empty list"),
-    ('{"jobs": [{"name": "../x", "gpus": 1}]}', "jobs.json: jobs[0].name: expected a name of letters, digits and . _ - + @ :"),
+    ('{"jobs": [{"name": "../x", "gpus": 1}]}', "jobs.json: jobs[0].name: expected a job name of letters, digits and . _ - + @ :"),
 ])
 def test_schema_check_names_file_path_and_expectation_on_one_line(text, line, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -153,8 +153,10 @@ def path_text(parts: Any) -> str:
 def describe(error: Any) -> tuple[str, str]:
     """``(JSON path, message)`` for a ``jsonschema`` error, in the project's words (``expected ..., got ...``).
 
-    A subschema's ``title`` says what a value must be (``"a size in bytes: a number or 2GB, 1.5 GiB..."``); without
-    one the message is composed from the failing keyword.
+    A subschema's ``title`` says what a value must be (``"a positive number of bytes or a size with a unit (2GB, ...)"``);
+    a number's ``x-what`` names it for its bounds (``"a bandwidth in GB/s"``: ``expected a bandwidth in GB/s > 0``), as
+    :func:`topology.inputs.check_number` words them (validators ignore such ``x-`` keywords); without either the
+    message is composed from the failing keyword.
     """
     path = list(error.absolute_path)
     schema = error.schema if isinstance(error.schema, dict) else {}
@@ -173,6 +175,12 @@ def describe(error: Any) -> tuple[str, str]:
         return path_text(path), f"expected keys that are {title or 'names'}, got {_show(bad)}"
     if keyword == "const" and path and path[-1] == "version":
         return path_text(path), f"unsupported version {_show(instance)}, expected {_show(expected)}"
+    what = schema.get("x-what")
+    if what and keyword in _BOUNDS:
+        limit = " (the limit)" if keyword == "maximum" else ""
+        return path_text(path), f"expected {what} {_BOUNDS[keyword]} {_num(expected)}{limit}, got {_show(instance)}"
+    if what and keyword == "type":
+        return path_text(path), f"expected {what}, got {_show(instance)}"
     if schema.get("title") and len(error.absolute_schema_path) > 1:  # the root's title names the format, not a value
         return path_text(path), f"expected {schema['title']}, got {_show(instance)}"
     if keyword in ("anyOf", "oneOf") and error.context:
@@ -182,6 +190,9 @@ def describe(error: Any) -> tuple[str, str]:
         meant = [e for e in error.context if not (e.validator == "type" and e.validator_value == "null")] or error.context
         return describe(max(meant, key=relevance))
     return path_text(path), _keyword_message(keyword, expected, instance, error.message)
+
+
+_BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
 
 
 def _valid(value: Any, schema: Any) -> bool:
