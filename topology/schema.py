@@ -77,6 +77,8 @@ def validator_for(schema: dict[str, Any]) -> Any:
     """A draft 2020-12 validator for ``schema`` (built once per schema object; integers are ``int`` only)."""
     entry = _VALIDATORS.get(id(schema))
     if entry is None or entry[0] is not schema:
+        if len(_VALIDATORS) > 256:   # ad-hoc schemas (the shipped ones are few and cached for good)
+            _VALIDATORS.clear()
         entry = (schema, _validator_class()(schema))
         _VALIDATORS[id(schema)] = entry
     return entry[1]
@@ -88,7 +90,7 @@ def iter_problems(data: Any, schema: dict[str, Any]) -> Iterator[tuple[str, str]
     >>> list(iter_problems({"a": -1, "b": "x"}, {"properties": {"a": {"minimum": 0}, "b": {"type": "integer"}}}))
     [('a', 'expected a number >= 0, got -1'), ('b', "expected an integer, got 'x'")]
     """
-    errors = sorted(validator_for(schema).iter_errors(data), key=lambda e: [str(p) for p in e.absolute_path])
+    errors = sorted(validator_for(schema).iter_errors(data), key=lambda e: _order_key(data, e))
     for error in errors:
         yield describe(error)
 
@@ -177,8 +179,7 @@ def describe(error: Any) -> tuple[str, str]:
         return path_text(path), f"unsupported version {_show(instance)}, expected {_show(expected)}"
     what = schema.get("x-what")
     if what and keyword in _BOUNDS:
-        limit = " (the limit)" if keyword == "maximum" else ""
-        return path_text(path), f"expected {what} {_BOUNDS[keyword]} {_num(expected)}{limit}, got {_show(instance)}"
+        return path_text(path), _bound_message(what, keyword, expected, instance)
     if what and keyword == "type":
         return path_text(path), f"expected {what}, got {_show(instance)}"
     if schema.get("title") and len(error.absolute_schema_path) > 1:  # the root's title names the format, not a value
@@ -195,6 +196,12 @@ def describe(error: Any) -> tuple[str, str]:
 _BOUNDS = {"minimum": ">=", "exclusiveMinimum": ">", "maximum": "<=", "exclusiveMaximum": "<"}
 
 
+def _bound_message(what: str, keyword: str, bound: Any, instance: Any) -> str:
+    """``expected a bandwidth in GB/s > 0, got -1``: a numeric bound as :func:`topology.inputs.check_number` words it."""
+    limit = " (the limit)" if keyword == "maximum" else ""
+    return f"expected {what} {_BOUNDS[keyword]} {_num(bound)}{limit}, got {_show(instance)}"
+
+
 def _valid(value: Any, schema: Any) -> bool:
     return validator_for(schema if isinstance(schema, dict) else {}).is_valid(value)
 
@@ -209,14 +216,8 @@ def _keyword_message(keyword: str, expected: Any, instance: Any, fallback: str) 
         return f"expected one of {', '.join(str(x) for x in expected)}{got}"
     if keyword == "const":
         return f"expected {_show(expected)}{got}"
-    if keyword == "minimum":
-        return f"expected a number >= {_num(expected)}{got}"
-    if keyword == "exclusiveMinimum":
-        return f"expected a number > {_num(expected)}{got}"
-    if keyword == "maximum":
-        return f"expected a number <= {_num(expected)} (the limit){got}"
-    if keyword == "exclusiveMaximum":
-        return f"expected a number < {_num(expected)}{got}"
+    if keyword in _BOUNDS:
+        return _bound_message("a number", keyword, expected, instance)
     if keyword == "minItems":
         return "expected a non-empty list" if expected == 1 else f"expected at least {expected} items, got {len(instance)}"
     if keyword == "maxItems":
