@@ -7,7 +7,7 @@ to wire them into VS Code. ``check`` applies the schema only: what a schema cann
 the virtual clusters, a workload's GPUs in the topology) is checked by the command that reads the file.
 
 >>> [f.name for f in FORMATS]
-['topology', 'jobs', 'workload', 'hived-config', 'flow-plan', 'pipeline-stages', 'job-plan']
+['topology', 'jobs', 'workload', 'hived-config', 'flow-plan', 'model-config', 'pipeline-stages', 'job-plan']
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ FORMATS: tuple[FileFormat, ...] = (
     FileFormat("workload", "emu", "*.yaml / *.json (netweave-workload)", "emu run/compare, flow plan/profile", "emu example, you"),
     FileFormat("hived-config", "placement", "hivedscheduler.yaml", "place import-hived", "place export-hived, place import-hived --out"),
     FileFormat("flow-plan", "flowsched", "flowplan.json (netweave-flow-plan)", "flow apply/agent, the NCCL plugin", "flow plan --out"),
+    FileFormat("model-config", "pipesched", "gpt.yaml (a GPT or Llama model)", "pipe profile/plan/export --model, a job's model:", "you"),
     FileFormat("pipeline-stages", "pipesched", "stages.json", "your launcher (beside torch's schedule.csv)", "pipe export --out"),
     FileFormat("job-plan", "netweave.runtime", "bundle/<job>/plan.json (netweave-job-plan)", "netweave.runtime in the training script",
                "launch --out"),

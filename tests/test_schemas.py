@@ -122,6 +122,7 @@ def _doc_blocks() -> list[tuple[str, str, Any]]:
             if not isinstance(data, dict):
                 continue
             fmt = ("hived-config" if "physicalCluster" in data else "flow-plan" if data.get("format") == "netweave-flow-plan"
+                   else "model-config" if {"layers", "hidden", "heads"} <= set(data)
                    else "workload" if "jobs" in data and any(isinstance(j, dict) and "phases" in j for j in data["jobs"])
                    else "jobs" if "jobs" in data else None)
             if fmt:
@@ -131,7 +132,7 @@ def _doc_blocks() -> list[tuple[str, str, Any]]:
 
 def test_the_docs_examples_follow_their_schemas():
     blocks = _doc_blocks()
-    assert {fmt for _, fmt, _ in blocks} >= {"jobs", "workload", "flow-plan"}, blocks
+    assert {fmt for _, fmt, _ in blocks} >= {"jobs", "workload", "flow-plan", "model-config"}, blocks
     for name, fmt, data in blocks:
         validate(data, format_schema(find_format(fmt)), source=f"{name} ({fmt})")
 
@@ -317,9 +318,16 @@ def _hived_seed() -> dict[str, Any]:
     return yaml.safe_load(EXAMPLE)
 
 
+def _model_seed() -> dict[str, Any]:
+    return {"name": "m", "kind": "llama", "layers": 4, "hidden": 512, "heads": 8, "kv_heads": 4, "seq_len": 256, "vocab": 1000,
+            "ffn_hidden": 1024, "microbatch_size": 2, "dtype": "bf16", "tflops": 989, "hbm_gbs": 3350.0, "flops_efficiency": 0.5,
+            "memory_efficiency": 0.8}
+
+
 def _readers():
     from emu.workload import workload_from_dict
     from flowsched.plan import plan_from_dict
+    from pipesched.profile import config_from_dict
     from placement.hived_config import HivedConfig
     from placement.planner import loads_jobs_file
     from topology.model import Topology
@@ -333,6 +341,7 @@ def _readers():
                       r"second rule|DSCP|class \d|'order:N'|the limit"),
         "topology": (_topology_seed, lambda d: Topology.from_dict(d, source="t.json"), "topology.model",
                      r"used twice|unknown node|two different devices|given twice|the limit"),
+        "model-config": (_model_seed, lambda d: config_from_dict(d, source="m.yaml"), "pipesched.profile", r"multiple of|fraction"),
         "hived-config": (_hived_seed, lambda d: HivedConfig(d, "h.yaml"), "placement.hived_config",
                          r"contains itself|isNodeLevel|one of the cellTypes|expected cellType|children|leaf cell|needs cellAddress|"
                          r"two cells|appears twice|pinnedCellId|does not start with|is not a path down"),
@@ -345,7 +354,7 @@ _TIGHTENINGS = (r"\(.*'(defaults|meta|virtualClusters|virtualCells|pinnedCells)'
                 r"|\('version',\) = True")
 
 
-@pytest.mark.parametrize("fmt", ["jobs", "workload", "flow-plan", "topology", "hived-config"])
+@pytest.mark.parametrize("fmt", ["jobs", "workload", "flow-plan", "topology", "hived-config", "model-config"])
 def test_schema_and_hand_reader_agree_on_every_single_mutation(fmt, monkeypatch):
     """Schema refuses => the hand reader refuses (the schema changes no format's meaning); the hand reader refuses =>
     the schema refuses, unless the reason is one of the reader's semantic checks (cross-references, limits)."""
@@ -372,7 +381,7 @@ def _agree(fmt: str, read, semantic: str, label: str, doc: Any) -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(fmt=st.sampled_from(["jobs", "workload", "flow-plan", "topology", "hived-config"]), data=st.data())
+@given(fmt=st.sampled_from(["jobs", "workload", "flow-plan", "topology", "hived-config", "model-config"]), data=st.data())
 def test_schema_and_hand_reader_agree_on_random_double_mutations(fmt, data):
     """Two mutations at once, picked by hypothesis: the same rules as for single ones."""
     import importlib
