@@ -61,6 +61,7 @@ from topology.collectives import ALGORITHMS as OP_ALGORITHMS  # the algorithms o
 from topology.errors import InputError
 from topology.inputs import check_name, check_node_id, loads_json, loads_yaml, read_text
 from topology.limits import MAX_BANDWIDTH_GBS, MAX_BYTES, MAX_ITERATIONS, MAX_JOB_GPUS, MAX_JOBS, MAX_PHASE_RUNS, MAX_SECONDS
+from topology.schema import load_schema, validate
 from topology.units import parse_duration, parse_rate, parse_size
 
 FORMAT_NAME = "netweave-workload"
@@ -607,7 +608,12 @@ class _Reader:
 
 
 def workload_from_dict(data: Any, *, source: str | None = None) -> Workload:
-    """Build a :class:`Workload` from its plain-data form, naming the field of any error."""
+    """Build a :class:`Workload` from its plain-data form, naming the field of any error.
+
+    The structure is checked against ``emu/schemas/workload.schema.json`` first; the checks below build the objects
+    and add what a schema cannot say (phase references, cycles, GPUs of the job).
+    """
+    validate(data, load_schema("emu", "workload"), source=source, error=WorkloadError)
     r = _Reader(source)
     data = r.obj(data, "(top level)")
     if data.get("format", FORMAT_NAME) != FORMAT_NAME:

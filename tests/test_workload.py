@@ -122,7 +122,7 @@ def test_errors_name_file_and_field():
     _bad(lambda d: d["jobs"][1].__setitem__("name", "mixed"), "jobs[1].name: job name 'mixed' is used twice")
     _bad(lambda d: d["jobs"][0].__setitem__("iterations", 0), "jobs[0].iterations: expected a positive integer")
     _bad(lambda d: d["jobs"][0].__setitem__("rate_cap", 0), "jobs[0].rate_cap: expected a positive number")
-    _bad(lambda d: d["jobs"][0].__setitem__("colour", "red"), "jobs[0]: unknown field 'colour'")
+    _bad(lambda d: d["jobs"][0].__setitem__("colour", "red"), "jobs[0].colour: unknown field 'colour'")
     _bad(lambda d: d["jobs"][0]["phases"][2]["transfers"][1].pop("dst"), "jobs[0].phases[2].transfers[1].dst: missing required field")
     _bad(lambda d: d.__setitem__("version", 2), "version: unsupported version 2")
     _bad(lambda d: d["jobs"][0]["phases"][0].__setitem__("after", ["bwd"]), "form a cycle: fwd -> bwd")
