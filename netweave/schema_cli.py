@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     q = ssub.add_parser("check", help="check a file against its format's schema: exit 0, or one line and exit 2")
     q.add_argument("format", metavar="FORMAT", help=", ".join(f.name for f in FORMATS))
-    q.add_argument("file", metavar="FILE")
+    q.add_argument("file", metavar="FILE", help="the file to check (.json read as JSON, anything else as YAML)")
     add_json_flag(q)
     q.set_defaults(func=cmd_check)
 

@@ -109,7 +109,6 @@ def test_guides_are_short(page):
 
 # Guides whose commands are not run yet, with the reason (the README has its own test, tests/test_readme.py).
 NOT_RUN = {
-    "emu.md": "edited on other branches (issue #22); fragments and a two-machine Ray recipe need their test markers first",
 }
 # Their ``>>>`` examples run all the same (they need no earlier step).
 GUIDE_STEPS = [(page, step) for page in GUIDES if page.name != "README.md" for step in page_steps(page.read_text(encoding="utf-8"))
