@@ -28,6 +28,7 @@ opens a new class. Measured from the smallest member, a chain of values each
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -140,4 +141,33 @@ def rank_agreement(predicted: Sequence[float], measured: Sequence[float], *, tol
             "measured_order": sorted(range(len(meas)), key=lambda i: (meas[i], i))}
 
 
-__all__ = ["DEFAULT_TIE_TOLERANCE", "kendall_tau_b", "pair_counts", "rank_agreement", "tie_classes"]
+def spread(values: Sequence[float]) -> float:
+    """``(max - min) / median`` of repeated measurements of one candidate (0 for one).
+
+    >>> round(spread([1.0, 1.2, 1.1]), 4)
+    0.1818
+    """
+    vals = _check(values, "values")
+    if not vals:
+        raise InputError("expected at least one measurement", where="values")
+    return (max(vals) - min(vals)) / statistics.median(vals)
+
+
+def pairs_within_noise(names: Sequence[str], measured: Sequence[float], spreads: Sequence[float]) -> list[tuple[str, str]]:
+    """Pairs whose measured gap, relative to the faster of the two, is smaller than the larger of their spreads.
+
+    Such a pair's measured order is within the machine's noise: a repeat could swap it.
+
+    >>> pairs_within_noise(["a", "b", "c"], [1.0, 1.05, 2.0], [0.1, 0.0, 0.0])
+    [('a', 'b')]
+    """
+    out = []
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            gap = abs(measured[i] - measured[j]) / min(measured[i], measured[j])
+            if gap < max(spreads[i], spreads[j]):
+                out.append((names[i], names[j]))
+    return out
+
+
+__all__ = ["DEFAULT_TIE_TOLERANCE", "kendall_tau_b", "pair_counts", "pairs_within_noise", "rank_agreement", "spread", "tie_classes"]

@@ -27,7 +27,7 @@ import os
 import statistics
 from typing import Any
 
-from emu.ranking import DEFAULT_TIE_TOLERANCE, rank_agreement
+from emu.ranking import DEFAULT_TIE_TOLERANCE, pairs_within_noise, rank_agreement, spread
 
 from .calibrate import EXPORTABLE, _ours_arm, _uniform_arm, calibrate_cpu, calibrate_runtime, profile_mlp
 from .devices import Device, LinkModel
@@ -108,13 +108,12 @@ def summarize_runs(cands: list[dict[str, Any]], runs: dict[str, list[dict[str, A
     for c in cands:
         meds = [x["median_s"] for x in runs[c["name"]]]
         measured = statistics.median(meds)
-        rows.append({"name": c["name"], "predicted_s": c["predicted_s"], "measured_s": measured, "runs_s": meds,
-                     "spread": (max(meds) - min(meds)) / measured, "error": c["predicted_s"] / measured - 1.0, "spans": c.get("spans"),
+        rows.append({"name": c["name"], "predicted_s": c["predicted_s"], "measured_s": measured, "runs_s": meds, "spread": spread(meds),
+                     "error": c["predicted_s"] / measured - 1.0, "spans": c.get("spans"),
                      "recompute": c.get("recompute"), "in_flight": c.get("in_flight"),
                      "foreign_cores_max": max(x["foreign_cores"] for x in runs[c["name"]])})
     agree = rank_agreement([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows], tolerance=tolerance)
-    noisy = [(a["name"], b["name"]) for i, a in enumerate(rows) for b in rows[i + 1:]
-             if abs(a["measured_s"] - b["measured_s"]) / min(a["measured_s"], b["measured_s"]) < max(a["spread"], b["spread"])]
+    noisy = pairs_within_noise([r["name"] for r in rows], [r["measured_s"] for r in rows], [r["spread"] for r in rows])
     return rows, agree, {"pairs_within_spread": noisy, "median_spread": statistics.median(r["spread"] for r in rows)}
 
 

@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from emu.ranking import DEFAULT_TIE_TOLERANCE, rank_agreement
+from emu.ranking import DEFAULT_TIE_TOLERANCE, pairs_within_noise, rank_agreement, spread
 from emu.workload import Job, Workload
 from topology.errors import InputError
 from topology.fabrics import build_cluster
@@ -187,7 +187,9 @@ def run_ranking(mix: RankingMix, *, candidates: int = 6, repeats: int = 1, emula
     ``sim_iter_s`` and ``sim_mix_mean_s`` (the new job's and all jobs' mean iteration time in the simulator),
     and with emulation ``emu_iter_s``, ``emu_mix_mean_s``, the per-run values and fidelity summaries.
     ``agreement`` holds tau for ``planner_cost``, ``cassini_iter_s`` and ``sim_iter_s`` against the measured
-    new-job time (``emu_iter_s``, else ``sim_iter_s``), and ``sim_mix_mean_s`` against ``emu_mix_mean_s``.
+    new-job time (``emu_iter_s``, else ``sim_iter_s``), and ``sim_mix_mean_s`` against ``emu_mix_mean_s``. With emulation,
+    ``emu_iter_spread`` is (max - min) / median of a candidate's runs and ``pairs_within_noise`` lists the pairs of
+    candidates (by rank) measured closer than that (:func:`emu.ranking.pairs_within_noise`).
     """
     from emu.sim import simulate
 
@@ -211,6 +213,7 @@ def run_ranking(mix: RankingMix, *, candidates: int = 6, repeats: int = 1, emula
         for c in cands:
             c["emu_iter_runs_s"] = [r["jobs_s"][new] for r in c["runs"]]
             c["emu_iter_s"] = statistics.median(c["emu_iter_runs_s"])
+            c["emu_iter_spread"] = spread(c["emu_iter_runs_s"])
             c["emu_mix_mean_s"] = statistics.median(statistics.fmean(r["jobs_s"].values()) for r in c["runs"])
             c["emu_jobs_s"] = {j: statistics.median(r["jobs_s"][j] for r in c["runs"]) for j in c["runs"][0]["jobs_s"]}
             c["fidelity_ok"] = all(r["fidelity"]["ok"] for r in c["runs"])
@@ -224,7 +227,11 @@ def run_ranking(mix: RankingMix, *, candidates: int = 6, repeats: int = 1, emula
         if emulate:
             agree["sim_mix_mean_s vs emu_mix_mean_s"] = rank_agreement([c["sim_mix_mean_s"] for c in cands],
                                                                        [c["emu_mix_mean_s"] for c in cands], tolerance=tolerance)
-    return {"mix": mix.to_dict(), "candidates": cands, "measured": target, "repeats": repeats if emulate else 0, "agreement": agree}
+    out = {"mix": mix.to_dict(), "candidates": cands, "measured": target, "repeats": repeats if emulate else 0, "agreement": agree}
+    if emulate:
+        out["pairs_within_noise"] = pairs_within_noise([str(c["rank"]) for c in cands], [c["emu_iter_s"] for c in cands],
+                                                       [c["emu_iter_spread"] for c in cands])
+    return out
 
 
 __all__ = ["DEFAULT_COMM_FRACTIONS", "EMU_PREFIX", "RankingMix", "contended_mix", "rank_placements", "run_ranking"]

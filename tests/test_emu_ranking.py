@@ -94,3 +94,13 @@ def test_invariants(pred):
         assert r["tau"] > 0 and rev["tau"] == pytest.approx(-r["tau"])
     # tie classes are monotone in the values
     assert all(pc[i] <= pc[j] for i in range(len(pred)) for j in range(len(pred)) if pred[i] <= pred[j])
+
+
+def test_spread_and_pairs_within_noise():
+    from emu.ranking import pairs_within_noise, spread
+
+    assert spread([2.0]) == 0.0
+    assert spread([1.0, 1.5, 2.0]) == pytest.approx(1.0 / 1.5)
+    # gaps relative to the faster: a/b 10 %, b/c 50 %, a/c 65 %; only a/b is inside a spread (b's 15 %)
+    assert pairs_within_noise(["a", "b", "c"], [1.0, 1.1, 1.65], [0.0, 0.15, 0.2]) == [("a", "b")]
+    assert pairs_within_noise(["a", "b"], [1.0, 1.1], [0.0, 0.0]) == []
