@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import os
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from emu.ranking import DEFAULT_TIE_TOLERANCE, pairs_within_noise, rank_agreement, spread
 
 from .calibrate import EXPORTABLE, _ours_arm, _uniform_arm, calibrate_cpu, calibrate_runtime, profile_mlp
 from .devices import Device, LinkModel
-from .plan import Plan, plan, uniform_plan, with_runtime
+from .plan import Plan, plan, resimulate, uniform_plan, with_runtime
 from .profile import ModelProfile
 from .runner import run_pipeline
 from .simulate import SharedCpu
@@ -44,14 +45,20 @@ def plan_candidates(profile: ModelProfile, devices: list[Device], link: LinkMode
     Each family is planned with :func:`pipesched.plan.plan` and simulated as torch's ``_PipelineScheduleRuntime``
     runs our CSV schedules; the baseline, equal layer counts per stage, as torch's ``Schedule1F1B`` runs it. Each
     candidate: ``name``, ``plan`` (a :class:`~pipesched.plan.Plan`), ``how`` (the ``run_pipeline`` arguments),
-    ``predicted_s`` (the simulated iteration), ``spans``, ``recompute`` and ``in_flight``.
+    ``predicted_s`` (the simulated iteration), ``spans``, ``recompute`` and ``in_flight``, and, a diagnostic,
+    ``predicted_own_core_s``: the same plan simulated with a core per rank (``cores`` = ranks, efficiency 1), the
+    model of a machine whose other users' processes take each rank's share away from it alone rather than from a
+    pool our ranks share (then an idle rank's share goes to the other users, not to our busy ranks).
     """
     out: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
 
+    own_core = replace(cores, cores=float(len(devices)), efficiency=1.0)
+
     def add(name: str, p: Plan, how: dict[str, Any]) -> None:
         out.append({"name": name, "plan": p, "how": how, "predicted_s": p.sim.makespan, "spans": [list(s.layers) for s in p.partition.stages],
-                    "recompute": [s.recompute for s in p.partition.stages], "in_flight": p.in_flight})
+                    "recompute": [s.recompute for s in p.partition.stages], "in_flight": p.in_flight,
+                    "predicted_own_core_s": resimulate(p, cores=own_core).makespan})
 
     for fam in EXPORTABLE:
         try:
@@ -112,7 +119,11 @@ def summarize_runs(cands: list[dict[str, Any]], runs: dict[str, list[dict[str, A
                      "error": c["predicted_s"] / measured - 1.0, "spans": c.get("spans"),
                      "recompute": c.get("recompute"), "in_flight": c.get("in_flight"),
                      "foreign_cores_max": max(x["foreign_cores"] for x in runs[c["name"]])})
+        if "predicted_own_core_s" in c:
+            rows[-1]["predicted_own_core_s"] = c["predicted_own_core_s"]
     agree = rank_agreement([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows], tolerance=tolerance)
+    if all("predicted_own_core_s" in r for r in rows):
+        agree["own_core"] = rank_agreement([r["predicted_own_core_s"] for r in rows], [r["measured_s"] for r in rows], tolerance=tolerance)
     noisy = pairs_within_noise([r["name"] for r in rows], [r["measured_s"] for r in rows], [r["spread"] for r in rows])
     return rows, agree, {"pairs_within_spread": noisy, "median_spread": statistics.median(r["spread"] for r in rows)}
 

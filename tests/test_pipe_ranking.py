@@ -33,6 +33,8 @@ def test_candidates_are_every_family_and_the_baseline_best_first():
         assert c["predicted_s"] == c["plan"].sim.makespan
         # ours run as CSV schedules through torch's runtime, the baseline as torch's own Schedule1F1B
         assert ("builtin" in c["how"]) == (c["name"] == "uniform + torch 1F1B")
+        # a core per rank (the diagnostic) is no slower than 4 ranks sharing 2 cores
+        assert c["predicted_own_core_s"] <= c["predicted_s"] * (1 + 1e-9)
     base = next(c for c in cands if c["name"] == "uniform + torch 1F1B")
     assert base["spans"] == [[0, 3], [3, 6], [6, 9], [9, 12]]
     # equal layer counts put all the heavy layers on the last stage: every partitioned 1F1B plan is predicted faster
