@@ -108,10 +108,12 @@ def bench_pipeline(quick: bool, rounds: int) -> tuple[list[dict], list[dict], di
 def section_notes(name: str, ex: dict) -> str:
     """The candidate table of one section, from its stored results."""
     if name == "placement":
-        noisy = ex.get("pairs_within_noise", [])
-        return (f"## Placement candidates ({ex['date']}, {ex['wall_s']:.0f} s)\n\n{markdown_table(ex['table'])}\n{len(noisy)} pair(s) of "
-                f"candidates (by rank) measured closer than their spread over runs (`emu_spread`, within the machine's noise): "
-                f"{', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.\n")
+        head = f"## Placement candidates ({ex['date']}, {ex['wall_s']:.0f} s)\n\n{markdown_table(ex['table'])}\n"
+        if "pairs_within_noise" not in ex:   # results of a run before the spread was reported
+            return head
+        noisy = ex["pairs_within_noise"]
+        return (f"{head}{len(noisy)} pair(s) of candidates (by rank) measured closer than their spread over runs (`emu_spread`, within "
+                f"the machine's noise): {', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.\n")
     noisy = ex["noise"]["pairs_within_spread"]
     return (f"## Pipeline candidates ({ex['date']}, {ex['wall_s']:.0f} s; other users' load before the runs {ex['foreign_cores_before']:.2f} "
             f"cores)\n\n{markdown_table(ex['table'])}\nMedian spread over rounds {ex['noise']['median_spread']:.1%}; {len(noisy)} pair(s) "
@@ -124,20 +126,24 @@ def main() -> None:
     parser.add_argument("--only", choices=("placement", "pipeline"), help="run one part; the other part's rows are kept from the last results")
     parser.add_argument("--repeats", type=int, default=3, help="Mininet runs per placement candidate (median); default 3, 1 with --quick")
     parser.add_argument("--rounds", type=int, default=3, help="runs per pipeline candidate (median); default 3, 2 with --quick")
+    parser.add_argument("--render", action="store_true", help="measure nothing: write the .md again from the stored .json")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
     rounds = 2 if args.quick else args.rounds
     root = os.geteuid() == 0
     name = "emu_ranking" if root or args.only == "pipeline" else "emu_ranking_sim"
     sections: dict[str, tuple[list[dict], dict]] = {}
-    if args.only is not None:   # keep the other part of the last results
+    if args.only is not None or args.render:   # keep the other part of the last results (every part with --render)
         try:
             old = json.loads((RESULTS / f"{name}.json").read_text())
         except (OSError, ValueError):
             old = {}
         for part in ("placement", "pipeline"):
-            if part != args.only and part in old:
+            if (part != args.only or args.render) and part in old:
                 sections[part] = ([r for r in old["rows"] if r["experiment"].startswith(part)], old[part])
+    if args.render:
+        write(name, sections)
+        return
     today = machine()["date"]
     if args.only in (None, "placement"):
         r, cands, ex = bench_placement(args.quick, repeats)
@@ -145,6 +151,11 @@ def main() -> None:
     if args.only in (None, "pipeline"):
         r, cands, ex = bench_pipeline(args.quick, rounds)
         sections["pipeline"] = (r, ex | {"table": cands, "date": today, "quick": args.quick})
+    write(name, sections)
+
+
+def write(name: str, sections: dict[str, tuple[list[dict], dict]]) -> None:
+    """Write ``<name>.json`` and ``.md`` from the parts' summary rows and stored results."""
     rows = [row for part in ("placement", "pipeline") if part in sections for row in sections[part][0]]
     extra = {part: sections[part][1] for part in ("placement", "pipeline") if part in sections}
     notes = [section_notes(part, ex) for part, ex in extra.items()]
