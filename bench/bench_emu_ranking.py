@@ -19,7 +19,9 @@
 Predicted values within 2 % count as one tie class (``emu.ranking``). Needs root
 and Mininet for part 1 (without, the placement rows are the simulator's only).
 Run: ``sudo .venv/bin/python bench/bench_emu_ranking.py [--quick] [--only placement|pipeline]``;
-``--quick`` finishes in about 6 minutes on a quiet 2-core machine.
+``--quick`` should take about 5 minutes on a quiet 2-core machine (an estimate from the parts' run counts: on the
+loaded machine, load average 10-20, placement with 3 repeats took 25 minutes and the quick pipeline part 21).
+``--render`` writes the .md again from the stored .json.
 """
 
 from __future__ import annotations
