@@ -88,6 +88,7 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> No
                 tiny = min(plan.transfer_bytes(k) for k in range(len(plan.transfers))) / MiB
                 variants["plain DDP, tiny buckets"] = (DDP(model(), bucket_cap_mb=tiny), None)
         times: dict[str, list[float]] = {v: [] for v in variants}
+        cpu: dict[str, list[float]] = {v: [] for v in variants}
         transfers = {v: len(p.transfers) for v, (_, p) in variants.items() if p is not None}
         for _ in range(args.repeats):
             for v, (m, _) in variants.items():
@@ -95,17 +96,40 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> No
                 for step in range(args.warmup + args.iterations):
                     x, y = ex.batch(step, rows=args.rows, seq=16, vocab=64, seed=0, rank=rank)
                     dist.barrier()
-                    t = time.perf_counter()
+                    t, c = time.perf_counter(), time.process_time()
                     opt.zero_grad(set_to_none=True)
                     ex.loss_fn(m(x), y).backward()
                     opt.step()
-                    dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+                    dt = torch.tensor([time.perf_counter() - t, time.process_time() - c], dtype=torch.float64)
                     dist.all_reduce(dt, op=dist.ReduceOp.MAX)
                     if step >= args.warmup:
-                        times[v].append(float(dt))
+                        times[v].append(float(dt[0]))
+                        cpu[v].append(float(dt[1]))
+        # the plans' all-reduces alone (same sizes, order and credit, no model): what the transfers cost by themselves
+        collectives: dict[str, list[float]] = {}
+        for v, (_, plan) in variants.items():
+            if plan is None:
+                continue
+            bufs = [torch.zeros(sum(p.count for p in t)) for t in plan.transfers]
+            credit = plan.credit_bytes or float("inf")
+            collectives[v] = []
+            for step in range(args.warmup + args.iterations):
+                dist.barrier()
+                t = time.perf_counter()
+                flying: list[tuple[object, int]] = []
+                for k, b in enumerate(bufs):
+                    while flying and sum(n for _, n in flying) + plan.transfer_bytes(k) > credit:
+                        flying.pop(0)[0].wait()
+                    flying.append((dist.all_reduce(b, async_op=True), plan.transfer_bytes(k)))
+                for w, _ in flying:
+                    w.wait()
+                dt = torch.tensor([time.perf_counter() - t], dtype=torch.float64)
+                dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+                if step >= args.warmup:
+                    collectives[v].append(float(dt))
         for h in hooks:
             h.close()
-        results[str(width)] = {"times": times, "transfers": transfers, "gradient_bytes": total}
+        results[str(width)] = {"times": times, "cpu": cpu, "collectives": collectives, "transfers": transfers, "gradient_bytes": total}
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))
     dist.destroy_process_group()
@@ -140,23 +164,29 @@ def main(argv: list[str] | None = None) -> int:
     before = {}
     if args.before:
         for row in json.loads(args.before.read_text())["rows"]:
-            before[(row["width"], row["variant"])] = row["ratio_vs_plain"]
+            before[(row["width"], row["variant"])] = (row["ratio_vs_plain"], row.get("cpu_ratio_vs_plain"))
     rows = []
     for width, res in results.items():
         base = statistics.median(res["times"]["plain DDP"])
+        base_cpu = statistics.median(res["cpu"]["plain DDP"])
         for v, ts in res["times"].items():
             med = statistics.median(ts)
+            coll = res["collectives"].get(v)
             row = {"width": int(width), "gradient_bytes": res["gradient_bytes"], "variant": v, "transfers": res["transfers"].get(v),
-                   "iteration_s": med, "ratio_vs_plain": med / base, "min_s": min(ts), "samples": len(ts)}
+                   "iteration_s": med, "ratio_vs_plain": med / base, "min_s": min(ts),
+                   "cpu_ratio_vs_plain": statistics.median(res["cpu"][v]) / base_cpu,
+                   "collectives_only_s": statistics.median(coll) if coll else None, "samples": len(ts)}
             if args.before:
-                row["ratio_before"] = before.get((int(width), v))
+                row["ratio_before"], row["cpu_ratio_before"] = before.get((int(width), v), (None, None))
             rows.append(row)
     notes = f"""
 Two gloo ranks on loopback, one torch thread each, the example transformer (depth 2, {args.rows} rows x 16 tokens per rank)
 at widths {', '.join(map(str, args.widths))}. {args.iterations} timed iterations (after {args.warmup} warm-up) x {args.repeats}
 repeats per variant, interleaved in the same processes; iteration = the slower rank's zero_grad..optimizer step; median.
 ratio_vs_plain: against plain DDP (no hook, default buckets) in the same run. transfers: the plan's all-reduces per
-iteration. Plans: ddp fused to total/4 (first total/16); bytescheduler, prophet: partition total/32, default credit.
+iteration. cpu_ratio_vs_plain: the slower rank's process CPU time (all threads) per iteration against plain DDP's, less
+sensitive to the shared machine than wall time. collectives_only_s: the plan's all-reduces alone (same sizes, order and credit,
+no model, no hook) per iteration. Plans: ddp fused to total/4 (first total/16); bytescheduler, prophet: partition total/32, default credit.
 The 2-core machine was shared with other work (load ~10): ratios are noisy to about +-10 %.
 """
     if args.before:

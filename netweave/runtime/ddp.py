@@ -313,6 +313,27 @@ def agree_on_plan(named: Sequence[tuple[str, Any]], dp: Any, *, group: Any = Non
     return CommPlan.from_dict(ref["plan"])
 
 
+def bucket_kwargs(plan: CommPlan) -> dict[str, Any]:
+    """DDP's bucket sizes for ``plan``: one bucket per transfer where the plan fuses whole parameters in
+    gradient-ready order (policy ddp), else buckets no larger than the plan's smallest transfer.
+
+    A transfer of whole parameters gets a bucket of exactly its bytes (``bucket_cap_mb_list``: DDP closes a bucket
+    when it reaches its limit, and after its first iteration it rebuilds the buckets in the order the gradients
+    were ready), so the hook reduces the bucket's own buffer in place: no concatenation, no copy, one hook call
+    per transfer. Where DDP's buckets come out otherwise (the first iteration; a backward whose order differs from
+    the plan's model) the hook still carries out the plan, through copies.
+
+    >>> p = make_plan([("w", 100, 4), ("b", 10, 4), ("v", 200, 4)], "ddp", knobs={"bucket_cap_bytes": 900, "first_bucket_bytes": 800})
+    >>> [[x.param for x in t] for t in p.transfers], bucket_kwargs(p)["bucket_cap_mb_list"] == [800 / MiB, 440 / MiB]
+    ([[2], [1, 0]], True)
+    >>> bucket_kwargs(make_plan([("w", 100, 4)], "bytescheduler", partition_bytes=100))["bucket_cap_mb"] == 100 / MiB
+    True
+    """
+    if plan.policy == "ddp":                 # its transfers are whole parameters (make_plan)
+        return {"bucket_cap_mb_list": [plan.transfer_bytes(k) / MiB for k in range(len(plan.transfers))]}
+    return {"bucket_cap_mb": min(plan.transfer_bytes(k) for k in range(len(plan.transfers))) / MiB}
+
+
 def planned_ddp(module: Any, dp: Any, *, device: Any, backend: str, group: Any = None, source: str = "<plan>",
                 **ddp_kwargs: Any) -> tuple[Any, CommPlan, PlannedAllReduce]:
     """``module`` (on ``device``) in ``DistributedDataParallel`` over ``group`` with the plan's hook registered:
@@ -325,7 +346,7 @@ def planned_ddp(module: Any, dp: Any, *, device: Any, backend: str, group: Any =
         # DDP hands the hook whole buckets (25 MiB by default: a small model is one bucket, ready only when the backward
         # pass ends, and no plan could overlap anything); buckets no larger than the plan's smallest transfer let each
         # transfer start as soon as the backward pass has produced its gradients (bench/results/runtime_emu.md)
-        ddp_kwargs["bucket_cap_mb"] = min(plan.transfer_bytes(k) for k in range(len(plan.transfers))) / MiB
+        ddp_kwargs.update(bucket_kwargs(plan))
     ddp = DDP(module, device_ids=[device] if device.type == "cuda" else None, process_group=group, **ddp_kwargs)
     reduced = {id(p) for p in getattr(ddp, "_module_parameters", []) if p.requires_grad}
     if reduced and reduced != {id(p) for _, p in named}:
@@ -379,11 +400,11 @@ class PlannedAllReduce:
       ``work.is_completed()``, because an NCCL work's future completes when the collective is queued on
       the stream, not when its bytes have left, so it cannot count credit.
 
-    A transfer whose pieces lie back to back in one bucket's buffer (a whole DDP bucket, or neighbouring
-    parameters) is reduced in place on that slice; otherwise its pieces are concatenated and copied back.
+    A transfer whose pieces tile a slice of one bucket's buffer (a whole DDP bucket, or neighbouring
+    parameters, in any order) is reduced in place on that slice; otherwise its pieces are concatenated and copied back.
     """
 
-    def __init__(self, plan: CommPlan, params: Sequence[Any], group: Any = None):
+    def __init__(self, plan: CommPlan, params: Sequence[Any], group: Any = None, *, direct: bool | None = None):
         import torch
         import torch.distributed as dist
 
@@ -400,7 +421,7 @@ class PlannedAllReduce:
         self.nbytes = [plan.transfer_bytes(k) for k in range(len(plan.transfers))]
         self.credit = math.inf if plan.credit_bytes is None else float(plan.credit_bytes)
         self.log: list[dict[str, list[float] | list[int]]] = []
-        self.direct = not (self.device.type == "cuda" and plan.credit_bytes is not None)
+        self.direct = not (self.device.type == "cuda" and plan.credit_bytes is not None) if direct is None else direct
         self._lock = threading.Lock()
         self._it = _Iteration(list(self.pieces_of))
         self._thread: threading.Thread | None = None
@@ -533,7 +554,8 @@ class PlannedAllReduce:
     # -- thread path (CUDA with a credit limit) -----------------------------------------------------------------
 
     def _run(self) -> None:
-        self.torch.cuda.set_device(self.device)
+        if self.device.type == "cuda":
+            self.torch.cuda.set_device(self.device)
         while True:
             try:
                 if not self._iteration():
@@ -573,8 +595,8 @@ class PlannedAllReduce:
         def complete_oldest() -> None:
             work, buf, k, fused = in_flight.pop(0)
             work.wait()
-            while not work.is_completed():   # on a GPU wait() only orders the streams: the credit counts bytes really in flight
-                time.sleep(20e-6)
+            while self.device.type == "cuda" and not work.is_completed():   # on a GPU wait() only orders the streams: the
+                time.sleep(20e-6)                                           # credit counts bytes really in flight
             flying[0] -= self.nbytes[k]
             pieces = self.plan.transfers[k]
             if fused:
@@ -609,24 +631,23 @@ class PlannedAllReduce:
 
 
 def _span(views: Sequence[Any], buffer: Any) -> Any:
-    """The slice of ``buffer`` (a bucket's flat buffer) that ``views`` tile back to back, in order; None if they do not.
+    """The slice of ``buffer`` (a bucket's flat buffer) that ``views`` tile exactly, in any order; None if they do not.
+
+    An all-reduce is elementwise, so reducing the slice in place reduces every view, whatever their order in it.
 
     >>> import torch
     >>> buf = torch.arange(6.0)
-    >>> _span([buf[1:3], buf[3:4]], buf).tolist(), _span([buf[3:4], buf[1:3]], buf)
+    >>> _span([buf[3:4], buf[1:3]], buf).tolist(), _span([buf[0:1], buf[2:3]], buf)
     ([1.0, 2.0, 3.0], None)
     """
     elem = buffer.element_size()
-    start = views[0].data_ptr() - buffer.data_ptr()
-    if start < 0 or start % elem or any(v.dtype != buffer.dtype or not v.is_contiguous() for v in views):
+    if any(v.dtype != buffer.dtype or not v.is_contiguous() for v in views):
         return None
-    end = views[0].data_ptr()
-    for v in views:
-        if v.data_ptr() != end:
-            return None
-        end += v.numel() * elem
-    lo, n = start // elem, (end - views[0].data_ptr()) // elem
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * elem) for v in views)
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:], strict=False)):
+        return None
+    lo, hi = spans[0][0] - buffer.data_ptr(), spans[-1][1] - buffer.data_ptr()
     flat = buffer.view(-1)
-    if lo + n > flat.numel():
+    if lo < 0 or lo % elem or hi > flat.numel() * elem:
         return None
-    return flat[lo:lo + n]
+    return flat[lo // elem:hi // elem]
