@@ -27,9 +27,10 @@ long as the backward) with ``params.overhead_s`` (default 0) per launch. Only th
 bandwidth shapes the plan; the launch side can give measured numbers in ``params``.
 
 :class:`PlannedAllReduce` is a real ``DDP.register_comm_hook`` hook: DDP hands it each bucket when the
-bucket's gradients are ready (in the same bucket order on every rank); a communication thread issues
-the plan's transfers in order, each as soon as its pieces' buckets are in and the credit allows,
-and completes a bucket's future when all of its parameters' pieces are reduced. DDP's barrier stays
+bucket's gradients are ready (in the same bucket order on every rank); the plan's transfers are issued
+in order, each as soon as its pieces' buckets are in and the credit allows (by the hook itself and by
+collective-completion callbacks; on a GPU with a credit limit by a communication thread), and a
+bucket's future completes when all of its parameters' pieces are reduced. DDP's barrier stays
 (backward returns after every bucket is done); cross-barrier scheduling is
 ``flowsched.ddp.GradientScheduler``'s.
 
