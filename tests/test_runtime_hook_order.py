@@ -74,8 +74,8 @@ def test_direct_hook_issues_the_plans_transfers_in_order_under_the_credit(sizes,
     knobs = {"bucket_cap_bytes": 4 * partition, "first_bucket_bytes": partition} if policy == "ddp" else {}
     plan = make_plan([(f"p{i}", n, 4) for i, n in enumerate(sizes)], policy, partition_bytes=partition,
                      credit_bytes=None if policy == "ddp" else credit_parts * partition, knobs=knobs)
-    hook = PlannedAllReduce(plan, params)
-    assert hook.direct and hook._thread is None
+    hook = PlannedAllReduce(plan, params, direct=True)
+    assert hook._thread is None
     fake = hook.dist = _Dist()
     # DDP's buckets: runs of parameters in reverse order (gradient-ready order)
     order = list(range(len(sizes)))[::-1]

@@ -29,7 +29,7 @@ bandwidth shapes the plan; the launch side can give measured numbers in ``params
 :class:`PlannedAllReduce` is a real ``DDP.register_comm_hook`` hook: DDP hands it each bucket when the
 bucket's gradients are ready (in the same bucket order on every rank); the plan's transfers are issued
 in order, each as soon as its pieces' buckets are in and the credit allows (by the hook itself and by
-collective-completion callbacks; on a GPU with a credit limit by a communication thread), and a
+collective-completion callbacks; under a credit limit by a communication thread), and a
 bucket's future completes when all of its parameters' pieces are reduced. DDP's barrier stays
 (backward returns after every bucket is done); cross-barrier scheduling is
 ``flowsched.ddp.GradientScheduler``'s.
@@ -392,14 +392,17 @@ class PlannedAllReduce:
 
     Two ways to carry the plan out, the same transfers in the same order under the same credit:
 
-    - *direct* (CPU, and CUDA plans without a credit limit): the hook itself issues every transfer whose
-      pieces are all in and that the credit allows, in the plan's order; each transfer's completion (a
-      callback on its work's future, on the backend's thread) frees its credit, copies fused pieces back,
-      completes the buckets it finishes and issues what the credit held back. No thread hand-off, no
-      polling, and the backward pass never waits in the hook.
-    - *thread* (CUDA plans with a credit limit): a communication thread issues the transfers and polls
-      ``work.is_completed()``, because an NCCL work's future completes when the collective is queued on
-      the stream, not when its bytes have left, so it cannot count credit.
+    - *direct* (the default for plans without a credit limit, policy ddp): the hook itself issues every
+      transfer whose pieces are all in and that the credit allows, in the plan's order; each transfer's
+      completion (a callback on its work's future, on the backend's thread) frees its credit, copies fused
+      pieces back, completes the buckets it finishes and issues what the credit held back. No thread
+      hand-off, no polling, and the backward pass never waits in the hook.
+    - *thread* (the default for plans with a credit limit): a communication thread issues the transfers and
+      waits for the oldest when the credit is spent; on a GPU it polls ``work.is_completed()``, because an
+      NCCL work's future completes when the collective is queued on the stream, not when its bytes have
+      left, so it cannot count credit. On gloo the direct path would be correct here too
+      (tests/test_runtime_hook_order.py) but measured slower (bench/results/runtime_overhead.md): issuing the
+      credit-held transfers from the completion callbacks puts Python, and the GIL, on gloo's worker threads.
 
     A transfer whose pieces tile a slice of one bucket's buffer (a whole DDP bucket, or neighbouring
     parameters, in any order) is reduced in place on that slice; otherwise its pieces are concatenated and copied back.
@@ -422,7 +425,7 @@ class PlannedAllReduce:
         self.nbytes = [plan.transfer_bytes(k) for k in range(len(plan.transfers))]
         self.credit = math.inf if plan.credit_bytes is None else float(plan.credit_bytes)
         self.log: list[dict[str, list[float] | list[int]]] = []
-        self.direct = not (self.device.type == "cuda" and plan.credit_bytes is not None) if direct is None else direct
+        self.direct = plan.credit_bytes is None if direct is None else direct
         self._lock = threading.Lock()
         self._it = _Iteration(list(self.pieces_of))
         self._thread: threading.Thread | None = None
@@ -552,7 +555,7 @@ class PlannedAllReduce:
             grads[p.param][p.start:p.start + p.count].copy_(buf[pos:pos + p.count])
             pos += p.count
 
-    # -- thread path (CUDA with a credit limit) -----------------------------------------------------------------
+    # -- thread path (plans with a credit limit) ----------------------------------------------------------------
 
     def _run(self) -> None:
         if self.device.type == "cuda":
