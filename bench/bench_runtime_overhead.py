@@ -15,7 +15,7 @@ processes, ``--repeats`` times ``--iterations`` timed iterations after ``--warmu
 Iteration = the slower rank's time from zero_grad to the end of the optimizer step; median. Ratios are against plain
 DDP measured in the same processes, same width. The machine is shared: compare ratios, not seconds.
 
-Run: ``python bench/bench_runtime_overhead.py [--widths 32 64 128] [--before old.json]``; writes
+Run: ``python bench/bench_runtime_overhead.py [--widths 32 64 128] [--before old.json --before-label COMMIT]``; writes
 ``bench/results/runtime_overhead.{json,md}``. ``--before`` takes the JSON a run of this script on an older commit wrote
 (``--out-dir`` elsewhere) and puts its ratios beside this run's (``ratio_before``).
 """
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--rows", type=int, default=4, help="batch rows per rank (small: the hook's overhead shows)")
     ap.add_argument("--before", type=Path, help="JSON of a run on an older commit: its ratios go beside this run's")
+    ap.add_argument("--before-label", help="what --before measured, for the notes (e.g. the commit)")
     ap.add_argument("--out-dir", type=Path, help="where to write runtime_overhead.{json,md} (default bench/results)")
     args = ap.parse_args(argv)
 
@@ -187,10 +188,12 @@ ratio_vs_plain: against plain DDP (no hook, default buckets) in the same run. tr
 iteration. cpu_ratio_vs_plain: the slower rank's process CPU time (all threads) per iteration against plain DDP's, less
 sensitive to the shared machine than wall time. collectives_only_s: the plan's all-reduces alone (same sizes, order and credit,
 no model, no hook) per iteration. Plans: ddp fused to total/4 (first total/16); bytescheduler, prophet: partition total/32, default credit.
-The 2-core machine was shared with other work (load ~10): ratios are noisy to about +-10 %.
+The 2-core machine was shared with other work (load average 12-13 on 2 cores): the same ratio varied by up to a factor
+of 2 between runs minutes apart; read differences smaller than that as noise.
 """
     if args.before:
-        notes += f"ratio_before: the same benchmark run on the commit before the hook's rewrite ({args.before.name}), same machine.\n"
+        notes += (f"ratio_before, cpu_ratio_before: the same benchmark run minutes earlier on {args.before_label or args.before.name} "
+                  "(same machine, not the same processes).\n")
     write_results("runtime_overhead", rows, title="The runtime's DDP hook overhead vs plain DDP on the CPU (gloo, loopback)", notes=notes,
                   extra={"setup": vars(args) | {"before": str(args.before) if args.before else None,
                                                 "out_dir": str(args.out_dir) if args.out_dir else None}, "results": results},
