@@ -34,6 +34,11 @@ class _Work:
         self.buf.mul_(2)            # a stand-in for the sum: every element reduced exactly once doubles
         self.fut.set_result([self.buf])
 
+    def wait(self):                 # the thread path waits: the collective completes then
+        if not self.fut.done():
+            self.finish()
+        return True
+
 
 class _Dist:
     """``torch.distributed`` as the hook uses it, with works completed only when the test says so."""
@@ -132,3 +137,32 @@ def test_a_whole_bucket_transfer_is_reduced_in_place():
     assert n == 15 and work.buf.data_ptr() == bucket.buffer().data_ptr()    # no concatenation: the bucket's own buffer
     work.finish()
     assert fut.done() and torch.equal(bucket.buffer(), torch.full((15,), 2.0))
+
+
+@settings(max_examples=15, deadline=None)
+@given(sizes=st.lists(st.integers(1, 60), min_size=1, max_size=8), policy=st.sampled_from(["ddp", "bytescheduler", "prophet"]),
+       partition=st.integers(8, 200), seed=st.integers(0, 10**6))
+def test_thread_and_direct_paths_issue_the_same_transfers_with_the_same_result(sizes, policy, partition, seed):
+    rnd = random.Random(seed)
+    plan = make_plan([(f"p{i}", n, 4) for i, n in enumerate(sizes)], policy, partition_bytes=partition,
+                     credit_bytes=None if policy == "ddp" else 2 * partition)
+    values = {i: torch.randn(n) for i, n in enumerate(sizes)}
+    order = list(range(len(sizes)))[::-1]
+    cuts = sorted(rnd.sample(range(1, len(order)), rnd.randint(0, len(order) - 1))) if len(order) > 1 else []
+    groups = [order[a:b] for a, b in zip([0, *cuts], [*cuts, len(order)], strict=True)]
+    outcome = []
+    for direct in (True, False):
+        params = [torch.nn.Parameter(torch.zeros(n)) for n in sizes]
+        hook = PlannedAllReduce(plan, params, direct=direct)
+        fake = hook.dist = _Dist()
+        buckets = [_GradBucket([params[i] for i in g], [values[i].clone() for i in g]) for g in groups]
+        futures = [hook.hook(None, b) for b in buckets]
+        if direct:
+            while any(not w.fut.done() for _, w in fake.works):
+                next(w for _, w in fake.works if not w.fut.done()).finish()
+        for f in futures:
+            f.wait()
+        hook.close()
+        outcome.append(([n for n, _ in fake.works], hook.log[-1]["order"], [b.buffer().tolist() for b in buckets]))
+    assert outcome[0] == outcome[1]
+    assert outcome[0][1] == list(range(len(plan.transfers)))
