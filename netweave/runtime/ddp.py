@@ -325,13 +325,14 @@ def bucket_kwargs(plan: CommPlan) -> dict[str, Any]:
     the plan's model) the hook still carries out the plan, through copies.
 
     >>> p = make_plan([("w", 100, 4), ("b", 10, 4), ("v", 200, 4)], "ddp", knobs={"bucket_cap_bytes": 900, "first_bucket_bytes": 800})
-    >>> [[x.param for x in t] for t in p.transfers], bucket_kwargs(p)["bucket_cap_mb_list"] == [800 / MiB, 440 / MiB]
-    ([[2], [1, 0]], True)
+    >>> [[x.param for x in t] for t in p.transfers], [int(mb * MiB) for mb in bucket_kwargs(p)["bucket_cap_mb_list"]]
+    ([[2], [1, 0]], [800, 440])
     >>> bucket_kwargs(make_plan([("w", 100, 4)], "bytescheduler", partition_bytes=100))["bucket_cap_mb"] == 100 / MiB
     True
     """
     if plan.policy == "ddp":                 # its transfers are whole parameters (make_plan)
-        return {"bucket_cap_mb_list": [plan.transfer_bytes(k) / MiB for k in range(len(plan.transfers))]}
+        # + 0.5: DDP truncates MiB x 2**20 to whole bytes, and the float quotient may land a hair below the integer
+        return {"bucket_cap_mb_list": [(plan.transfer_bytes(k) + 0.5) / MiB for k in range(len(plan.transfers))]}
     return {"bucket_cap_mb": min(plan.transfer_bytes(k) for k in range(len(plan.transfers))) / MiB}
 
 
