@@ -17,7 +17,8 @@ DDP measured in the same processes, same width. The machine is shared: compare r
 
 Run: ``python bench/bench_runtime_overhead.py [--widths 32 64 128] [--before old.json --before-label COMMIT]``; writes
 ``bench/results/runtime_overhead.{json,md}``. ``--before`` takes the JSON a run of this script on an older commit wrote
-(``--out-dir`` elsewhere) and puts its ratios beside this run's (``ratio_before``).
+(``--out-dir`` elsewhere) and puts its ratios beside this run's (``ratio_before``). ``--parts`` only prints what the
+hook's parts cost, measured apart in one process (docs/validation/runtime.md).
 """
 
 from __future__ import annotations
@@ -135,6 +136,82 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out_path: str) -> No
     dist.destroy_process_group()
 
 
+def hook_parts(widths: list[int], rows: int) -> None:
+    """Print what the parts of the hook cost per iteration, measured apart in this process (no communication): the
+    forward and backward alone, the slicing / ``torch.cat`` / ``div_`` / copy-back of each plan's transfers, a future
+    per bucket, and a thread hand-off through a ``queue.Queue`` (ping-pong, half the round trip)."""
+    import queue
+    import threading
+
+    import torch
+
+    from netweave.runtime.ddp import make_plan
+
+    torch.set_num_threads(1)
+    ex = _example()
+    for width in widths:
+        model = ex.build_model(width=width, depth=2, vocab=64, seq=16, seed=0)
+        params = list(model.parameters())
+        total = sum(p.numel() * p.element_size() for p in params)
+        x, y = ex.batch(0, rows=rows, seq=16, vocab=64, seed=0, rank=0)
+
+        def step(model=model, x=x, y=y):
+            model.zero_grad()
+            ex.loss_fn(model(x), y).backward()
+
+        def per_call_s(fn, n):
+            fn()
+            t = time.perf_counter()
+            for _ in range(n):
+                fn()
+            return (time.perf_counter() - t) / n
+
+        out = {"forward+backward_ms": per_call_s(step, 20) * 1e3, "buckets (one per parameter)": len(params)}
+        grads = [p.grad.view(-1) for p in params]
+        for policy in POLICIES:
+            dp = _dp(policy, total)
+            plan = make_plan([(str(i), p.numel(), p.element_size()) for i, p in enumerate(params)], policy,
+                             partition_bytes=dp.partition_bytes, knobs=dp.params)
+
+            def pieces_work(plan=plan, grads=grads):
+                for t in plan.transfers:
+                    views = [grads[p.param][p.start:p.start + p.count] for p in t]
+                    buf = views[0] if len(views) == 1 else torch.cat(views)
+                    buf.div_(2)
+                    if len(views) > 1:
+                        pos = 0
+                        for p, v in zip(t, views, strict=True):
+                            v.copy_(buf[pos:pos + p.count])
+                            pos += p.count
+
+            out[f"{policy}: slice+cat+div+copy_ms ({len(plan.transfers)} transfers)"] = per_call_s(pieces_work, 50) * 1e3
+
+        def future():
+            f = torch.futures.Future()
+            f.set_result(1)
+            f.wait()
+
+        out["future create+set+wait_us"] = per_call_s(future, 2000) * 1e6
+        there, back = queue.Queue(), queue.Queue()
+
+        def echo(there=there, back=back):
+            while (v := there.get()) is not None:
+                back.put(v)
+
+        th = threading.Thread(target=echo)
+        th.start()
+        one_way = []
+        for _ in range(500):
+            t = time.perf_counter()
+            there.put(1)
+            back.get()
+            one_way.append((time.perf_counter() - t) / 2)
+        there.put(None)
+        th.join()
+        out["queue hand-off one-way_us (median)"] = statistics.median(one_way) * 1e6
+        print(f"width {width} ({total} B of gradients): " + ", ".join(f"{k} {v:.3g}" for k, v in out.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--widths", type=int, nargs="+", default=[32, 64, 128])
@@ -144,8 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=4, help="batch rows per rank (small: the hook's overhead shows)")
     ap.add_argument("--before", type=Path, help="JSON of a run on an older commit: its ratios go beside this run's")
     ap.add_argument("--before-label", help="what --before measured, for the notes (e.g. the commit)")
+    ap.add_argument("--parts", action="store_true", help="only print what the hook's parts cost, measured apart (no results file)")
     ap.add_argument("--out-dir", type=Path, help="where to write runtime_overhead.{json,md} (default bench/results)")
     args = ap.parse_args(argv)
+    if args.parts:
+        hook_parts(args.widths, args.rows)
+        return 0
 
     import torch.multiprocessing as mp
 
