@@ -230,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.multiprocessing as mp
 
+    load_before = os.getloadavg()[0]
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="netweave-overhead-") as tmp:
         out_path = str(Path(tmp) / "r.json")
@@ -269,8 +270,9 @@ ratio_vs_plain: against plain DDP (no hook, default buckets) in the same run. tr
 iteration. cpu_ratio_vs_plain: the slower rank's process CPU time (all threads) per iteration against plain DDP's, less
 sensitive to the shared machine than wall time. collectives_only_s: the plan's all-reduces alone (same sizes, order and credit,
 no model, no hook) per iteration. Plans: ddp fused to total/4 (first total/16); bytescheduler, prophet: partition total/32, default credit.
-The 2-core machine was shared with other work (load average 12-13 on 2 cores): the same ratio varied by up to a factor
-of 2 between runs minutes apart; read differences smaller than that as noise.
+The {os.cpu_count()}-core machine was shared with other work (1-minute load average {load_before:.1f} at the start,
+{os.getloadavg()[0]:.1f} at the end): on the 2-core machine at load 5-13 the same ratio varied by up to a factor of 2
+between runs minutes apart; read differences smaller than that as noise.
 """
     if args.before:
         notes += (f"ratio_before, cpu_ratio_before: the same benchmark run minutes earlier on {args.before_label or args.before.name} "
