@@ -27,9 +27,10 @@ long as the backward) with ``params.overhead_s`` (default 0) per launch. Only th
 bandwidth shapes the plan; the launch side can give measured numbers in ``params``.
 
 :class:`PlannedAllReduce` is a real ``DDP.register_comm_hook`` hook: DDP hands it each bucket when the
-bucket's gradients are ready (in the same bucket order on every rank); a communication thread issues
-the plan's transfers in order, each as soon as its pieces' buckets are in and the credit allows,
-and completes a bucket's future when all of its parameters' pieces are reduced. DDP's barrier stays
+bucket's gradients are ready (in the same bucket order on every rank); the plan's transfers are issued
+in order, each as soon as its pieces' buckets are in and the credit allows (by the hook itself and by
+collective-completion callbacks; under a credit limit by a communication thread), and a
+bucket's future completes when all of its parameters' pieces are reduced. DDP's barrier stays
 (backward returns after every bucket is done); cross-barrier scheduling is
 ``flowsched.ddp.GradientScheduler``'s.
 
@@ -313,6 +314,28 @@ def agree_on_plan(named: Sequence[tuple[str, Any]], dp: Any, *, group: Any = Non
     return CommPlan.from_dict(ref["plan"])
 
 
+def bucket_kwargs(plan: CommPlan) -> dict[str, Any]:
+    """DDP's bucket sizes for ``plan``: one bucket per transfer where the plan fuses whole parameters in
+    gradient-ready order (policy ddp), else buckets no larger than the plan's smallest transfer.
+
+    A transfer of whole parameters gets a bucket of exactly its bytes (``bucket_cap_mb_list``: DDP closes a bucket
+    when it reaches its limit, and after its first iteration it rebuilds the buckets in the order the gradients
+    were ready), so the hook reduces the bucket's own buffer in place: no concatenation, no copy, one hook call
+    per transfer. Where DDP's buckets come out otherwise (the first iteration; a backward whose order differs from
+    the plan's model) the hook still carries out the plan, through copies.
+
+    >>> p = make_plan([("w", 100, 4), ("b", 10, 4), ("v", 200, 4)], "ddp", knobs={"bucket_cap_bytes": 900, "first_bucket_bytes": 800})
+    >>> [[x.param for x in t] for t in p.transfers], [int(mb * MiB) for mb in bucket_kwargs(p)["bucket_cap_mb_list"]]
+    ([[2], [1, 0]], [800, 440])
+    >>> bucket_kwargs(make_plan([("w", 100, 4)], "bytescheduler", partition_bytes=100))["bucket_cap_mb"] == 100 / MiB
+    True
+    """
+    if plan.policy == "ddp":                 # its transfers are whole parameters (make_plan)
+        # + 0.5: DDP truncates MiB x 2**20 to whole bytes, and the float quotient may land a hair below the integer
+        return {"bucket_cap_mb_list": [(plan.transfer_bytes(k) + 0.5) / MiB for k in range(len(plan.transfers))]}
+    return {"bucket_cap_mb": min(plan.transfer_bytes(k) for k in range(len(plan.transfers))) / MiB}
+
+
 def planned_ddp(module: Any, dp: Any, *, device: Any, backend: str, group: Any = None, source: str = "<plan>",
                 **ddp_kwargs: Any) -> tuple[Any, CommPlan, PlannedAllReduce]:
     """``module`` (on ``device``) in ``DistributedDataParallel`` over ``group`` with the plan's hook registered:
@@ -325,7 +348,7 @@ def planned_ddp(module: Any, dp: Any, *, device: Any, backend: str, group: Any =
         # DDP hands the hook whole buckets (25 MiB by default: a small model is one bucket, ready only when the backward
         # pass ends, and no plan could overlap anything); buckets no larger than the plan's smallest transfer let each
         # transfer start as soon as the backward pass has produced its gradients (bench/results/runtime_emu.md)
-        ddp_kwargs["bucket_cap_mb"] = min(plan.transfer_bytes(k) for k in range(len(plan.transfers))) / MiB
+        ddp_kwargs.update(bucket_kwargs(plan))
     ddp = DDP(module, device_ids=[device] if device.type == "cuda" else None, process_group=group, **ddp_kwargs)
     reduced = {id(p) for p in getattr(ddp, "_module_parameters", []) if p.requires_grad}
     if reduced and reduced != {id(p) for _, p in named}:
@@ -342,15 +365,51 @@ class _Bucket:
     remaining: int
 
 
+@dataclass
+class _Iteration:
+    """One backward pass's state in the direct path: gradients by parameter, what is issued, in flight and done."""
+
+    left: list[int]                                   # pieces not yet reduced, per parameter
+    grads: dict[int, Any] = field(default_factory=dict)
+    owner: dict[int, _Bucket] = field(default_factory=dict)
+    open: list[_Bucket] = field(default_factory=list)
+    next: int = 0                                     # the next transfer to issue
+    completed: int = 0
+    flying: float = 0.0                               # bytes in flight
+    t0: float | None = None
+    order: list[int] = field(default_factory=list)
+    issue: list[float] = field(default_factory=list)
+    done: list[float] = field(default_factory=list)
+    failed: bool = False
+
+
 class PlannedAllReduce:
     """The DDP communication hook that carries out a :class:`CommPlan` (see the module docstring).
 
     ``params`` are the model's trainable parameters in the plan's order. Register with
     ``ddp.register_comm_hook(None, hook.hook)``; :attr:`log` holds, per iteration, the transfer indices in
-    issue order and each transfer's issue and completion time (s from the iteration's first bucket).
+    issue order, each transfer's issue time (same order) and the completion times in completion order
+    (s from the iteration's first bucket).
+
+    Two ways to carry the plan out, the same transfers in the same order under the same credit:
+
+    - *direct* (the default for plans without a credit limit, policy ddp): the hook itself issues every
+      transfer whose pieces are all in and that the credit allows, in the plan's order; each transfer's
+      completion (a callback on its work's future, on the backend's thread) frees its credit, copies fused
+      pieces back, completes the buckets it finishes and issues what the credit held back. No thread
+      hand-off, no polling, and the backward pass never waits in the hook.
+    - *thread* (the default for plans with a credit limit): a communication thread issues the transfers and
+      waits for the oldest when the credit is spent; on a GPU it polls ``work.is_completed()``, because an
+      NCCL work's future completes when the collective is queued on the stream, not when its bytes have
+      left, so it cannot count credit. On gloo the direct path would be correct here too
+      (tests/test_runtime_hook_order.py) but measured slower (bench/results/runtime_overhead.md): issuing the
+      credit-held transfers from the completion callbacks puts Python, and the GIL, on gloo's worker threads.
+
+    A transfer whose pieces tile a slice of one bucket's buffer (a whole DDP bucket, or neighbouring
+    parameters, in any order) is reduced in place on that slice; otherwise its pieces are concatenated and copied back.
     """
 
-    def __init__(self, plan: CommPlan, params: Sequence[Any], group: Any = None):
+    def __init__(self, plan: CommPlan, params: Sequence[Any], group: Any = None, *, direct: bool | None = None):
         import torch
         import torch.distributed as dist
 
@@ -364,10 +423,17 @@ class PlannedAllReduce:
         for t in plan.transfers:
             for p in t:
                 self.pieces_of[p.param] += 1
+        self.nbytes = [plan.transfer_bytes(k) for k in range(len(plan.transfers))]
+        self.credit = math.inf if plan.credit_bytes is None else float(plan.credit_bytes)
         self.log: list[dict[str, list[float] | list[int]]] = []
-        self._inbox: queue.Queue = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="netweave-ddp-hook", daemon=True)
-        self._thread.start()
+        self.direct = plan.credit_bytes is None if direct is None else direct
+        self._lock = threading.Lock()
+        self._it = _Iteration(list(self.pieces_of))
+        self._thread: threading.Thread | None = None
+        if not self.direct:
+            self._inbox: queue.Queue = queue.Queue()
+            self._thread = threading.Thread(target=self._run, name="netweave-ddp-hook", daemon=True)
+            self._thread.start()
 
     def hook(self, state, bucket):   # no annotations: DDP checks them against dist.GradBucket
         torch = self.torch
@@ -380,12 +446,117 @@ class PlannedAllReduce:
                                                      "model the plan was made for?)", where="data_parallel"))
                 return fut
             members.append((i, g))
-        self._inbox.put((_Bucket(fut, bucket.buffer(), len(members)), members))
+        entry = _Bucket(fut, bucket.buffer(), len(members))
+        if not self.direct:
+            self._inbox.put((entry, members))
+            return fut
+        it = self._it
+        try:
+            with self._lock:
+                it.t0 = time.perf_counter() if it.t0 is None else it.t0
+                it.open.append(entry)
+                for i, g in members:
+                    it.grads[i], it.owner[i] = g.view(-1), entry
+                issued = self._issue_ready(it)
+            self._watch(it, issued)
+        except BaseException as exc:   # surfaced through the buckets' futures: DDP raises it in backward
+            self._fail_direct(it, exc)
         return fut
 
     def close(self) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout=10)
+        """Stop the communication thread (thread path); the direct path has none."""
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join(timeout=10)
+
+    # -- direct path ---------------------------------------------------------------------------------------------
+
+    def _issue_ready(self, it: _Iteration) -> list[tuple[int, Any, Any, bool]]:
+        """Issue, in the plan's order, every next transfer whose pieces are in and that fits the credit (lock held)."""
+        issued = []
+        transfers = self.plan.transfers
+        while it.next < len(transfers) and not it.failed:
+            k = it.next
+            pieces = transfers[k]
+            if any(p.param not in it.grads for p in pieces):
+                break
+            if it.flying > 0 and it.flying + self.nbytes[k] > self.credit:
+                break                                # a completion issues it
+            buf, fused = self._transfer_buffer(pieces, it.grads, it.owner)
+            buf.div_(self.world)                     # as DDP's allreduce_hook: average first, then sum
+            work = self.dist.all_reduce(buf, group=self.group, async_op=True)
+            it.issue.append(time.perf_counter() - it.t0)
+            it.order.append(k)
+            it.flying += self.nbytes[k]
+            it.next += 1
+            issued.append((k, work, buf, fused))
+        return issued
+
+    def _watch(self, it: _Iteration, issued: list[tuple[int, Any, Any, bool]]) -> None:
+        # outside the lock: a work that is already complete runs its callback right here
+        for k, work, buf, fused in issued:
+            work.get_future().then(lambda fut, k=k, buf=buf, fused=fused: self._on_done(it, k, buf, fused, fut))
+
+    def _on_done(self, it: _Iteration, k: int, buf: Any, fused: bool, fut: Any) -> None:
+        try:
+            fut.value()                              # raises the collective's error
+            finished: list[_Bucket] = []
+            with self._lock:
+                if it.failed:
+                    return
+                pieces = self.plan.transfers[k]
+                if fused:
+                    self._copy_back(pieces, buf, it.grads)
+                it.flying -= self.nbytes[k]
+                it.completed += 1
+                it.done.append(time.perf_counter() - it.t0)
+                for p in pieces:
+                    it.left[p.param] -= 1
+                    if it.left[p.param] == 0:
+                        b = it.owner[p.param]
+                        b.remaining -= 1
+                        if b.remaining == 0:
+                            finished.append(b)
+                issued = self._issue_ready(it)
+                if it.completed == len(self.plan.transfers):   # before the last bucket completes: the next backward starts afresh
+                    self.log.append({"order": it.order, "issue_s": it.issue, "done_s": it.done})
+                    self._it = _Iteration(list(self.pieces_of))
+            for b in finished:
+                b.future.set_result(b.buffer)
+            self._watch(it, issued)
+        except BaseException as exc:
+            self._fail_direct(it, exc)
+
+    def _fail_direct(self, it: _Iteration, exc: BaseException) -> None:
+        with self._lock:
+            it.failed = True
+            open_, it.open = it.open, []
+            if self._it is it:
+                self._it = _Iteration(list(self.pieces_of))
+        for bucket in open_:
+            if not bucket.future.done():
+                bucket.future.set_exception(exc)
+
+    # -- both paths ----------------------------------------------------------------------------------------------
+
+    def _transfer_buffer(self, pieces: list[Piece], grads: dict[int, Any], owner: dict[int, _Bucket]) -> tuple[Any, bool]:
+        """The tensor to all-reduce for a transfer and whether it is a fused copy (else a view of the gradients)."""
+        views = [grads[p.param][p.start:p.start + p.count] for p in pieces]
+        if len(views) == 1:
+            return views[0], False
+        span = _span(views, owner[pieces[0].param].buffer) if all(owner[p.param] is owner[pieces[0].param] for p in pieces) else None
+        if span is not None:
+            return span, False
+        return self.torch.cat(views), True
+
+    @staticmethod
+    def _copy_back(pieces: list[Piece], buf: Any, grads: dict[int, Any]) -> None:
+        pos = 0
+        for p in pieces:
+            grads[p.param][p.start:p.start + p.count].copy_(buf[pos:pos + p.count])
+            pos += p.count
+
+    # -- thread path (plans with a credit limit) ----------------------------------------------------------------
 
     def _run(self) -> None:
         if self.device.type == "cuda":
@@ -423,21 +594,18 @@ class PlannedAllReduce:
                 grads[i], owner[i] = g.view(-1), bucket
             return True
 
-        in_flight: list[tuple[Any, Any, int, list[Piece]]] = []
+        in_flight: list[tuple[Any, Any, int, bool]] = []
         flying = [0.0]   # bytes in flight
 
         def complete_oldest() -> None:
-            work, buf, k, pieces = in_flight.pop(0)
+            work, buf, k, fused = in_flight.pop(0)
             work.wait()
-            if self.device.type == "cuda":   # on a GPU wait() only orders the streams: the credit counts bytes really in flight
-                while not work.is_completed():
-                    time.sleep(20e-6)
-            flying[0] -= self.plan.transfer_bytes(k)
-            if len(pieces) > 1:
-                pos = 0
-                for p in pieces:
-                    grads[p.param][p.start:p.start + p.count].copy_(buf[pos:pos + p.count])
-                    pos += p.count
+            while self.device.type == "cuda" and not work.is_completed():   # on a GPU wait() only orders the streams: the
+                time.sleep(20e-6)                                           # credit counts bytes really in flight
+            flying[0] -= self.nbytes[k]
+            pieces = self.plan.transfers[k]
+            if fused:
+                self._copy_back(pieces, buf, grads)
             for p in pieces:
                 left[p.param] -= 1
                 if left[p.param] == 0:
@@ -447,24 +615,44 @@ class PlannedAllReduce:
                         b.future.set_result(b.buffer)
             done.append(time.perf_counter() - t0)
 
-        credit = math.inf if self.plan.credit_bytes is None else self.plan.credit_bytes
         for k, pieces in enumerate(self.plan.transfers):
             while any(p.param not in grads for p in pieces):
                 if not take():
                     return False
-            nbytes = self.plan.transfer_bytes(k)
-            while in_flight and flying[0] + nbytes > credit:
+            while in_flight and flying[0] + self.nbytes[k] > self.credit:
                 complete_oldest()
-            views = [grads[p.param][p.start:p.start + p.count] for p in pieces]
-            buf = views[0] if len(views) == 1 else self.torch.cat(views)
+            buf, fused = self._transfer_buffer(pieces, grads, owner)
             buf.div_(self.world)           # as DDP's allreduce_hook: average first, then sum
             work = self.dist.all_reduce(buf, group=self.group, async_op=True)
             issue.append(time.perf_counter() - t0)
             order.append(k)
-            in_flight.append((work, buf, k, pieces))
-            flying[0] += nbytes
+            in_flight.append((work, buf, k, fused))
+            flying[0] += self.nbytes[k]
         while in_flight:
             complete_oldest()
         self.log.append({"order": order, "issue_s": issue, "done_s": done})
         self._open = []
         return True
+
+
+def _span(views: Sequence[Any], buffer: Any) -> Any:
+    """The slice of ``buffer`` (a bucket's flat buffer) that ``views`` tile exactly, in any order; None if they do not.
+
+    An all-reduce is elementwise, so reducing the slice in place reduces every view, whatever their order in it.
+
+    >>> import torch
+    >>> buf = torch.arange(6.0)
+    >>> _span([buf[3:4], buf[1:3]], buf).tolist(), _span([buf[0:1], buf[2:3]], buf)
+    ([1.0, 2.0, 3.0], None)
+    """
+    elem = buffer.element_size()
+    if any(v.dtype != buffer.dtype or not v.is_contiguous() for v in views):
+        return None
+    spans = sorted((v.data_ptr(), v.data_ptr() + v.numel() * elem) for v in views)
+    if any(a[1] != b[0] for a, b in zip(spans, spans[1:], strict=False)):
+        return None
+    lo, hi = spans[0][0] - buffer.data_ptr(), spans[-1][1] - buffer.data_ptr()
+    flat = buffer.view(-1)
+    if lo < 0 or lo % elem or hi > flat.numel() * elem:
+        return None
+    return flat[lo // elem:hi // elem]
