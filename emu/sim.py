@@ -28,8 +28,11 @@ Speed (``bench/bench_sim.py``):
 - every distinct step is routed once (a ring's 2(n-1) steps are one template);
 - a link used by one phase only can never couple two steps in flight, so an
   event recomputes only the connected component of steps linked through the
-  other, *shared* links (found with bit-set ANDs), and a link used by a single
-  sub-flow is folded into that sub-flow's cap;
+  other, *shared* links (a search over the static adjacency of step
+  templates through shared links, as bit sets over templates, intersected
+  with the templates in flight: its cost grows with the component, not with
+  the number of groups in flight), and a link used by a single sub-flow is
+  folded into that sub-flow's cap;
 - each max-min solve is vectorised over the component's sub-flow x link
   incidence (COO index arrays, ``np.bincount`` per filling round);
 - the rates depend only on which sub-flows are in flight, not on their bytes,
@@ -175,8 +178,8 @@ class _StepTemplate:
     zero_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
     inf_rate: np.ndarray = field(default_factory=lambda: np.zeros(0))
     all_alive: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
-    shared: frozenset[int] = frozenset()  # the links that another phase (of any job) may use at the same time
-    mask: int = 0  # the shared links as a bit set (bit i: shared link i)
+    shared: tuple[int, ...] = ()  # the links that another phase (of any job) may use at the same time
+    adjacent: int = 0  # bit set over template uids: the templates using one of this template's shared links (itself included)
     # the incidence the solver sees: a link that only one sub-flow can ever use is a cap on that sub-flow, not an entry
     solve_sub: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
     solve_link: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
@@ -230,6 +233,17 @@ def phase_flows(topo: Topology, job: Job, phase: CollectivePhase | P2PPhase) -> 
 
 
 # -- dynamic state ------------------------------------------------------------------------------------
+
+
+def _bits(mask: int) -> list[int]:
+    """The positions of the set bits of ``mask``, lowest first."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
+
 
 _EV_GROUP, _EV_STEP, _EV_PHASE, _EV_RELEASE = 0, 1, 2, 3
 
@@ -329,7 +343,8 @@ class Simulator:
         self.heap: list[tuple[float, int, int, Any, Any]] = []
         self.seq = 0
         self.groups: dict[int, _Group] = {}
-        self.coupled: dict[int, _Group] = {}  # the groups in flight that use some shared link
+        self.by_template: dict[int, dict[int, _Group]] = {}  # template uid -> its groups in flight (templates with shared links)
+        self.in_flight = 0  # bit set over template uids: the keys of by_template
         self._present = np.zeros(len(self.net.edges), dtype=bool)
         self._local_of = np.zeros(len(self.net.edges), dtype=np.intp)
         self.dirty: set[int] = set()  # groups whose rates must be recomputed
@@ -356,23 +371,34 @@ class Simulator:
         group at a time: it can never couple two groups. Rate recomputations
         follow only the other, *shared* links to find which groups interact.
         """
-        users: dict[int, set[tuple[int, int]]] = {}
+        # per phase, its distinct links (over its distinct step templates); a link is shared when two phases use it
+        per_phase = []
         for j, job in enumerate(self.workload.jobs):
             for p, phase in enumerate(job.phases):
                 if isinstance(phase, ComputePhase):
                     continue
-                for tpl in self._steps(j, p):
-                    for link in tpl.links:
-                        users.setdefault(link, set()).add((j, p))
-        shared = sorted(link for link, who in users.items() if len(who) > 1)
-        bit = {link: i for i, link in enumerate(shared)}
+                distinct = {id(tpl): tpl.link_arr for tpl in self._steps(j, p)}
+                if distinct:
+                    per_phase.append(np.unique(np.concatenate(list(distinct.values()))))
+        users = np.bincount(np.concatenate(per_phase), minlength=len(self.net.edges)) if per_phase else np.zeros(len(self.net.edges), dtype=np.intp)
+        is_shared = users > 1
+        link_users: dict[int, int] = {}  # shared link -> bit set of the templates using it
         for tpl in self.step_cache.values():
-            tpl.shared = frozenset(link for link in tpl.links if link in bit)
-            tpl.mask = sum(1 << bit[link] for link in tpl.shared)
-            self._reduce(tpl, bit)
-        self.shared_links = len(shared)
+            tpl.shared = tuple(tpl.link_arr[is_shared[tpl.link_arr]].tolist())
+            for link in tpl.shared:
+                link_users[link] = link_users.get(link, 0) | (1 << tpl.uid)
+            self._reduce(tpl, is_shared)
+        for tpl in self.step_cache.values():
+            adjacent = 0
+            for link in tpl.shared:
+                adjacent |= link_users[link]
+            tpl.adjacent = adjacent
+        self.adjacent = [0] * len(self.step_cache)  # by template uid
+        for tpl in self.step_cache.values():
+            self.adjacent[tpl.uid] = tpl.adjacent
+        self.shared_links = int(np.count_nonzero(is_shared))
 
-    def _reduce(self, tpl: _StepTemplate, shared: dict[int, int]) -> None:
+    def _reduce(self, tpl: _StepTemplate, is_shared: np.ndarray) -> None:
         """Turn the links that a single sub-flow of the template uses, and no other phase, into caps on that sub-flow.
 
         Such a link only ever carries that sub-flow (the template's group is
@@ -381,7 +407,7 @@ class Simulator:
         incidence the solver works on much smaller (NVLink and PCIe hops).
         """
         links, counts = np.unique(tpl.entry_link, return_counts=True)
-        single = links[(counts == 1) & np.array([int(x) not in shared for x in links], dtype=bool)]
+        single = links[(counts == 1) & ~is_shared[links]]
         own = np.isin(tpl.entry_link, single)
         tpl.solve_sub, tpl.solve_link = tpl.entry_sub[~own], tpl.entry_link[~own]
         tpl.own_sub, tpl.own_link = tpl.entry_sub[own], tpl.entry_link[own]
@@ -447,8 +473,13 @@ class Simulator:
                 self.next_gid += 1
                 g = _Group(gid, tpl, run, t)
                 self.groups[gid] = g
-                if tpl.mask:
-                    self.coupled[gid] = g
+                if tpl.adjacent:
+                    same = self.by_template.get(tpl.uid)
+                    if same is None:
+                        self.by_template[tpl.uid] = {gid: g}
+                        self.in_flight |= 1 << tpl.uid
+                    else:
+                        same[gid] = g
                 self.dirty.add(gid)
                 return
             # nothing to send (local or empty flows): the step takes its latency only
@@ -522,9 +553,15 @@ class Simulator:
             g.flow_end[np.isnan(g.flow_end)] = t
             del self.groups[g.gid]
             self.dirty.discard(g.gid)
-            if tpl.mask:
-                del self.coupled[g.gid]
-                self.dirty.update(gid for gid, h in self.coupled.items() if h.tpl.mask & tpl.mask)
+            if tpl.adjacent:
+                same = self.by_template[tpl.uid]
+                del same[g.gid]
+                if not same:
+                    del self.by_template[tpl.uid]
+                    self.in_flight &= ~(1 << tpl.uid)
+                by_template = self.by_template
+                for uid in _bits(tpl.adjacent & self.in_flight):
+                    self.dirty.update(by_template[uid])
             self.util.set_load(tpl.link_arr, np.zeros(len(tpl.link_arr)), t)
             g.version += 1
             end = self._record_flows(g.run, tpl, g.start, g.flow_end)
@@ -546,11 +583,12 @@ class Simulator:
     def _components(self, seeds: set[int]) -> list[list[_Group]]:
         """The groups in flight connected to the ``seeds`` through shared links, one list per connected component.
 
-        Templates carry their shared links as a bit set, so growing a component
-        is a pass of integer ANDs over the (few) groups in flight that use any
-        shared link.
+        A breadth-first search over templates: a template's static adjacency
+        (bit set) intersected with the templates in flight gives the next
+        templates, each expanded once, so the cost grows with the component,
+        not with the number of groups in flight.
         """
-        groups, coupled = self.groups, self.coupled
+        groups, by_template, in_flight, adjacent = self.groups, self.by_template, self.in_flight, self.adjacent
         assigned: set[int] = set()
         components = []
         for seed in seeds:
@@ -559,16 +597,18 @@ class Simulator:
             g = groups[seed]
             assigned.add(seed)
             comp = [g]
-            mask = g.tpl.mask
-            grown = bool(mask)
-            while grown:
-                grown = False
-                for gid, h in coupled.items():
-                    if gid not in assigned and h.tpl.mask & mask:
-                        assigned.add(gid)
-                        comp.append(h)
-                        mask |= h.tpl.mask
-                        grown = True
+            reached = 0
+            frontier = g.tpl.adjacent & in_flight
+            while frontier:
+                reached |= frontier
+                grown = 0
+                for uid in _bits(frontier):
+                    for gid, h in by_template[uid].items():
+                        if gid not in assigned:
+                            assigned.add(gid)
+                            comp.append(h)
+                    grown |= adjacent[uid]
+                frontier = grown & in_flight & ~reached
             components.append(comp)
         return components
 
