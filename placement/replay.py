@@ -44,6 +44,7 @@ unified circles of the jobs sharing it).
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -155,9 +156,13 @@ class _Run:
     first_start: float | None = None
     ready: float = 0.0
     shift: float = 0.0
-    remaining: float = 0.0
+    remaining: float = 0.0  # iterations left at time ``anchor`` (progress is settled lazily, when the rate changes)
     iter_time: float = math.inf
-    attained: float = 0.0
+    attained: float = 0.0  # GPU-seconds at time ``anchor``
+    anchor: float = 0.0
+    version: int = 0  # of its entry in the replay's finish heap
+    has_entry: bool = False  # whether that entry is valid
+    started: int = 0  # the order of its last start (the order the running jobs are listed in)
     finish: float | None = None
     running: bool = False
     reason: str | None = None
@@ -198,8 +203,9 @@ class Replay:
         for g in self.gpus:
             self.host_size[self.host_of[g]] = self.host_size.get(self.host_of[g], 0) + 1
         self.host_idle = dict(self.host_size)
-        self.idle = [True] * len(self.gpus)
+        self.idle = np.ones(len(self.gpus), dtype=bool)
         self.n_idle = len(self.gpus)
+        self.whole_idle = len(self.gpus)  # idle GPUs on fully idle hosts
         vcs = dict(virtual_clusters or {})
         self.use_vcs = bool(vcs)
         self.sched = HivedScheduler(topo, vcs) if policy.startswith("hived") else None
@@ -219,6 +225,12 @@ class Replay:
         self._ov_jobs: dict[str, tuple[CommProfile, float]] = {}
         self._ov_users: dict[Edge, dict[str, tuple[CommProfile, float]]] = {}
         self._ov_link: dict[Edge, float] = {}
+        # the event loop's incremental state: the jobs started or stopped since the last recompute (in the order of their
+        # last change), the finish heap ``(finish time, version, name)`` and the largest finish slack (see _finishing)
+        self._changed: dict[str, None] = {}
+        self._finish_heap: list[tuple[float, int, str]] = []
+        self._slack = 0.0
+        self._starts = 0
 
     # -- GPU bookkeeping ------------------------------------------------------------------------
     def _take(self, gpus: Sequence[str]) -> None:
@@ -226,29 +238,29 @@ class Replay:
             i = self.gpu_pos[g]
             assert self.idle[i], g
             self.idle[i] = False
-            self.host_idle[self.host_of[g]] -= 1
+            h = self.host_of[g]
+            if self.host_idle[h] == self.host_size[h]:
+                self.whole_idle -= self.host_size[h]
+            self.host_idle[h] -= 1
         self.n_idle -= len(gpus)
 
     def _give(self, gpus: Sequence[str]) -> None:
         for g in gpus:
             self.idle[self.gpu_pos[g]] = True
-            self.host_idle[self.host_of[g]] += 1
+            h = self.host_of[g]
+            self.host_idle[h] += 1
+            if self.host_idle[h] == self.host_size[h]:
+                self.whole_idle += self.host_size[h]
         self.n_idle += len(gpus)
 
     def fragmentation(self) -> float:
-        whole = sum(n for h, n in self.host_idle.items() if n == self.host_size[h])
-        return 0.0 if self.n_idle == 0 else 1.0 - whole / self.n_idle
+        """The share of idle GPUs outside fully idle hosts (kept up to date by _take and _give: O(1))."""
+        return 0.0 if self.n_idle == 0 else 1.0 - self.whole_idle / self.n_idle
 
     def _first_fit(self, n: int) -> list[str] | None:
         if self.n_idle < n:
             return None
-        out = []
-        for i, free in enumerate(self.idle):
-            if free:
-                out.append(self.gpus[i])
-                if len(out) == n:
-                    return out
-        return None
+        return [self.gpus[i] for i in np.flatnonzero(self.idle)[:n].tolist()]
 
     # -- starting and stopping jobs ----------------------------------------------------------------
     def _start(self, r: _Run, gpus: Sequence[str], shift: float = 0.0, profile: CommProfile | None = None) -> None:
@@ -261,12 +273,20 @@ class Replay:
             r.first_start = self.now
             r.remaining = float(r.spec.iterations)
         r.running = True
+        r.anchor = self.now
+        self._starts += 1
+        r.started = self._starts
         self.running[r.trace.name] = r
+        self._mark(r.trace.name)
         self._take(ordered)
 
     def _stop(self, r: _Run) -> None:
+        self._settle(r)
         r.running = False
+        r.version += 1  # its finish entry is void
+        r.has_entry = False
         del self.running[r.trace.name]
+        self._mark(r.trace.name)
         self._give(r.gpus)
         if self.sched is not None and r.trace.name in self.sched.jobs:
             self.sched.free(r.trace.name)
@@ -323,6 +343,8 @@ class Replay:
         return bisect.bisect_right(self._las_sorted, r.attained)
 
     def _schedule_las(self) -> bool:
+        for r in self.running.values():  # attained service up to now
+            self._settle(r)
         cands = [*self.running.values(), *(self.jobs[n] for n in self.queue)]
         levels = self._las_sorted
         cands.sort(key=lambda r: (bisect.bisect_right(levels, r.attained), r.trace.arrival_s, r.trace.name))  # = _las_queue
@@ -384,30 +406,78 @@ class Replay:
         for n in names:  # HiveD preempted these opportunistic jobs; they go back to the queue
             r = self.running.get(n)
             if r is not None:
+                self._settle(r)
                 r.running = False
+                r.version += 1
+                r.has_entry = False
                 del self.running[n]
+                self._mark(n)
                 self._give(r.gpus)
                 self.queue.insert(0, n)  # the oldest work of its queue: it goes first when cells free up
                 self.stats["preemptions"] += 1
 
     # -- contention ---------------------------------------------------------------------------------
-    def _recompute(self) -> None:
-        placed = [PlacedJob(r.profile, r.ready) for r in self.running.values()]
-        times = self.slowdown(placed)
-        for name, r in self.running.items():
-            r.iter_time = max(times.get(name, r.profile.period_s), 1e-12)
-        self._overload_rate = self._overload()
+    def _mark(self, name: str) -> None:
+        """Note a start or stop for the next recompute (a job's last change decides its place in the order)."""
+        self._changed.pop(name, None)
+        self._changed[name] = None
 
-    def _overload(self) -> float:
+    def _settle(self, r: _Run) -> None:
+        """Bring a running job's ``remaining`` and ``attained`` up to now (its rate has been constant since ``anchor``)."""
+        t = self.now
+        if t > r.anchor:
+            r.remaining -= max(0.0, t - max(r.anchor, r.ready)) / r.iter_time
+            r.attained += r.spec.gpus * (t - r.anchor)
+            r.anchor = t
+
+    def _set_iter_time(self, r: _Run, iter_time: float) -> None:
+        if iter_time == r.iter_time and r.has_entry:
+            return  # the same rate: its finish entry still holds
+        self._settle(r)
+        r.iter_time = iter_time
+        r.version += 1
+        r.has_entry = True
+        finish = max(r.ready, r.anchor) + r.remaining * iter_time
+        heapq.heappush(self._finish_heap, (finish, r.version, r.trace.name))
+        self._slack = max(self._slack, 1e-9 * max(1.0, r.spec.iterations) * iter_time)
+
+    def _recompute(self) -> None:
+        changed, self._changed = self._changed, {}
+        update = getattr(self.slowdown, "update", None)
+        if update is not None:  # incremental: only the started and stopped jobs, and those whose answers moved
+            running = self.running
+            times = update({n: (PlacedJob(running[n].profile, running[n].ready) if n in running else None) for n in changed})
+            for name, x in times.items():
+                r = running.get(name)
+                if r is not None:
+                    self._set_iter_time(r, max(x, 1e-12))
+            for name in changed:  # a job restarted on the same placement keeps its answer, but needs a finish entry
+                r = running.get(name)
+                if r is not None and name not in times:
+                    self._set_iter_time(r, r.iter_time if math.isfinite(r.iter_time) else max(r.profile.period_s, 1e-12))
+        else:
+            placed = [PlacedJob(r.profile, r.ready) for r in self.running.values()]
+            times = self.slowdown(placed)
+            for name, r in self.running.items():
+                self._set_iter_time(r, max(times.get(name, r.profile.period_s), 1e-12))
+        self._overload_rate = self._overload(changed)
+
+    def _overload(self, changed: Mapping[str, None]) -> float:
         """Overloaded links right now, each weighted by the share of its users' unified circle during which it is overloaded.
 
-        Incremental: only the links of jobs that started or stopped since the
-        last call are re-evaluated. A link whose users' demands sum to at most
-        its capacity is never overloaded and costs nothing.
+        Incremental: only the links of the jobs that started or stopped since
+        the last call (``changed``) are re-evaluated. A link whose users'
+        demands sum to at most its capacity is never overloaded and costs
+        nothing.
         """
-        current = {n: (r.profile, r.ready) for n, r in self.running.items() if r.profile is not None and r.profile.comm_s > 0}
+        current = {}
+        for n in changed:
+            r = self.running.get(n)
+            if r is not None and r.profile is not None and r.profile.comm_s > 0:
+                current[n] = (r.profile, r.ready)
         touched: set[Edge] = set()
-        for name, (prof, ready) in list(self._ov_jobs.items()):
+        for name in [n for n in changed if n in self._ov_jobs]:
+            prof, ready = self._ov_jobs[name]
             now = current.get(name)
             if now is not None and now[0] is prof and now[1] == ready:
                 continue
@@ -451,6 +521,7 @@ class Replay:
 
     # -- the event loop -------------------------------------------------------------------------------
     def _advance(self, t: float) -> None:
+        """Move the clock to ``t``: the time integrals; running jobs progress lazily (see _settle)."""
         dt = t - self.now
         if dt > 0:
             busy = len(self.gpus) - self.n_idle
@@ -460,18 +531,46 @@ class Replay:
             if self.queue:
                 self.stats["frag_wait_integral"] += self.fragmentation() * dt
                 self.stats["wait_time"] += dt
-            for r in self.running.values():
-                active = max(0.0, t - max(self.now, r.ready))
-                r.remaining -= active / r.iter_time
-                r.attained += r.spec.gpus * dt
         self.now = t
+
+    def _next_finish(self) -> float:
+        heap = self._finish_heap
+        while heap:
+            _, version, name = heap[0]
+            r = self.jobs[name]
+            if r.running and r.version == version:
+                return max(heap[0][0], self.now)
+            heapq.heappop(heap)
+        return math.inf
+
+    def _finishing(self) -> list[str]:
+        """The running jobs done by now, in the order they run.
+
+        A job is done when at most ``1e-9 * iterations`` iterations are left,
+        i.e. its finish time is at most ``1e-9 * iterations * iter_time`` away:
+        the heap entries within the largest such slack are checked.
+        """
+        heap, out, later = self._finish_heap, [], []
+        while heap and heap[0][0] <= self.now + self._slack:
+            entry = heapq.heappop(heap)
+            r = self.jobs[entry[2]]
+            if not r.running or r.version != entry[1]:
+                continue
+            self._settle(r)
+            if r.remaining <= 1e-9 * max(1.0, r.spec.iterations):
+                out.append(r)
+            else:
+                later.append(entry)
+        for entry in later:
+            heapq.heappush(heap, entry)
+        return [r.trace.name for r in sorted(out, key=lambda r: r.started)]
 
     def run(self) -> ReplayResult:
         wall = time.perf_counter()
         i = 0
         while i < len(self.arrivals) or self.queue or self.running:
             t_arr = self.arrivals[i].arrival_s if i < len(self.arrivals) else math.inf
-            t_fin = min((max(r.ready, self.now) + r.remaining * r.iter_time for r in self.running.values()), default=math.inf)
+            t_fin = self._next_finish()
             t_next = min(t_arr, t_fin)
             if not math.isfinite(t_next):
                 for n in self.queue:  # nothing runs and nothing arrives: these can never be placed
@@ -480,7 +579,7 @@ class Replay:
             self._advance(max(t_next, self.now))
             self.stats["events"] += 1
             changed = False
-            for name in [n for n, r in self.running.items() if r.remaining <= 1e-9 * max(1.0, r.spec.iterations)]:
+            for name in self._finishing():
                 r = self.running[name]
                 r.finish = self.now
                 self._stop(r)
