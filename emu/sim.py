@@ -312,6 +312,8 @@ class _UtilRecorder:
         self.max_bins = max_bins
 
     def advance(self, t: float) -> None:
+        if not self.max_bins:  # no series wanted (track_links="none"): no snapshots of every link
+            return
         while self.next <= t:
             self.snaps.append(self.cum + self.load * (self.next - self.last))
             self.next += self.width
@@ -351,7 +353,7 @@ class Simulator:
         self.next_gid = 0
         self.phases: list[PhaseRecord] = []
         self.flows: list[FlowRecord] = []
-        self.util = _UtilRecorder(len(self.net.edges), config.util_bins)
+        self.util = _UtilRecorder(len(self.net.edges), config.util_bins if config.track_links != "none" else 0)
         self.events = 0
         self.recomputes = 0
         self.max_component = 0
