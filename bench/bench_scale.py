@@ -176,6 +176,11 @@ def main() -> None:
         kept[_key(row)] = row
         print(f"{row['section']} {row['gpus']} GPUs {row['jobs']} jobs {row['policy']}: wall {row['wall_s']:.1f} s, cpu {row['cpu_s']:.1f} s, "
               f"peak {row['peak_rss_mb']:.0f} MB, load {row['load_1min']:.1f}", flush=True)
+        _write(kept, out_dir)  # after every case: a long run cut short keeps what it measured
+    _write(kept, out_dir, final=True)
+
+
+def _write(kept: dict, out_dir: Path | None, final: bool = False) -> None:
     order = {"sim": 0, "replay": 1}
     rows = sorted(kept.values(), key=lambda r: (order[r["section"]], r["policy"], r["gpus"], r["jobs"]))
     _growth(rows)
@@ -193,7 +198,8 @@ Replay: {REPLAY_GPUS} GPUs, emu.fluid slowdowns with radius 1, arrival rate GPUs
 """
     title = "Scale: flow simulator to 16,384 GPUs, trace replay to 100,000 jobs on 10,240 GPUs"
     if out_dir is None:
-        print(markdown_table(rows, columns))
+        if final:
+            print(markdown_table(rows, columns))
         return
     write_results("scale", rows, title=title, notes=notes, columns=columns, out_dir=out_dir)
 

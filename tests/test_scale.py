@@ -106,3 +106,18 @@ def test_bench_cases_run():
 def test_netweave_bench_lists_scale():
     out = subprocess.run([sys.executable, "-m", "netweave", "bench", "--list"], capture_output=True, text=True, cwd=ROOT, check=True)
     assert "scale" in out.stdout
+
+
+def test_bench_cli_case_and_table(tmp_path):
+    """The script's own path: one case in a child (``--case``), then the table rewritten from kept rows (``--section none``)."""
+    script = ROOT / "bench" / "bench_scale.py"
+    spec = {"section": "replay", "gpus": 64, "jobs": 30, "policy": "fifo", "iterations": None}
+    out = subprocess.run([sys.executable, str(script), "--case", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    small = {**row, "jobs": 15, "run_cpu_s": row["run_cpu_s"] / 2}
+    (tmp_path / "scale.json").write_text(json.dumps({"rows": [small, row]}))
+    subprocess.run([sys.executable, str(script), "--section", "none", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, check=True)
+    rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
+    assert [r["jobs"] for r in rows] == [15, 30]
+    assert rows[1]["cpu_growth"] == pytest.approx(1.0)  # twice the CPU time for twice the jobs
+    assert "| replay | 64 | 30 | fifo |" in (tmp_path / "scale.md").read_text()
