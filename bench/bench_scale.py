@@ -58,7 +58,9 @@ def sim_workload(topo, jobs: int, iterations: int, seed: int = 0):
 
     rng = random.Random(seed)
     hosts = topo.hosts()
-    free = {h: list(topo.gpus(h)) for h in hosts}
+    free: dict[str, list[str]] = {h: [] for h in hosts}
+    for g in topo.gpus():  # one pass (topo.gpus(host) scans every node: a call per host is quadratic)
+        free[topo.host_of(g)].append(g)
     sizes = sorted((SIM_MIX[(k * 37) % len(SIM_MIX)] for k in range(jobs)), reverse=True)  # 37 is prime to 100: a spread of the mix
     next_host, out = 0, []
     for k, size in enumerate(sizes):
