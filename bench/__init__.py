@@ -1,1 +1,1 @@
-"""netweave benchmarks: each ``bench_*.py`` writes JSON + a markdown table to ``bench/results/``."""
+"""netweave benchmarks: each ``bench_*.py`` writes JSON + a markdown table to ``$NETWEAVE_BENCH_OUT`` or ``bench/results/`` (see ``_common``)."""

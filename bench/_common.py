@@ -1,8 +1,9 @@
 """Shared plumbing for benchmark scripts.
 
-A benchmark prints a table and writes ``bench/results/<name>.json`` (the raw
-numbers plus the machine and date) and ``bench/results/<name>.md`` (the same
-table for humans). Timings are reported as ratios to a baseline measured in the
+A benchmark prints a table and writes ``<name>.json`` (the raw numbers plus
+the machine and date) and ``<name>.md`` (the same table for humans) into
+:data:`RESULTS`: ``$NETWEAVE_BENCH_OUT`` when set (``netweave bench`` sets it to
+its ``--out``), else ``bench/results/``, the committed results the docs cite. Timings are reported as ratios to a baseline measured in the
 same process where one exists, because machines here are shared and noisy.
 """
 
@@ -19,7 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(os.environ.get("NETWEAVE_BENCH_OUT") or Path(__file__).resolve().parent / "results")
 
 
 def machine() -> dict[str, Any]:

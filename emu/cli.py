@@ -1,14 +1,14 @@
 """``netweave emu``: run a workload on the simulator or the Mininet emulator, compare them, sweep parameters.
 
 Actions
-    ``run WORKLOAD [--topology FILE] [--backend sim|mininet] [--time-scale K] --out DIR``
+    ``run WORKLOAD [--topology FILE] [--backend sim|mininet|ns3] [--time-scale K] --out DIR``
         writes ``DIR/result.json`` and ``DIR/timeline.png`` and prints the per-job table;
     ``compare WORKLOAD [--topology FILE] [--time-scale K] --out DIR``
         runs both backends and prints the agreement table (per-job iteration-time error, MAPE);
     ``example --out FILE``
         writes an example workload (YAML, or JSON for ``.json``);
-    ``sweep WORKLOAD [--topology FILE] --set FIELD=V1,V2,... --out DIR``
-        simulates every combination of the values (see :mod:`emu.sweep`).
+    ``sweep WORKLOAD [--topology FILE] --set FIELD=V1,V2,... [--executor local|ray] [--address HOST:PORT] --out DIR``
+        simulates every combination of the values, locally or as Ray tasks (see :mod:`emu.sweep`).
 
 ``--topology`` defaults to ``topology.default_cluster()``. Every action takes ``--json``.
 """
@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import CommaSettings, add_json_flag, add_output, emit, progress
 from topology.errors import InputError
 
 from .results import RunResult, compare_results, format_comparison
@@ -32,7 +32,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = esub.add_parser("run", help="run a workload on one backend; writes result.json and timeline.png")
     _common(p)
-    p.add_argument("--backend", choices=["sim", "mininet"], default="sim")
+    p.add_argument("--backend", choices=["sim", "mininet", "ns3"], default="sim",
+                   help="flow-level simulator, Mininet emulator, or ns-3 packet-level simulation (pip install 'netweave[ns3]')")
+    p.add_argument("--ns3-tcp", default="TcpCubic", metavar="VARIANT", help="ns3: TCP congestion control (TcpCubic, TcpNewReno, TcpDctcp, ...)")
+    p.add_argument("--ns3-queue", type=int, default=1000, metavar="PACKETS", help="ns3: packets per priority band of every port (default 1000)")
+    p.add_argument("--ns3-min-rto-ms", type=float, default=5.0, metavar="MS", help="ns3: TCP's minimum retransmission timeout (default 5 ms)")
     p.add_argument("--time-scale", type=float, default=1000.0, metavar="K",
                    help="emulation time dilation: bandwidths / K, durations x K (mininet only; default 1000)")
     p.add_argument("--byte-scale", type=float, default=1.0, metavar="M", help="emulation: divide every flow's bytes by M (mininet only)")
@@ -45,7 +49,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_compare)
 
     p = esub.add_parser("example", help="write an example workload file")
-    p.add_argument("--out", required=True, help="output file (.yaml/.yml, or .json)")
+    add_output(p, "--out", required=True, help="output file (.yaml/.yml, or .json)")
     p.add_argument("--topology", default=None, help="take GPU ids from this topology file (default: the default cluster)")
     add_json_flag(p)
     p.set_defaults(func=cmd_example)
@@ -53,11 +57,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = esub.add_parser("sweep", help="simulate every combination of parameter values")
     p.add_argument("workload")
     p.add_argument("--topology", default=None)
-    p.add_argument("--set", action="append", default=[], metavar="FIELD=V1,V2", required=True,
+    p.add_argument("--set", action=CommaSettings, default=[], metavar="FIELD=V1,V2", required=True,
                    help="a sweep axis, e.g. jobs.dp-b.start_offset=0,0.001,0.002 or config.sharing=strict,weighted (repeatable)")
-    p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto")
-    p.add_argument("--workers", type=int, default=None)
-    p.add_argument("--out", default=None, help="write sweep.json here")
+    p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto",
+                   help="local process pool, or Ray tasks (auto: Ray when --address or $RAY_ADDRESS names a cluster, else local)")
+    p.add_argument("--address", default=None, metavar="HOST:PORT",
+                   help="a Ray cluster's head (as 'ray start --head' prints it); without it --executor ray starts Ray on this machine")
+    p.add_argument("--workers", type=int, default=None, help="processes (local) or CPUs of a Ray instance started here")
+    add_output(p, "--out", default=None, help="write sweep.json into this directory", directory=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_sweep)
 
@@ -65,7 +72,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("workload", help="workload file (YAML or JSON, see docs/workload.md)")
     p.add_argument("--topology", default=None, help="topology file (default: the embedded default cluster)")
-    p.add_argument("--out", required=True, help="output directory")
+    add_output(p, "--out", required=True, help="output directory", directory=True)
     p.add_argument("--routing", choices=["shortest", "ecmp", "rail"], default="ecmp", help="simulator: default routing policy")
     p.add_argument("--sharing", choices=["strict", "weighted"], default="strict", help="simulator: how priority classes share links")
     p.add_argument("--no-flows", action="store_true", help="do not keep a record per flow (large runs)")
@@ -113,6 +120,27 @@ def _mininet(topo: Any, workload: Any, args: argparse.Namespace, out: Path) -> R
         raise InputError(f"emulation failed: {exc}") from None
 
 
+def _ns3_options(args: argparse.Namespace) -> Any:
+    """The ns-3 backend's options, checked (before anything runs), and the package found."""
+    import importlib.util
+
+    from .ns3_backend import Ns3Error, Ns3Options, check_options
+
+    options = Ns3Options(tcp=args.ns3_tcp, routing=args.routing, queue_packets=args.ns3_queue, min_rto_ms=args.ns3_min_rto_ms)
+    check_options(options)
+    if importlib.util.find_spec("ns") is None:
+        raise Ns3Error("the ns-3 backend needs the 'ns3' package (pip install 'netweave[ns3]', ns3==3.44.post0); use --backend sim")
+    return options
+
+
+def _ns3(topo: Any, workload: Any, options: Any) -> RunResult:
+    from .ns3_backend import import_ns3, run_ns3
+
+    progress("emu: loading ns-3 (its C++ headers are parsed at import: tens of seconds)")
+    import_ns3()
+    return run_ns3(topo, workload, options)
+
+
 def _write(result: RunResult, out: Path, stem: str) -> dict[str, str]:
     from .plots import plot_timeline
 
@@ -129,11 +157,26 @@ def _job_lines(result: RunResult) -> list[str]:
     return lines
 
 
+def check_scales(args: argparse.Namespace) -> None:
+    """``--time-scale`` and ``--byte-scale``: finite and positive (``nan`` and ``inf`` parse as floats)."""
+    from topology.inputs import check_number
+
+    check_number(args.time_scale, what="a time scale", where="--time-scale", positive=True, maximum=1e9)
+    check_number(args.byte_scale, what="a byte scale", where="--byte-scale", positive=True, maximum=1e12)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
+    check_scales(args)
     topo, workload = load_inputs(args.workload, args.topology)
+    ns3_options = _ns3_options(args) if args.backend == "ns3" else None
     out = Path(args.out)
     progress(f"emu: running {workload.name!r} ({len(workload.jobs)} jobs) on {topo.name!r} with the {args.backend} backend")
-    result = _simulate(topo, workload, args) if args.backend == "sim" else _mininet(topo, workload, args, out)
+    if args.backend == "sim":
+        result = _simulate(topo, workload, args)
+    elif args.backend == "ns3":
+        result = _ns3(topo, workload, ns3_options)
+    else:
+        result = _mininet(topo, workload, args, out)
     files = _write(result, out, "result")
     text = "\n".join([f"{result.backend}: {workload.name} on {topo.name}, makespan {result.makespan * 1e3:.4f} ms", *_job_lines(result),
                       f"wrote {files['result']} and {files['timeline']}"])
@@ -144,6 +187,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from .plots import plot_comparison
 
+    check_scales(args)
     topo, workload = load_inputs(args.workload, args.topology)
     mininet_runner()  # fail before simulating when the emulator cannot run
     out = Path(args.out)
@@ -176,13 +220,16 @@ def cmd_example(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from .sweep import format_sweep, get_executor, parse_axes, sweep
+    from .sweep import RayExecutor, eta_progress, format_sweep, get_executor, parse_axes, sweep
 
     topo, workload = load_inputs(args.workload, args.topology)
     axes = parse_axes(args.set)
-    executor = get_executor(args.executor, max_workers=args.workers)
-    progress(f"emu: sweeping {' x '.join(f'{k} ({len(v)})' for k, v in axes.items())} on the {executor.name} executor")
-    table = sweep(topo, workload, axes, executor=executor)
+    executor = get_executor(args.executor, max_workers=args.workers, address=args.address)
+    if isinstance(executor, RayExecutor):
+        executor.check()
+    where = f" at {executor.address}" if getattr(executor, "address", None) else ""
+    progress(f"emu: sweeping {' x '.join(f'{k} ({len(v)})' for k, v in axes.items())} on the {executor.name} executor{where}")
+    table = sweep(topo, workload, axes, executor=executor, progress=eta_progress("emu: sweep"))
     if args.out:
         from topology.io import atomic_write_text
 

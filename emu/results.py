@@ -220,13 +220,9 @@ class RunResult:
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> RunResult:
-        try:
-            data = json.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise InputError(f"cannot read file ({exc.strerror})", source=str(path)) from None
-        except json.JSONDecodeError as exc:
-            raise InputError(f"invalid JSON ({exc.msg})", source=str(path), where=exc.lineno) from None
-        return cls.from_dict(data, source=str(path))
+        from topology.inputs import loads_json, read_text
+
+        return cls.from_dict(loads_json(read_text(path), source=str(path)), source=str(path))
 
 
 def _rows(table: dict[str, Any], columns: tuple[str, ...]) -> list[list[Any]]:

@@ -6,9 +6,13 @@ any engine that can call a function on a picklable argument can run it.
 
 Executors (``get_executor``)
     ``local``: a ``concurrent.futures`` process pool (``max_workers=1`` runs in
-    this process); the default and what the tests use.
-    ``ray``: Ray tasks (``ray.remote``/``ray.get``), for sweeps over many
-    machines; chosen by ``auto`` when the ``ray`` package is importable.
+    this process); the default and what most tests use.
+    ``ray``: Ray tasks (``ray.remote``/``ray.wait``), one per point, on the
+    cluster at ``address`` (``ray start --head`` on one machine, then
+    ``--address HEAD:6379`` on any) or on a local Ray instance started for the
+    call; chosen by ``auto`` when an address is given (or ``$RAY_ADDRESS`` is set).
+    Rows are the local executor's, in the same order. Both report progress
+    (``progress(done, total)``, e.g. :func:`eta_progress`) as points finish.
     Emulation points should ask Ray for a ``mininet`` custom resource so that
     only one Mininet runs per kernel (Mininet cannot share a kernel).
 
@@ -30,8 +34,11 @@ import importlib.util
 import itertools
 import json
 import math
+import os
+import socket
+import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any, Protocol
 
 from topology.errors import InputError
@@ -44,12 +51,50 @@ class SweepError(InputError):
     """A sweep axis or value that does not fit the workload or the simulator."""
 
 
+ProgressFn = Callable[[int, int], None]
+"""``progress(done, total)``: called once before any item finishes (``done=0``) and after each one finishes."""
+
+
 class Executor(Protocol):
     name: str
 
-    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
-        """``[fn(x) for x in items]``, in order, however the engine runs them."""
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any], progress: ProgressFn | None = None) -> list[Any]:
+        """``[fn(x) for x in items]``, in order, however the engine runs them; ``progress`` hears of each finished item."""
         ...
+
+
+def eta_progress(label: str, *, every_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                 write: Callable[[str], None] | None = None) -> ProgressFn:
+    """A ``progress`` callback that prints ``label: 3/8 done, 4.1 s elapsed, ETA 6.8 s`` on stderr.
+
+    The ETA assumes the items left take as long on average as those done.
+    Lines come at most every ``every_s`` seconds, and always for the last item.
+
+    >>> lines, now = [], iter([0.0, 3.0, 6.0]).__next__
+    >>> tick = eta_progress("sweep", every_s=0, clock=now, write=lines.append)
+    >>> tick(0, 4); tick(1, 4); tick(2, 4)
+    >>> lines
+    ['sweep: 0/4 done', 'sweep: 1/4 done, 3.0 s elapsed, ETA 9.0 s', 'sweep: 2/4 done, 6.0 s elapsed, ETA 6.0 s']
+    """
+    if write is None:
+        from topology.clitools import progress as write
+    state = {"start": None, "last": -math.inf}
+
+    def tick(done: int, total: int) -> None:
+        now = clock()
+        if state["start"] is None:
+            state["start"] = now
+        if done < total and now - state["last"] < every_s:
+            return
+        state["last"] = now
+        elapsed = now - state["start"]
+        if done == 0:
+            write(f"{label}: 0/{total} done")
+        else:
+            eta = elapsed / done * (total - done)
+            write(f"{label}: {done}/{total} done, {elapsed:.1f} s elapsed" + (f", ETA {eta:.1f} s" if done < total else ""))
+
+    return tick
 
 
 class LocalExecutor:
@@ -62,45 +107,136 @@ class LocalExecutor:
             raise SweepError(f"max_workers must be >= 1, got {max_workers}")
         self.max_workers = max_workers
 
-    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any], progress: ProgressFn | None = None) -> list[Any]:
         items = list(items)
+        tick = progress or (lambda done, total: None)
+        tick(0, len(items))
         if self.max_workers == 1 or len(items) <= 1:
-            return [fn(x) for x in items]
+            results = []
+            for x in items:
+                results.append(fn(x))
+                tick(len(results), len(items))
+            return results
         with ProcessPoolExecutor(max_workers=self.max_workers) as pool:
-            return list(pool.map(fn, items))
+            futures = {pool.submit(fn, x): i for i, x in enumerate(items)}
+            out: list[Any] = [None] * len(items)
+            for done, future in enumerate(as_completed(futures), start=1):
+                out[futures[future]] = future.result()
+                tick(done, len(items))
+            return out
+
+
+# The packages a Ray task imports: shipped to a remote cluster (runtime_env py_modules) so that its nodes need only
+# the third-party dependencies. Listed by name so that this module does not import upward.
+SHIPPED_PACKAGES = ("topology", "emu", "placement")
+
+
+def _probe_address(address: str, timeout_s: float = 5.0) -> None:
+    """Fail at once, naming the address, when nothing listens there (ray.init would retry for minutes)."""
+    if address == "auto":
+        return
+    rest = address.split("://", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SweepError(f"--address {address!r}: expected HOST:PORT (the head's GCS address, e.g. 10.0.0.5:6379), ray://HOST:PORT or auto")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise SweepError(f"--address {address!r}: no Ray head answers there ({exc.strerror or exc}); start one with 'ray start --head'") from None
 
 
 class RayExecutor:
-    """Ray tasks, one per item; ``resources`` (e.g. ``{"mininet": 1}``) are asked for every task."""
+    """Ray tasks, one per item, on the cluster at ``address`` or on a local Ray instance started (and stopped) here.
+
+    ``num_cpus`` and ``resources`` (e.g. ``{"mininet": 1}``) are asked for every task. With an ``address``
+    this process connects as a driver and ships the project's packages (:data:`SHIPPED_PACKAGES`) with the
+    tasks (``ship_code``); without one it starts Ray on this machine with ``local_cpus`` CPUs (default: all)
+    and shuts it down after ``map``. A Ray already initialised in this process (``ray.init`` by the caller) is
+    used as it is and left running. Errors a task raises come back as they were raised.
+    """
 
     name = "ray"
 
-    def __init__(self, *, num_cpus: float = 1, resources: dict[str, float] | None = None, address: str | None = None):
+    def __init__(self, *, num_cpus: float = 1, resources: dict[str, float] | None = None, address: str | None = None,
+                 local_cpus: int | None = None, ship_code: bool | None = None):
         if importlib.util.find_spec("ray") is None:
             raise SweepError("the Ray executor needs the 'ray' package (pip install 'netweave[ray]'); use --executor local")
         import ray
 
+        if address is not None and not address.strip():
+            raise SweepError("--address is empty: expected HOST:PORT, ray://HOST:PORT or auto")
+        if not num_cpus > 0:
+            raise SweepError(f"num_cpus must be positive, got {num_cpus}")
         self.ray = ray
         self.num_cpus = num_cpus
         self.resources = resources or {}
         self.address = address
+        self.local_cpus = local_cpus
+        self.ship_code = address is not None if ship_code is None else ship_code
 
-    def map(self, fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    def check(self) -> None:
+        """Fail now, in one line, when ``address`` is malformed or no Ray head answers there (before any work starts)."""
+        if self.address is not None and not self.ray.is_initialized():
+            _probe_address(self.address)
+
+    def _connect(self) -> bool:
+        """Initialise Ray if this process has not; True when it was started here (and so is shut down here)."""
         ray = self.ray
-        if not ray.is_initialized():
-            ray.init(address=self.address)
-        task = ray.remote(num_cpus=self.num_cpus, resources=self.resources or None)(fn)
-        return list(ray.get([task.remote(x) for x in items]))
+        if ray.is_initialized():
+            return False
+        options: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+        if self.ship_code:
+            options["runtime_env"] = {"py_modules": [importlib.import_module(name) for name in SHIPPED_PACKAGES]}
+        if self.address is None:
+            ray.init(num_cpus=self.local_cpus, **options)
+            return True
+        _probe_address(self.address)
+        try:
+            ray.init(address=self.address, **options)
+        except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
+            raise SweepError(f"--address {self.address!r}: cannot join that Ray cluster: {str(exc).splitlines()[0] if str(exc) else exc}") from None
+        return True
+
+    def map(self, fn: Callable[[Any], Any], items: Iterable[Any], progress: ProgressFn | None = None) -> list[Any]:
+        ray = self.ray
+        items = list(items)
+        tick = progress or (lambda done, total: None)
+        started = self._connect()
+        try:
+            task = ray.remote(num_cpus=self.num_cpus, resources=self.resources or None)(fn)
+            refs = [task.remote(x) for x in items]
+            tick(0, len(refs))
+            pending = list(refs)
+            while pending:
+                ready, pending = ray.wait(pending, num_returns=1)
+                tick(len(refs) - len(pending), len(refs))
+            try:
+                return list(ray.get(refs))
+            except ray.exceptions.RayTaskError as exc:
+                if isinstance(exc.cause, Exception):  # the task's own error (an InputError names the field), not Ray's wrapper
+                    raise exc.cause from None
+                raise
+        finally:
+            if started:
+                ray.shutdown()
 
 
-def get_executor(kind: str = "auto", *, max_workers: int | None = None, **ray_options: Any) -> LocalExecutor | RayExecutor:
-    """``local``, ``ray``, or ``auto`` (Ray when importable, else local)."""
+def get_executor(kind: str = "auto", *, max_workers: int | None = None, address: str | None = None,
+                 **ray_options: Any) -> LocalExecutor | RayExecutor:
+    """``local``, ``ray``, or ``auto``: Ray when a cluster address is given (``address`` or ``$RAY_ADDRESS``), else local.
+
+    ``ray`` without an address starts a local Ray instance; ``max_workers`` is then its CPU count.
+    """
     if kind == "auto":
-        kind = "ray" if importlib.util.find_spec("ray") is not None else "local"
+        kind = "ray" if address or os.environ.get("RAY_ADDRESS") else "local"
     if kind == "local":
+        if address:
+            raise SweepError("--address names a Ray cluster: use it with --executor ray (or auto)")
         return LocalExecutor(max_workers)
     if kind == "ray":
-        return RayExecutor(**ray_options)
+        if max_workers is not None and max_workers < 1:
+            raise SweepError(f"max_workers must be >= 1, got {max_workers}")
+        return RayExecutor(address=address or os.environ.get("RAY_ADDRESS") or None, local_cpus=max_workers, **ray_options)
     raise SweepError(f"unknown executor {kind!r}; expected auto, local or ray")
 
 
@@ -188,7 +324,7 @@ def run_point(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def sweep(topo: Topology, workload: Workload, axes: dict[str, list[Any]], *, config: dict[str, Any] | None = None,
-          executor: Executor | None = None) -> dict[str, Any]:
+          executor: Executor | None = None, progress: ProgressFn | None = None) -> dict[str, Any]:
     """Simulate every combination of ``axes`` values; rows in the order of ``itertools.product``.
 
     Every point is validated before any runs, so a bad axis fails at once
@@ -205,7 +341,7 @@ def sweep(topo: Topology, workload: Workload, axes: dict[str, list[Any]], *, con
         w, c = apply_point(base_workload, base_config, point)
         workload_from_dict(w, source=f"sweep point {point}").validate(topo)
         specs.append({"topology": topo_data, "workload": w, "config": c, "point": point})
-    rows = executor.map(run_point, specs)
+    rows = executor.map(run_point, specs, progress)
     best = min(rows, key=lambda r: r["mean_jct_s"])
     return {"axes": axes, "executor": executor.name, "rows": rows, "best": {"point": best["point"], "mean_jct_s": best["mean_jct_s"]}}
 
@@ -224,5 +360,5 @@ def format_sweep(table: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Executor", "LocalExecutor", "RayExecutor", "SweepError", "apply_point", "format_sweep", "get_executor", "parse_axes", "run_point",
-           "spec_id", "sweep"]
+__all__ = ["SHIPPED_PACKAGES", "Executor", "LocalExecutor", "ProgressFn", "RayExecutor", "SweepError", "apply_point", "eta_progress",
+           "format_sweep", "get_executor", "parse_axes", "run_point", "spec_id", "sweep"]

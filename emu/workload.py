@@ -52,14 +52,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from topology.errors import InputError
+from topology.inputs import check_name, check_node_id, loads_json, loads_yaml, read_text
+from topology.limits import MAX_BANDWIDTH_GBS, MAX_BYTES, MAX_ITERATIONS, MAX_JOB_GPUS, MAX_JOBS, MAX_PHASE_RUNS, MAX_SECONDS
+from topology.units import parse_duration, parse_rate, parse_size
 
 FORMAT_NAME = "netweave-workload"
 FORMAT_VERSION = 1
@@ -304,48 +305,6 @@ class Workload:
         return workload_from_dict(data, source=source)
 
 
-# -- units -------------------------------------------------------------------------------
-
-_SIZE_UNITS = {
-    "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9, "min": 60.0}
-_QUANTITY = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-zA-Zµ]*)\s*$")
-
-
-def parse_size(value: Any) -> float:
-    """Bytes from a number or a string with a unit (``"256MiB"``, ``"1.5GB"``, ``"4096"``).
-
-    >>> parse_size("1GiB"), parse_size(3e6), parse_size("2 MB")
-    (1073741824.0, 3000000.0, 2000000.0)
-    """
-    return _parse_quantity(value, _SIZE_UNITS, "B", "a size in bytes (a number or e.g. '256MiB')")
-
-
-def parse_duration(value: Any) -> float:
-    """Seconds from a number or a string with a unit (``"5ms"``, ``"20us"``, ``0.1``).
-
-    >>> parse_duration("5ms"), parse_duration(2)
-    (0.005, 2.0)
-    """
-    return _parse_quantity(value, _TIME_UNITS, "s", "a duration in seconds (a number or e.g. '5ms')")
-
-
-def _parse_quantity(value: Any, units: dict[str, float], default_unit: str, expected: str) -> float:
-    if isinstance(value, bool):
-        raise ValueError(expected)
-    if isinstance(value, int | float):
-        return float(value)
-    if isinstance(value, str):
-        m = _QUANTITY.match(value)
-        if m:
-            unit = (m.group(2) or default_unit).lower()
-            if unit in units:
-                return float(m.group(1)) * units[unit]
-    raise ValueError(expected)
-
-
 # -- validation ---------------------------------------------------------------------------
 
 
@@ -353,9 +312,12 @@ def _err(message: str, where: str, source: str | None) -> WorkloadError:
     return WorkloadError(message, source=source, where=where)
 
 
-def _check_number(value: Any, where: str, source: str | None, *, positive: bool = False, minimum: float | None = 0.0) -> None:
+def _check_number(value: Any, where: str, source: str | None, *, positive: bool = False, minimum: float | None = 0.0,
+                  maximum: float = MAX_SECONDS) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise _err(f"expected a {'positive' if positive else 'non-negative'} number, got {value!r}", where, source)
+    if value > maximum:
+        raise _err(f"expected a number <= {maximum:g} (the limit), got {value!r}", where, source)
     if positive and not value > 0:
         raise _err(f"expected a positive number, got {value!r}", where, source)
     if minimum is not None and value < minimum:
@@ -369,23 +331,28 @@ def _check_priority(value: Any, where: str, source: str | None) -> None:
 
 def validate_job(job: Job, where: str, source: str | None = None) -> None:
     """Raise :class:`WorkloadError` naming the field when ``job`` is inconsistent."""
-    if not isinstance(job.name, str) or not job.name:
-        raise _err("expected a non-empty job name", f"{where}.name", source)
+    check_name(job.name, what="job name", source=source, where=f"{where}.name", error=WorkloadError)
     if not job.gpus:
         raise _err("expected a non-empty list of GPU ids", f"{where}.gpus", source)
+    if len(job.gpus) > MAX_JOB_GPUS:
+        raise _err(f"{len(job.gpus)} GPUs, more than {MAX_JOB_GPUS} (the limit)", f"{where}.gpus", source)
     for k, g in enumerate(job.gpus):
-        if not isinstance(g, str) or not g:
-            raise _err(f"expected a GPU id such as 'node0/gpu3', got {g!r}", f"{where}.gpus[{k}]", source)
+        check_node_id(g, what="GPU id", source=source, where=f"{where}.gpus[{k}]", error=WorkloadError)
     if len(set(job.gpus)) != len(job.gpus):
         dup = next(g for g in job.gpus if job.gpus.count(g) > 1)
         raise _err(f"GPU {dup!r} is listed twice", f"{where}.gpus", source)
     if isinstance(job.iterations, bool) or not isinstance(job.iterations, int) or job.iterations < 1:
         raise _err(f"expected a positive integer, got {job.iterations!r}", f"{where}.iterations", source)
+    if job.iterations > MAX_ITERATIONS:
+        raise _err(f"expected at most {MAX_ITERATIONS} iterations (the limit), got {job.iterations}", f"{where}.iterations", source)
+    if job.iterations * len(job.phases) > MAX_PHASE_RUNS:
+        raise _err(f"{job.iterations} iterations of {len(job.phases)} phases are more than {MAX_PHASE_RUNS} phase runs (the limit)",
+                   f"{where}.iterations", source)
     _check_number(job.arrival, f"{where}.arrival", source)
     _check_number(job.start_offset, f"{where}.start_offset", source)
     _check_priority(job.priority, f"{where}.priority", source)
     if job.rate_cap is not None:
-        _check_number(job.rate_cap, f"{where}.rate_cap", source, positive=True)
+        _check_number(job.rate_cap, f"{where}.rate_cap", source, positive=True, maximum=MAX_BANDWIDTH_GBS)
     if job.routing is not None and job.routing not in ROUTING_POLICIES:
         raise _err(f"expected one of {', '.join(ROUTING_POLICIES)}, got {job.routing!r}", f"{where}.routing", source)
     if not job.phases:
@@ -394,8 +361,7 @@ def validate_job(job: Job, where: str, source: str | None = None) -> None:
     names: dict[str, int] = {}
     for i, p in enumerate(job.phases):
         pw = f"{where}.phases[{i}]"
-        if not isinstance(p.name, str) or not p.name:
-            raise _err("expected a non-empty phase name", f"{pw}.name", source)
+        check_name(p.name, what="phase name", source=source, where=f"{pw}.name", error=WorkloadError)
         if p.name in names:
             raise _err(f"phase name {p.name!r} is used twice (also phases[{names[p.name]}])", f"{pw}.name", source)
         names[p.name] = i
@@ -406,7 +372,7 @@ def validate_job(job: Job, where: str, source: str | None = None) -> None:
                 raise _err(f"expected one of {', '.join(COLLECTIVE_OPS)}, got {p.op!r}", f"{pw}.op", source)
             if p.algorithm not in ALGORITHMS:
                 raise _err(f"expected one of {', '.join(ALGORITHMS)}, got {p.algorithm!r}", f"{pw}.algorithm", source)
-            _check_number(p.nbytes, f"{pw}.bytes", source, positive=True)
+            _check_number(p.nbytes, f"{pw}.bytes", source, positive=True, maximum=MAX_BYTES)
             if p.group is not None:
                 if len(p.group) < 1:
                     raise _err("expected a non-empty list of GPU ids", f"{pw}.group", source)
@@ -425,14 +391,14 @@ def validate_job(job: Job, where: str, source: str | None = None) -> None:
                         raise _err(f"GPU {getattr(t, end)!r} is not one of the job's gpus", f"{tw}.{end}", source)
                 if t.src == t.dst:
                     raise _err("src and dst are the same GPU", tw, source)
-                _check_number(t.nbytes, f"{tw}.bytes", source, positive=True)
+                _check_number(t.nbytes, f"{tw}.bytes", source, positive=True, maximum=MAX_BYTES)
         else:
             raise _err(f"unknown phase type {type(p).__name__}", pw, source)
         if not isinstance(p, ComputePhase):
             if p.priority is not None:
                 _check_priority(p.priority, f"{pw}.priority", source)
             if p.rate_cap is not None:
-                _check_number(p.rate_cap, f"{pw}.rate_cap", source, positive=True)
+                _check_number(p.rate_cap, f"{pw}.rate_cap", source, positive=True, maximum=MAX_BANDWIDTH_GBS)
     for i, p in enumerate(job.phases):
         pw = f"{where}.phases[{i}]"
         for field_name, refs in (("after", p.after), ("after_previous", p.after_previous or ())):
@@ -479,6 +445,9 @@ def validate_workload(workload: Workload, *, source: str | None = None) -> None:
         if job.name in seen:
             raise _err(f"job name {job.name!r} is used twice (also jobs[{seen[job.name]}])", f"jobs[{i}].name", source)
         seen[job.name] = i
+    runs = sum(job.iterations * len(job.phases) for job in workload.jobs)
+    if runs > MAX_PHASE_RUNS:
+        raise _err(f"the jobs' iterations x phases add up to {runs} phase runs, more than {MAX_PHASE_RUNS} (the limit)", "jobs", source)
 
 
 def validate_against_topology(workload: Workload, topo: Any, *, source: str | None = None) -> None:
@@ -586,22 +555,10 @@ class _Reader:
         return tuple(self.string(v, f"{where}[{k}]") for k, v in enumerate(value))
 
     def size(self, value: Any, where: str) -> float:
-        try:
-            x = parse_size(value)
-        except ValueError as exc:
-            raise _err(f"expected a positive number ({exc}), got {value!r}", where, self.source) from None
-        if not (math.isfinite(x) and x > 0):
-            raise _err(f"expected a positive number, got {value!r}", where, self.source)
-        return x
+        return parse_size(value, what="a positive number of bytes", where=where, source=self.source, positive=True, error=WorkloadError)
 
-    def duration(self, value: Any, where: str, *, allow_zero: bool = True) -> float:
-        try:
-            x = parse_duration(value)
-        except ValueError as exc:
-            raise _err(f"expected a non-negative number ({exc}), got {value!r}", where, self.source) from None
-        if not math.isfinite(x) or x < 0:
-            raise _err(f"expected a non-negative number, got {value!r}", where, self.source)
-        return x
+    def duration(self, value: Any, where: str) -> float:
+        return parse_duration(value, what="a non-negative number of seconds", where=where, source=self.source, error=WorkloadError)
 
     def integer(self, value: Any, where: str, lo: int, hi: int | None, what: str) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
@@ -611,9 +568,7 @@ class _Reader:
     def rate(self, value: Any, where: str) -> float | None:
         if value is None:
             return None
-        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
-            raise _err(f"expected a positive number (GB/s) or null, got {value!r}", where, self.source)
-        return float(value)
+        return parse_rate(value, where=where, source=self.source, what="a positive number (GB/s) or null", error=WorkloadError)
 
 
 def workload_from_dict(data: Any, *, source: str | None = None) -> Workload:
@@ -632,6 +587,8 @@ def workload_from_dict(data: Any, *, source: str | None = None) -> Workload:
     raw_jobs = r.req(data, "jobs", "")
     if not isinstance(raw_jobs, list) or not raw_jobs:
         raise _err("expected a non-empty list of jobs", "jobs", source)
+    if len(raw_jobs) > MAX_JOBS:
+        raise _err(f"{len(raw_jobs)} jobs, more than {MAX_JOBS} (the limit)", "jobs", source)
     jobs = [_job_from_dict(r, raw, f"jobs[{i}]") for i, raw in enumerate(raw_jobs)]
     workload = Workload(name, tuple(jobs), dict(meta))
     validate_workload(workload, source=source)
@@ -725,17 +682,9 @@ def dumps_workload(workload: Workload, format: str = "yaml") -> str:
 def loads_workload(text: str, format: str = "yaml", *, source: str | None = None) -> Workload:
     """Parse YAML or JSON text (JSON is also valid YAML, but its errors read better from the JSON parser)."""
     if format == "json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise WorkloadError(f"invalid JSON ({exc.msg}, column {exc.colno})", source=source, where=exc.lineno) from None
+        data = loads_json(text, source=source, error=WorkloadError)
     elif format == "yaml":
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            raise WorkloadError(f"invalid YAML ({getattr(exc, 'problem', None) or exc})", source=source,
-                                where=mark.line + 1 if mark is not None else None) from None
+        data = loads_yaml(text, source=source, error=WorkloadError)
     else:
         raise WorkloadError(f"unknown format {format!r}; expected yaml or json", source=source)
     return workload_from_dict(data, source=source)
@@ -749,11 +698,7 @@ def _format_of(path: str | os.PathLike[str], format: str | None) -> str:
 
 def read_workload(path: str | os.PathLike[str], format: str | None = None) -> Workload:
     """Read a workload file (``.json`` is JSON, anything else YAML unless ``format`` says)."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise WorkloadError(f"cannot read file ({exc.strerror})", source=str(path)) from None
-    return loads_workload(text, _format_of(path, format), source=str(path))
+    return loads_workload(read_text(path, error=WorkloadError), _format_of(path, format), source=str(path))
 
 
 def write_workload(workload: Workload, path: str | os.PathLike[str], format: str | None = None) -> None:
@@ -803,8 +748,6 @@ __all__ = [
     "dumps_workload",
     "example_workload",
     "loads_workload",
-    "parse_duration",
-    "parse_size",
     "read_workload",
     "validate_against_topology",
     "validate_job",

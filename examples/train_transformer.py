@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="result-{rank}.json", help="result file; {rank} is replaced by the rank")
+    ap.add_argument("--params-out", help="data parallel: also torch.save the trained parameters by name here ({rank} as for --out)")
     args = ap.parse_args(argv)
     seq, vocab = 16, 64
     try:
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
               "params_sha256": hashlib.sha256(b"".join(p.detach().cpu().numpy().tobytes() for p in params)).hexdigest()}
     with open(args.out.format(rank=job.rank), "w") as f:
         json.dump(result, f)
+    if args.params_out and mode == "data_parallel":           # for comparing with plain DDP (tests/test_launch_emulation.py)
+        torch.save({n: p.detach().cpu() for n, p in model.module.named_parameters()}, args.params_out.format(rank=job.rank))
     job.close()
     return 0
 

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, load_callable, progress
 from topology.errors import InputError
+from topology.inputs import check_interface, check_name, check_number
+from topology.units import flag_action, parse_duration, parse_rate
 
 from .plan import POLICIES
 
@@ -20,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     fsub = flow.add_subparsers(dest="flow_command", metavar="ACTION", required=True)
 
     p = fsub.add_parser("keys", help="generate CURVE key pairs for the scheduler and agents")
-    p.add_argument("--out", required=True, help="key directory (NAME.key public, NAME.key_secret secret)")
+    add_output(p, "--out", required=True, help="key directory (NAME.key public, NAME.key_secret secret)", directory=True)
     p.add_argument("--agents", default="", help="comma-separated agent host names")
     add_json_flag(p)
     p.set_defaults(func=cmd_keys)
@@ -31,8 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", choices=POLICIES, default="sincronia")
     p.add_argument("--epoch", type=int, default=1, help="plan generation number (default 1)")
     p.add_argument("--classes", type=int, default=8, help="priority classes to use (1..8)")
-    p.add_argument("--out", required=True, help="flow plan file (.json)")
-    p.add_argument("--nccl-plan", default=None, metavar="DIR", help="also write each host's NCCL plugin plan file into DIR")
+    add_output(p, "--out", required=True, help="flow plan file (.json)")
+    add_output(p, "--nccl-plan", default=None, metavar="DIR", help="also write each host's NCCL plugin plan file into DIR", directory=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_plan)
 
@@ -40,7 +41,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("plan", help="flow plan file")
     p.add_argument("--host", required=True)
     p.add_argument("--dev", default="eth0", help="egress interface (default eth0)")
-    p.add_argument("--rate-mbit", type=float, default=None, help="link rate (default: the plan's link_rate of the host)")
+    p.add_argument("--rate-mbit", action=flag_action(parse_rate, unit="Mbit/s"), default=None,
+                   help="link rate in Mbit/s, or with a unit (100Mbit, 10Gb/s) (default: the plan's link_rate of the host)")
     p.add_argument("--time-scale", type=float, default=1.0, help="divide the plan's rates by this factor (emulation)")
     p.add_argument("--netns", default=None, help="apply inside this network namespace")
     p.add_argument("--dry-run", action="store_true", help="print the tc batch instead of running it")
@@ -50,25 +52,29 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = fsub.add_parser("profile", help="measure a gradient profile of a torch model and write it as JSON")
     p.add_argument("--model", default=None, metavar="MODULE:CALLABLE", help="callable returning a torch.nn.Module (default: built-in MLP)")
     p.add_argument("--input-shape", default=None, help="batch shape for --model, e.g. 32,784")
-    p.add_argument("--bandwidth", type=float, default=10.0, help="all-reduce goodput in GB/s to store in the profile (default 10)")
-    p.add_argument("--overhead-us", type=float, default=10.0, help="cost of one collective launch in microseconds (default 10)")
+    p.add_argument("--bandwidth", action=flag_action(parse_rate), default=10.0,
+                   help="all-reduce goodput in GB/s, or with a unit (100Gb/s), to store in the profile (default 10)")
+    p.add_argument("--overhead-us", action=flag_action(parse_duration, unit="us"), default=10.0,
+                   help="cost of one collective launch in microseconds, or with a unit (default 10)")
     p.add_argument("--iterations", type=int, default=5)
-    p.add_argument("--out", required=True)
+    add_output(p, "--out", required=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_profile)
 
     p = fsub.add_parser("schedule", help="in-job gradient schedule and its modelled iteration time vs the lower bound")
     p.add_argument("--profile", required=True, help="gradient profile JSON (netweave flow profile)")
     p.add_argument("--policy", choices=("ddp", "prophet", "bytescheduler"), default="prophet")
-    p.add_argument("--bandwidth", type=float, default=None, help="override the profile's bandwidth (GB/s)")
-    p.add_argument("--out", default=None, help="write the plan (JSON)")
+    p.add_argument("--bandwidth", action=flag_action(parse_rate), default=None,
+                   help="override the profile's bandwidth (GB/s, or with a unit: 100Gb/s)")
+    add_output(p, "--out", default=None, help="write the plan (JSON)")
     add_json_flag(p)
     p.set_defaults(func=cmd_schedule)
 
     p = fsub.add_parser("serve", help="run the scheduler service and publish a plan")
     p.add_argument("--config", required=True, help="control-plane configuration (see docs/flowsched.md)")
     p.add_argument("--plan", required=True, help="flow plan to publish")
-    p.add_argument("--duration", type=float, default=None, help="stop after this many seconds (default: until interrupted)")
+    p.add_argument("--duration", action=flag_action(parse_duration), default=None,
+                   help="stop after this many seconds, or e.g. 5min (default: until interrupted)")
     p.add_argument("--until-acked", action="store_true", help="stop as soon as every host acknowledged the plan")
     add_json_flag(p)
     p.set_defaults(func=cmd_serve)
@@ -77,7 +83,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", required=True)
     p.add_argument("--host", required=True)
     p.add_argument("--dry-run", action="store_true", help="record tc batches instead of running them")
-    p.add_argument("--duration", type=float, default=None)
+    p.add_argument("--duration", action=flag_action(parse_duration), default=None, help="stop after this many seconds, or e.g. 5min")
     p.add_argument("--until-applied", action="store_true",
                    help="stop once a plan is in force: applied, or found intact in the kernel (a restart with a state file)")
     p.add_argument("--state", default=None, help="state file keeping the epoch in force across restarts "
@@ -119,7 +125,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_keys(args: argparse.Namespace) -> int:
     from .control import generate_keys
 
-    agents = [a for a in args.agents.split(",") if a]
+    agents = [check_name(a, what="agent host name", where="--agents") for a in args.agents.split(",") if a]
     made = generate_keys(args.out, agents)
     data = {name: {"public": str(pub), "secret": str(sec)} for name, (pub, sec) in made.items()}
     emit(args, data, "\n".join(f"{name}: {d['public']} (secret {d['secret']})" for name, d in data.items()))
@@ -132,6 +138,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from .plan import plan_from_workload, write_nccl_plan, write_plan
 
+    check_number(args.epoch, what="an epoch", where="--epoch", integer=True, minimum=0, maximum=2**62)
     topo = read_topology(args.topology)
     workload = read_workload(args.workload)
     d = plan_from_workload(workload, topo, args.policy, epoch=args.epoch, classes=args.classes)
@@ -156,6 +163,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
     from .enforce import EnforceError, apply_tc, host_tc_commands, verify_tc
     from .plan import read_plan
 
+    check_name(args.host, what="host name", where="--host")
+    check_interface(args.dev, where="--dev")
+    if args.netns is not None:
+        check_name(args.netns, what="network namespace name", where="--netns")
+    check_number(args.time_scale, what="a time scale", where="--time-scale", positive=True, maximum=1e9)
     plan = read_plan(args.plan)
     lines = host_tc_commands(plan, args.host, args.dev, rate_mbit=args.rate_mbit, time_scale=args.time_scale)
     if not args.dry_run:
@@ -245,13 +257,7 @@ def cmd_nccl_loopback(args: argparse.Namespace) -> int:
 def _load_model(spec: str, shape: str | None) -> tuple[Any, Any, Any]:
     import torch
 
-    mod_name, _, attr = spec.partition(":")
-    if not mod_name or not attr:
-        raise InputError(f"expected MODULE:CALLABLE, got {spec!r}", where="--model")
-    try:
-        factory = getattr(importlib.import_module(mod_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise InputError(f"cannot load {spec!r}: {exc}", where="--model") from None
+    factory = load_callable(spec, where="--model")  # from the current directory too, as `python -m` imports
     model = factory()
     if not isinstance(model, torch.nn.Module):
         raise InputError(f"{spec} returned {type(model).__name__}, expected a torch.nn.Module", where="--model")
@@ -271,7 +277,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     model, make_batch, loss = _load_model(args.model, args.input_shape) if args.model else small_model()
     progress(f"profiling {args.model or 'the built-in MLP'} ({args.iterations} iterations)")
-    prof = measure_gradient_profile(model, make_batch, loss, bandwidth=args.bandwidth * 1e9, overhead=args.overhead_us * 1e-6,
+    prof = measure_gradient_profile(model, make_batch, loss, bandwidth=args.bandwidth, overhead=args.overhead_us * 1e-6,
                                     iterations=args.iterations)
     prof.save(args.out)
     emit(args, prof.to_dict(), f"{prof.layers} layers, {prof.total_bytes / 1e6:.2f} MB of gradients, backward {prof.backward * 1e3:.2f} ms, "
@@ -287,9 +293,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
     prof = GradientProfile.load(args.profile)
     if args.bandwidth is not None:
-        if not args.bandwidth > 0:
-            raise InputError(f"expected a positive GB/s, got {args.bandwidth}", where="--bandwidth")
-        prof = prof.with_bandwidth(args.bandwidth * 1e9)
+        prof = prof.with_bandwidth(args.bandwidth)
     plan = {"ddp": ddp_plan, "prophet": tune_prophet, "bytescheduler": tune_bytescheduler}[args.policy](prof)
     timing = simulate_iteration(prof, plan)
     bound = prof.lower_bound()

@@ -76,12 +76,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from topology.errors import InputError
+from topology.inputs import check_interface, check_name, check_number, loads_yaml, read_text
 from topology.io import atomic_write_text
 
 from .plan import FlowPlan, FlowPlanError, plan_from_dict, validate_plan
@@ -213,12 +213,7 @@ class ControlConfig:
 def load_config(path: str | os.PathLike[str]) -> ControlConfig:
     """Read a control-plane configuration (JSON or YAML); errors name the field."""
     src = str(path)
-    try:
-        data = yaml.safe_load(Path(path).read_text())
-    except OSError as exc:
-        raise ControlError(f"cannot read ({exc.strerror})", source=src) from None
-    except yaml.YAMLError as exc:
-        raise ControlError(f"not JSON/YAML ({exc})", source=src) from None
+    data = loads_yaml(read_text(path, error=ControlError), source=src, error=ControlError)
     if not isinstance(data, dict):
         raise ControlError("expected an object", source=src)
     if data.get("format") != CONFIG_FORMAT or data.get("version") != CONFIG_VERSION:
@@ -227,26 +222,40 @@ def load_config(path: str | os.PathLike[str]) -> ControlConfig:
         if key not in data:
             raise ControlError("missing", source=src, where=key)
     sched = data["scheduler"]
-    if not isinstance(sched, dict) or "bind" not in sched:
+    if not isinstance(sched, dict) or not isinstance(sched.get("bind"), str):
         raise ControlError("expected {bind: tcp://HOST:PORT}", source=src, where="scheduler")
     agents = {}
     if not isinstance(data["agents"], dict) or not data["agents"]:
         raise ControlError("expected {host: {bind: ...}, ...}", source=src, where="agents")
     for h, a in data["agents"].items():
-        if not isinstance(a, dict) or "bind" not in a:
-            raise ControlError("expected {bind: tcp://HOST:PORT, dev: IFACE, rate_mbit: N}", source=src, where=f"agents.{h}")
+        where = f"agents.{h}"
+        if not isinstance(a, dict) or not isinstance(a.get("bind"), str):
+            raise ControlError("expected {bind: tcp://HOST:PORT, dev: IFACE, rate_mbit: N}", source=src, where=where)
         extra = set(a) - {"bind", "dev", "rate_mbit", "netns", "state"}
         if extra:
-            raise ControlError("unknown field (expected bind, dev, rate_mbit, netns, state)", source=src, where=f"agents.{h}.{sorted(extra)[0]}")
+            raise ControlError("unknown field (expected bind, dev, rate_mbit, netns, state)", source=src, where=f"{where}.{sorted(extra)[0]}")
         if not isinstance(a.get("state", ""), str) or not re.fullmatch(r"[A-Za-z0-9_.-]+", str(h)):
-            raise ControlError("expected a host name of letters, digits, '.', '_' or '-' and a state file path", source=src, where=f"agents.{h}")
+            raise ControlError("expected a host name of letters, digits, '.', '_' or '-' and a state file path", source=src, where=where)
+        dev = None if a.get("dev") is None else check_interface(a["dev"], source=src, where=f"{where}.dev", error=ControlError)
+        rate = None if a.get("rate_mbit") is None else check_number(a["rate_mbit"], what="a rate in Mbit/s", source=src,
+                                                                     where=f"{where}.rate_mbit", positive=True, maximum=8e6,
+                                                                     error=ControlError)
+        netns = None if a.get("netns") is None else check_name(a["netns"], what="network namespace", source=src, where=f"{where}.netns",
+                                                               error=ControlError)
         state = Path(path).resolve().parent / a.get("state", f"agent-{h}.state.json")
-        agents[str(h)] = AgentConfig(a["bind"], a.get("dev"), a.get("rate_mbit"), a.get("netns"), state)
+        agents[str(h)] = AgentConfig(a["bind"], dev, rate, netns, state)
+    if not isinstance(data["keys"], str) or not data["keys"]:
+        raise ControlError("expected the key directory's path", source=src, where="keys")
     keys = Path(data["keys"])
     if not keys.is_absolute():
         keys = Path(path).resolve().parent / keys
+    heartbeat = check_number(data.get("heartbeat_s", 1.0), what="seconds", source=src, where="heartbeat_s", positive=True, maximum=3600,
+                             error=ControlError)
+    wildcard = data.get("allow_wildcard", False)
+    if not isinstance(wildcard, bool):
+        raise ControlError(f"expected true or false, got {wildcard!r}", source=src, where="allow_wildcard")
     try:
-        return ControlConfig(keys, sched["bind"], agents, float(data.get("heartbeat_s", 1.0)), bool(data.get("allow_wildcard", False)), src)
+        return ControlConfig(keys, sched["bind"], agents, float(heartbeat), wildcard, src)
     except ControlError as exc:
         raise ControlError(exc.message, source=src, where=exc.where) from None
 

@@ -54,7 +54,7 @@ def small_model(seed: int = 0) -> tuple[Any, Any, Any]:
     return model, make_batch, torch.nn.functional.cross_entropy
 
 
-def profile_small_model(*, bandwidth: float = 1e9, overhead: float = 0.0, iterations: int = 3) -> GradientProfile:
+def profile_small_model(*, bandwidth: float = 1.0, overhead: float = 0.0, iterations: int = 3) -> GradientProfile:
     """Measure :func:`small_model` on this CPU."""
     import torch
 
@@ -74,7 +74,7 @@ def dilate_to_topology(profile: GradientProfile, topo: Topology) -> tuple[Gradie
     gpus = [topo.gpus(hosts[0])[0], topo.gpus(hosts[1])[0]] if len(hosts) > 1 else topo.gpus(hosts[0])[:2]
     ab = alpha_beta(topo, "all_reduce", gpus)
     k = profile.compute_time / (ab.beta_s_per_byte * profile.total_bytes)
-    return profile.with_bandwidth(1.0 / (ab.beta_s_per_byte * k), ab.alpha_s * k), k
+    return profile.with_bandwidth(1.0 / (ab.beta_s_per_byte * k) / 1e9, ab.alpha_s * k), k
 
 
 def in_job_plans(profile: GradientProfile) -> dict[str, dict[str, Any]]:

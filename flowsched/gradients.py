@@ -14,8 +14,9 @@ Two sources:
 - :func:`analytic_gradient_profile` derives one from per-layer forward/backward
   times and parameter bytes (e.g. a ``pipesched`` profile).
 
-The JSON format is ``{"format": "netweave-gradient-profile", "version": 1, ...}``
-with the fields of :class:`GradientProfile`.
+The JSON format is ``{"format": "netweave-gradient-profile", "version": 2, ...}``
+with the fields of :class:`GradientProfile` (``bandwidth`` in GB/s; version 1 files, whose
+``bandwidth`` is in bytes/s, are still read).
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ from topology.errors import InputError
 from topology.io import atomic_write_text
 
 FORMAT = "netweave-gradient-profile"
-VERSION = 1
+VERSION = 2
+#: versions read: 1 kept ``bandwidth`` in bytes/s
+READ_VERSIONS = (1, 2)
 
 
 @dataclass
@@ -46,12 +49,13 @@ class GradientProfile:
         ready: seconds after backward start when each layer's gradient is ready.
         forward: forward time per layer (seconds), for the next iteration's forward pass.
         backward: total backward time (seconds).
-        bandwidth: all-reduce goodput in bytes/s (algorithm bandwidth: bytes / time).
+        bandwidth: all-reduce goodput in GB/s (algorithm bandwidth: bytes / time / 1e9), the project's unit;
+            :attr:`bytes_per_s` is the same in bytes/s, what the schedulers compute with.
         overhead: fixed cost per collective launch (seconds), the alpha term.
 
-    >>> p = GradientProfile(["l0", "l1"], [4e6, 4e6], [0.02, 0.01], [0.005, 0.005], 0.02, 1e9, 1e-4)
-    >>> p.layers, p.total_bytes, round(p.compute_time, 3)
-    (2, 8000000.0, 0.03)
+    >>> p = GradientProfile(["l0", "l1"], [4e6, 4e6], [0.02, 0.01], [0.005, 0.005], 0.02, 1.0, 1e-4)   # 1 GB/s
+    >>> p.layers, p.total_bytes, round(p.compute_time, 3), p.bytes_per_s, round(p.comm_time(1), 6)
+    (2, 8000000.0, 0.03, 1000000000.0, 0.0081)
     """
 
     names: list[str]
@@ -68,7 +72,7 @@ class GradientProfile:
             if len(getattr(self, field)) != n:
                 raise InputError(f"{field}: expected {n} entries (one per layer), got {len(getattr(self, field))}")
         if not self.bandwidth > 0:
-            raise InputError(f"bandwidth: expected a positive number of bytes/s, got {self.bandwidth!r}")
+            raise InputError(f"bandwidth: expected a positive number of GB/s, got {self.bandwidth!r}")
         if any(b < 0 for b in self.nbytes) or any(r < 0 for r in self.ready) or any(f < 0 for f in self.forward):
             raise InputError("nbytes, ready and forward must be non-negative")
         self.nbytes = [float(x) for x in self.nbytes]
@@ -78,6 +82,11 @@ class GradientProfile:
     @property
     def layers(self) -> int:
         return len(self.names)
+
+    @property
+    def bytes_per_s(self) -> float:
+        """:attr:`bandwidth` in bytes/s."""
+        return self.bandwidth * 1e9
 
     @property
     def total_bytes(self) -> float:
@@ -91,13 +100,14 @@ class GradientProfile:
     def comm_time(self, collectives: int | None = None) -> float:
         """Time to all-reduce every gradient in ``collectives`` launches (default: one per layer)."""
         k = self.layers if collectives is None else collectives
-        return self.total_bytes / self.bandwidth + k * self.overhead
+        return self.total_bytes / self.bytes_per_s + k * self.overhead
 
     def lower_bound(self) -> float:
         """The overlap lower bound on iteration time: max(compute, communication in one launch)."""
         return max(self.compute_time, self.comm_time(1))
 
     def with_bandwidth(self, bandwidth: float, overhead: float | None = None) -> GradientProfile:
+        """A copy with ``bandwidth`` GB/s (and ``overhead`` seconds per launch, when given)."""
         d = asdict(self)
         d["bandwidth"] = bandwidth
         if overhead is not None:
@@ -111,14 +121,18 @@ class GradientProfile:
     def from_dict(cls, data: dict[str, Any], *, source: str | None = None) -> GradientProfile:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise InputError(f'expected an object with "format": "{FORMAT}"', source=source)
-        if data.get("version") != VERSION:
-            raise InputError(f"unsupported version {data.get('version')!r}, expected {VERSION}", source=source, where="version")
+        if data.get("version") not in READ_VERSIONS:
+            raise InputError(f"unsupported version {data.get('version')!r}, expected one of {READ_VERSIONS}", source=source, where="version")
         fields = ("names", "nbytes", "ready", "forward", "backward", "bandwidth", "overhead")
         missing = [f for f in fields[:-1] if f not in data]
         if missing:
             raise InputError(f"missing field {missing[0]!r}", source=source, where=missing[0])
+        _check_fields(data, source)
+        values = {f: data[f] for f in fields if f in data}
+        if data["version"] == 1:
+            values["bandwidth"] = data["bandwidth"] / 1e9   # version 1 kept bytes/s
         try:
-            return cls(**{f: data[f] for f in fields if f in data})
+            return cls(**values)
         except InputError as exc:
             raise InputError(exc.message, source=source) from None
 
@@ -127,13 +141,29 @@ class GradientProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> GradientProfile:
-        try:
-            data = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise InputError(f"cannot read ({exc.strerror})", source=str(path)) from None
-        except json.JSONDecodeError as exc:
-            raise InputError(f"invalid JSON ({exc.msg})", source=str(path), where=exc.lineno) from None
-        return cls.from_dict(data, source=str(path))
+        from topology.inputs import loads_json, read_text
+
+        return cls.from_dict(loads_json(read_text(path), source=str(path)), source=str(path))
+
+
+def _check_fields(data: dict[str, Any], source: str | None) -> None:
+    """Types and bounds of a profile file's fields (lists of at most MAX_LAYERS finite numbers), before any arithmetic."""
+    from topology.inputs import check_number
+    from topology.limits import MAX_BANDWIDTH_GBS, MAX_BYTES, MAX_LAYERS, MAX_SECONDS
+
+    names = data["names"]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or len(names) > MAX_LAYERS:
+        raise InputError(f"expected a list of at most {MAX_LAYERS} layer names", source=source, where="names")
+    for key, hi in (("nbytes", MAX_BYTES), ("ready", MAX_SECONDS), ("forward", MAX_SECONDS)):
+        if not isinstance(data[key], list):
+            raise InputError("expected a list of numbers, one per layer", source=source, where=key)
+        for i, x in enumerate(data[key]):
+            check_number(x, what=f"a {key} value", source=source, where=f"{key}[{i}]", minimum=0, maximum=hi)
+    check_number(data["backward"], what="a backward time", source=source, where="backward", minimum=0, maximum=MAX_SECONDS)
+    gbs = data["version"] == VERSION
+    check_number(data["bandwidth"], what=f"a bandwidth in {'GB/s' if gbs else 'bytes/s'}", source=source, where="bandwidth", positive=True,
+                 maximum=MAX_BANDWIDTH_GBS * (1 if gbs else 1e9))
+    check_number(data.get("overhead", 0.0), what="an overhead", source=source, where="overhead", minimum=0, maximum=MAX_SECONDS)
 
 
 def analytic_gradient_profile(
@@ -146,7 +176,7 @@ def analytic_gradient_profile(
     overhead: float = 0.0,
 ) -> GradientProfile:
     """Build a profile from per-layer costs: layer *i*'s gradient is ready when backward has
-    passed through layers L-1 .. i.
+    passed through layers L-1 .. i. ``bandwidth`` is the all-reduce goodput in GB/s, ``overhead`` seconds per launch.
 
     >>> p = analytic_gradient_profile(["a", "b", "c"], [1, 2, 3], [1, 1, 1], [2, 2, 2], bandwidth=1.0)
     >>> p.ready
@@ -223,6 +253,9 @@ def measure_gradient_profile(
     layers: Sequence[Any] | None = None,
 ) -> GradientProfile:
     """Measure a real module: per-layer gradient ready times and sizes, and forward times.
+
+    ``bandwidth`` (all-reduce goodput, GB/s) and ``overhead`` (seconds per launch) are stored in the
+    profile for the schedulers; they are not measured here.
 
     ``layers`` are the sub-modules that count as layers (default:
     :func:`gradient_layers`, which covers every trainable parameter, those of

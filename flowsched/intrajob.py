@@ -19,7 +19,7 @@ Plans:
   (budget = bandwidth x gap), highest priority first.
 
 :func:`simulate_iteration` is the model all three are scored with: one link of
-``profile.bandwidth`` bytes/s; a launch costs ``profile.overhead`` seconds,
+``profile.bandwidth`` GB/s (``profile.bytes_per_s``); a launch costs ``profile.overhead`` seconds,
 hidden behind the previous transfer when both fit in the credit (pipelined
 launches); the next forward's layer *i* starts after layer *i-1*'s forward and
 after the last transfer carrying layer *i*'s gradient.
@@ -146,12 +146,12 @@ def simulate_iteration(profile: GradientProfile, plan: CommPlan) -> IterationTim
     hidden, then forward.
 
     >>> from flowsched.gradients import analytic_gradient_profile
-    >>> p = analytic_gradient_profile(["a", "b"], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], bandwidth=1.0)
+    >>> p = analytic_gradient_profile(["a", "b"], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], bandwidth=1e-9)   # GB/s: 1 byte/s
     >>> simulate_iteration(p, ddp_plan(p, bucket_cap=10)).iteration_time  # 2 backward + 2 comm + 2 forward
     6.0
     """
     plan.check_covers(profile)
-    link = _Link(profile.bandwidth, profile.overhead, plan.credit)
+    link = _Link(profile.bytes_per_s, profile.overhead, plan.credit)
     starts, ends = [], []
     layer_done = [0.0] * profile.layers
     last_launch = 0.0
@@ -181,7 +181,7 @@ def ddp_plan(profile: GradientProfile, *, bucket_cap: float = 25 * MiB, first_bu
     launched FIFO, and ``optimizer.step()`` waits for all of them (barrier).
 
     >>> from flowsched.gradients import analytic_gradient_profile
-    >>> p = analytic_gradient_profile(list("abc"), [3, 3, 3], [1, 1, 1], [1, 1, 1], bandwidth=1.0)
+    >>> p = analytic_gradient_profile(list("abc"), [3, 3, 3], [1, 1, 1], [1, 1, 1], bandwidth=1e-9)
     >>> [t.layers for t in ddp_plan(p, bucket_cap=6, first_bucket=6).transfers]
     [(1, 2), (0,)]
     """
@@ -215,7 +215,7 @@ def bytescheduler_plan(profile: GradientProfile, *, partition: float = 4 * MiB, 
         raise InputError("partition must be positive and credit non-negative")
     parts = _partitions(profile, partition)
     arrivals = sorted((profile.ready[layer], -layer, layer) for layer in range(profile.layers))
-    link = _Link(profile.bandwidth, profile.overhead, credit)
+    link = _Link(profile.bytes_per_s, profile.overhead, credit)
     queue: list[tuple[int, int, float]] = []  # (layer, seq, bytes): lowest layer = most urgent
     seq, k, now = 0, 0, 0.0
     order: list[Transfer] = []
@@ -273,7 +273,7 @@ def gradient_stages(profile: GradientProfile, gap_factor: float = 2.0) -> list[l
     stepwise), every gradient is its own stage (our deviation; see the code).
 
     >>> from flowsched.gradients import GradientProfile
-    >>> p = GradientProfile(list("abcd"), [1] * 4, [5.0, 4.9, 1.1, 1.0], [0] * 4, 5.0, 1.0)
+    >>> p = GradientProfile(list("abcd"), [1] * 4, [5.0, 4.9, 1.1, 1.0], [0] * 4, 5.0, 1e-9)
     >>> gradient_stages(p)
     [[3, 2], [1, 0]]
     """
@@ -313,7 +313,7 @@ def prophet_plan(profile: GradientProfile, *, partition: float = 4 * MiB, gap_fa
             # the block must be on the wire before the next (more urgent) stage is complete
             done_now = max(profile.ready[x] for x in stage)
             done_next = max(profile.ready[x] for x in stages[k + 1])
-            budget = profile.bandwidth * max(0.0, done_next - done_now - profile.overhead)
+            budget = profile.bytes_per_s * max(0.0, done_next - done_now - profile.overhead)
             block = []
             stack.sort(key=lambda p: -p[0])  # most urgent (lowest layer) on top
             while stack and stack[-1][1] <= budget:

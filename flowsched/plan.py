@@ -14,11 +14,11 @@ File format ``netweave-flow-plan`` version 1 (JSON)::
       "order": ["job-b", "job-a"],     # optional: cross-job order, most urgent first
       "hosts": {
         "node0": {
-          "link_rate": 5e10,           # optional: egress capacity in bytes/s (the HTB root rate)
+          "link_rate": 5e10,           # optional: egress capacity in bytes/s (the HTB root rate); "400Gb/s" too
           "rules": [
             {"job": "job-a", "priority": 1, "dscp": 48},
             {"job": "job-a", "tensor": "layer3", "priority": 2, "dscp": 40},
-            {"job": "job-b", "peer": "node1", "priority": 0, "dscp": 56, "rate": 1.2e9},
+            {"job": "job-b", "peer": "node1", "priority": 0, "dscp": 56, "rate": 1.2e9},   # bytes/s, or "9.6Gb/s"
             {"job": "job-b", "comm": "order:1", "priority": 0, "dscp": 56}
           ]
         }
@@ -58,7 +58,6 @@ True
 from __future__ import annotations
 
 import json
-import math
 import os
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -70,7 +69,9 @@ from emu.workload import CollectivePhase, ComputePhase, P2PPhase, Workload
 from topology import LinkKind, NodeKind, Topology
 from topology.collectives import collective_flows
 from topology.errors import InputError
+from topology.inputs import check_name, check_number, loads_json, read_text
 from topology.io import atomic_write_text
+from topology.units import parse_rate
 
 from . import ncclhook
 from .coflow import Coflow, Flow, ParrotAllocation, parrot_rates, priority_bands, sincronia_order
@@ -86,6 +87,13 @@ MAX_RATE = 1e12
 
 class FlowPlanError(InputError):
     """A flow plan file or object that does not follow the format."""
+
+
+def _rate(value: Any, where: str, source: str | None) -> Any:
+    """A rate as a plan file may write it: bytes/s as a number (kept as written), or with a unit (``400Gb/s``, ``50 GB/s``)."""
+    if not isinstance(value, str):
+        return value    # None, or a number that validate_plan checks
+    return parse_rate(value, unit="B/s", where=where, source=source, maximum=MAX_RATE, error=FlowPlanError)
 
 
 @dataclass(frozen=True)
@@ -193,10 +201,6 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
-    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
-
-
 def validate_plan(plan: FlowPlan, *, source: str | None = None) -> None:
     """Raise :class:`FlowPlanError` naming the field unless ``plan`` is well formed.
 
@@ -215,25 +219,27 @@ def validate_plan(plan: FlowPlan, *, source: str | None = None) -> None:
     dscp_of: dict[int, tuple[int, str]] = {}
     prio_of: dict[int, tuple[int, str]] = {}
     for host, hp in plan.hosts.items():
-        if not isinstance(host, str) or not host:
-            raise _err(f"host names must be non-empty strings, got {host!r}", "hosts", source)
-        if hp.link_rate is not None and (not _is_num(hp.link_rate) or not 0 < hp.link_rate <= MAX_RATE):
-            raise _err(f"expected a positive number of bytes/s up to {MAX_RATE:g} (8 Tb/s), got {hp.link_rate!r}", f"hosts.{host}.link_rate", source)
+        check_name(host, what="host name", source=source, where="hosts", error=FlowPlanError)
+        if hp.link_rate is not None:
+            check_number(hp.link_rate, what="a rate in bytes/s", source=source, where=f"hosts.{host}.link_rate", positive=True,
+                         maximum=MAX_RATE, error=FlowPlanError)
         seen: set[tuple] = set()
         for i, r in enumerate(hp.rules):
             where = f"hosts.{host}.rules[{i}]"
-            if not isinstance(r.job, str) or not r.job:
-                raise _err(f"expected a non-empty job name, got {r.job!r}", f"{where}.job", source)
+            check_name(r.job, what="job name", source=source, where=f"{where}.job", error=FlowPlanError)
             if not _is_int(r.priority) or not 0 <= r.priority < NUM_PRIORITIES:
                 raise _err(f"expected an integer class 0..{NUM_PRIORITIES - 1} (0 = most urgent), got {r.priority!r}", f"{where}.priority", source)
             if not _is_int(r.dscp) or not 0 <= r.dscp <= 63:
                 raise _err(f"expected an integer DSCP 0..63, got {r.dscp!r}", f"{where}.dscp", source)
-            if r.rate is not None and (not _is_num(r.rate) or not 0 < r.rate <= MAX_RATE):
-                raise _err(f"expected a positive number of bytes/s up to {MAX_RATE:g} (8 Tb/s), got {r.rate!r}", f"{where}.rate", source)
-            for k in ("tensor", "peer"):
-                v = getattr(r, k)
-                if v is not None and (not isinstance(v, str) or not v):
-                    raise _err(f"expected a non-empty string, got {v!r}", f"{where}.{k}", source)
+            if r.rate is not None:
+                check_number(r.rate, what="a rate in bytes/s", source=source, where=f"{where}.rate", positive=True, maximum=MAX_RATE,
+                             error=FlowPlanError)
+            if r.peer is not None:
+                check_name(r.peer, what="peer host name", source=source, where=f"{where}.peer", error=FlowPlanError)
+            if r.tensor is not None and (not isinstance(r.tensor, str) or not r.tensor or not r.tensor.isprintable() or " " in r.tensor
+                                         or len(r.tensor) > 256):
+                raise _err(f"expected a tensor name of printable characters without spaces (at most 256), got {r.tensor!r}",
+                           f"{where}.tensor", source)
             if r.comm is not None:
                 _parse_comm(r.comm, f"{where}.comm", source)
             if r.port is not None and (not _is_int(r.port) or not 1 <= r.port <= 65535):
@@ -305,8 +311,11 @@ def plan_from_dict(data: Any, *, source: str | None = None) -> FlowPlan:
             if not _is_int(rd["priority"]) or not 0 <= rd["priority"] < NUM_PRIORITIES:
                 raise _err(f"expected an integer class 0..{NUM_PRIORITIES - 1} (0 = most urgent), got {rd['priority']!r}",
                            f"{where}.priority", source)
-            rules.append(FlowRule(**{k: rd[k] for k in _RULE_KEYS if k in rd}))
-        hosts[str(host)] = HostPlan(rules, hd.get("link_rate"))
+            fields = {k: rd[k] for k in _RULE_KEYS if k in rd}
+            if "rate" in fields:
+                fields["rate"] = _rate(fields["rate"], f"{where}.rate", source)
+            rules.append(FlowRule(**fields))
+        hosts[str(host)] = HostPlan(rules, _rate(hd.get("link_rate"), f"hosts.{host}.link_rate", source))
     plan = FlowPlan(hosts, data.get("epoch", 0), data.get("policy", ""), data.get("order"), data.get("meta", {}))
     validate_plan(plan, source=source)
     return plan
@@ -318,11 +327,7 @@ def dumps_plan(plan: FlowPlan) -> str:
 
 
 def loads_plan(text: str, *, source: str | None = None) -> FlowPlan:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise FlowPlanError(f"invalid JSON ({exc.msg})", source=source, where=exc.lineno) from None
-    return plan_from_dict(data, source=source)
+    return plan_from_dict(loads_json(text, source=source, error=FlowPlanError), source=source)
 
 
 def write_plan(plan: FlowPlan, path: str | os.PathLike[str]) -> Path:
@@ -332,11 +337,7 @@ def write_plan(plan: FlowPlan, path: str | os.PathLike[str]) -> Path:
 
 
 def read_plan(path: str | os.PathLike[str]) -> FlowPlan:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise FlowPlanError(f"cannot read ({exc.strerror})", source=str(path)) from None
-    return loads_plan(text, source=str(path))
+    return loads_plan(read_text(path, error=FlowPlanError), source=str(path))
 
 
 # -- per-class view ---------------------------------------------------------------------------------

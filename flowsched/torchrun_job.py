@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     # 2. the gradient profile (no communication) and the optimizer step
     model = build_model(args.layers, args.width)
-    profile = measure_gradient_profile(model, lambda: (x, y), loss_fn, bandwidth=bandwidth, overhead=tiny_s, warmup=2,
+    profile = measure_gradient_profile(model, lambda: (x, y), loss_fn, bandwidth=bandwidth / 1e9, overhead=tiny_s, warmup=2,
                                        iterations=args.profile_iters, layers=gradient_layers(model))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     steps = []
@@ -229,7 +229,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # The bound's compute term is the compute-only iterations timed in the same rounds (same machine load), not the
     # profile's (measured once, before training): on a shared machine the two differ by tens of percent.
     compute = statistics.median(times[COMPUTE_ONLY])
-    comm_s = profile.total_bytes / profile.bandwidth
+    comm_s = profile.total_bytes / profile.bytes_per_s
     return {
         "world": args.world, "compute_nice": args.compute_nice,
         "layers": args.layers, "width": args.width, "batch": int(x.shape[0]), "balance": args.balance,

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from netweave.runtime.plan import PlanFormatError
+from topology.clitools import check_outputs
 from topology.errors import InputError
 
 # (module, attribute) pairs; a package whose CLI is not written yet is skipped.
@@ -51,11 +52,16 @@ def _version() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except (InputError, PlanFormatError) as exc:  # a flag's value refused by its action (topology.units.flag_action)
+        print(f"netweave: error: {exc}", file=sys.stderr)
+        return 2
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
     try:
+        check_outputs(args)
         result = args.func(args)
     except (InputError, PlanFormatError) as exc:
         print(f"netweave: error: {exc}", file=sys.stderr)

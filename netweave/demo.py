@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from topology import Topology
-from topology.clitools import emit
+from topology.clitools import CommaList, add_output, emit
 from topology.errors import InputError
 
 
@@ -130,7 +130,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the whole stack end to end on the embedded default cluster")
-    p.add_argument("--out", default="netweave-demo", help="directory for the demo's files (default netweave-demo)")
-    p.add_argument("--only", action="append", metavar="SECTION", help="run only these sections (repeatable)")
+    add_output(p, "--out", default="netweave-demo", help="directory for the demo's files (default netweave-demo)", directory=True)
+    p.add_argument("--only", action=CommaList, metavar="SECTION[,...]", help="run only these sections (repeatable, or a comma list)")
     p.add_argument("--json", action="store_true", help="print the demo's report as JSON")
     p.set_defaults(func=cmd_demo)

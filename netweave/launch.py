@@ -59,7 +59,8 @@ from topology.io import _umask, atomic_write_text
 from topology.model import Topology
 
 PIPELINE_FAMILIES = ("1f1b", "zbh1", "interleaved", "gpipe")   # what `schedule: auto` tries (Chimera is not exportable)
-TORCH_CLASSES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe", "interleaved": "ScheduleInterleaved1F1B"}
+# Families whose torch class the runtime has run (tests/test_runtime_example.py); the others run from the plan's CSV.
+RUNTIME_TORCH_FAMILIES = ("1f1b", "gpipe", "interleaved")
 RANK_LAYOUT = "pp-dp-tp: rank (s*dp + d)*tp + t is pipeline stage s, replica d, tensor rank t"
 MiB = 1024 * 1024
 
@@ -135,6 +136,9 @@ def plan_launch(topo: Topology, jobs_file: JobsFile, *, jobs_source: str, policy
     pipes = {s.name: _pipeline_plan(topo, s, prof, [gpus[s.name][k * s.dp * s.tp] for k in range(s.pp)], i, jobs_source)
              for i, (s, prof) in enumerate(zip(specs, models, strict=True)) if s.pp > 1}
     p2p = {s.name: pipeline_flows(pipes[s.name], s, gpus[s.name], prof) for s, prof in zip(specs, models, strict=True) if s.name in pipes}
+    if policy == "hived+cassini" and any(p2p.values()):   # placement's shifts saw only all-reduces: redo them with the pipelines' traffic
+        for name, shift in cassini_offsets(topo, specs, gpus, p2p, routing=routing).items():
+            rows[name]["start_offset_s"] = shift
     flow_plan = cross_job_classes(topo, specs, gpus, p2p)
     needs_lib = transport == "tcp" or any(s.launch.backend == "gloo" or s.launch.nccl_plugins for s in specs)
     lib = Path(lib_dir) if lib_dir is not None else (ncclhook.build() if needs_lib else ncclhook.BUILD)
@@ -286,6 +290,46 @@ def pipeline_flows(p, spec: JobSpec, gpus: Sequence[str], prof) -> list[tuple[st
     return out
 
 
+def cassini_offsets(topo: Topology, specs: Sequence[JobSpec], gpus: Mapping[str, Sequence[str]],
+                    extra_flows: Mapping[str, Sequence[tuple[str, str, float]]], *, routing: str = "rail") -> dict[str, float]:
+    """CASSINI's start offsets (:func:`placement.cassini.time_shifts`) over every job's network traffic: placement's
+    profile (data-parallel all-reduces) plus ``extra_flows`` per iteration (e.g. :func:`pipeline_flows`).
+
+    Deviation, stated: a pipeline's activations cross its stage boundaries all through the iteration; the profile lumps
+    them into one communication arc at the end of the iteration, as long as the busiest link needs to carry them, and
+    takes that arc out of the compute time, so the job's period stays the pipeline plan's.
+
+    >>> import topology
+    >>> t = topology.fabrics.star(3, gpus_per_host=2)
+    >>> a, b = JobSpec("a", 2, compute_s=0.1, grad_bytes=0.0, pp=2), JobSpec("b", 2, compute_s=0.1, grad_bytes=0.0, pp=2)
+    >>> g = {"a": ["n0/gpu0", "n1/gpu0"], "b": ["n1/gpu1", "n2/gpu0"]}
+    >>> flows = {"a": [("n0/gpu0", "n1/gpu0", 1e9)], "b": [("n2/gpu0", "n1/gpu1", 1e9)]}
+    >>> off = cassini_offsets(t, [a, b], g, flows)
+    >>> off["a"], round(off["b"], 3)    # b's activations enter n1's downlink while a's are done
+    (0.0, 0.04)
+    """
+    from placement.cassini import time_shifts
+    from placement.profiles import CommProfile, comm_profile
+    from topology.model import LinkKind
+    from topology.routing import route_flows
+
+    g = topo.graph
+    profiles = {}
+    for s in specs:
+        prof = comm_profile(topo, s, list(gpus[s.name]), policy=routing)
+        loads = {e: b / 1e9 for e, b in route_flows(topo, extra_flows.get(s.name, ()), routing).items()
+                 if g.edges[e]["kind"] == LinkKind.NETWORK and b > 0}
+        if loads:
+            link_bytes = dict(prof.link_bytes)
+            for e, b in loads.items():
+                link_bytes[e] = link_bytes.get(e, 0.0) + b
+            busy = max(b / g.edges[e]["bw"] for e, b in loads.items())
+            comm = prof.comm_s + busy
+            prof = CommProfile(s.name, prof.gpus, max(prof.compute_s - busy, 0.0), comm, {e: b / comm for e, b in link_bytes.items()}, link_bytes)
+        profiles[s.name] = prof
+    return dict(time_shifts(profiles, topo).shifts)
+
+
 def cross_job_classes(topo: Topology, specs: Sequence[JobSpec], gpus: Mapping[str, Sequence[str]],
                       extra_flows: Mapping[str, Sequence[tuple[str, str, float]]] | None = None):
     """The cross-job flow plan: Sincronia's order over every job's per-iteration coflow (its data-parallel all-reduces
@@ -362,7 +406,7 @@ def _data_parallel(topo: Topology, spec: JobSpec, prof, gpus: Sequence[str], pip
     bandwidth = max(total, 1.0) / max(t_big - t_small, 1e-12)
     gp = analytic_gradient_profile([lay.name for lay in layers], [lay.param_bytes / spec.tp for lay in layers],
                                    [lay.fwd_s / speed for lay in layers], [lay.bwd_s / speed for lay in layers],
-                                   bandwidth=bandwidth, overhead=t_small)
+                                   bandwidth=bandwidth / 1e9, overhead=t_small)
     tuned = True
     if policy == "ddp":
         cp = intrajob.ddp_plan(gp)
@@ -391,13 +435,13 @@ def _data_parallel(topo: Topology, spec: JobSpec, prof, gpus: Sequence[str], pip
 
 
 def _pipeline_section(spec: JobSpec, p) -> jp.Pipeline:
-    from pipesched.export import schedule_csv, spans_for_schedule
+    from pipesched.export import schedule_csv, spans_for_schedule, torch_schedule_class
 
     sched = p.schedule
     spans = spans_for_schedule(sched, p.partition)
     stages = tuple(jp.Stage(index=sid, rank=sched.stage_rank[sid], layers=tuple(spans[sid]),
                             recompute=p.partition.stages[sched.stage_layers[sid]].recompute) for sid in range(sched.num_stages))
-    torch_class = TORCH_CLASSES.get(p.family)
+    torch_class = torch_schedule_class(p.family) if p.family in RUNTIME_TORCH_FAMILIES else None
     if p.family == "interleaved" and sched.microbatches % max(1, sched.microbatches // sched.ranks):
         torch_class = None  # torch's ScheduleInterleaved1F1B needs micro-batches in whole rounds; its runtime runs our CSV
     return jp.Pipeline(schedule=p.family, microbatches=sched.microbatches, stages=stages, chunks=p.chunks if p.family == "interleaved" else 1,

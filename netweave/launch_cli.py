@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from topology.clitools import add_json_flag, emit
+from topology.clitools import CommaList, add_json_flag, emit
 from topology.errors import InputError
 
 
@@ -23,9 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--transport", choices=["ib", "roce", "tcp"], default=None,
                    help="the fabric's transport (default: the topology's fabric; ConnectX NICs are InfiniBand)")
     p.add_argument("--base-port", type=int, default=29500, help="first master port; every job gets its own (default 29500)")
-    p.add_argument("--address", action="append", default=[], metavar="HOST=ADDR",
+    p.add_argument("--address", action=CommaList, default=[], metavar="HOST=ADDR[,...]",
                    help="address a host's torchrun master is reached at (host names need not resolve); repeatable")
-    p.add_argument("--ifname", action="append", default=[], metavar="[HOST=]IF",
+    p.add_argument("--ifname", action=CommaList, default=[], metavar="[HOST=]IF[,...]",
                    help="network interface for gloo and NCCL sockets, for one host or (no HOST=) every host; repeatable")
     p.add_argument("--lib-dir", default=None, help="where the scripts find the netweave NCCL plugin and marker (default: this checkout's csrc/build)")
     add_json_flag(p)

@@ -9,23 +9,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, progress
 from topology.errors import InputError
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text: str, *, where: str = "--memory") -> float:
-    """``80GiB``, ``40GB``, ``1.5TiB`` or a plain byte count.
-
-    >>> parse_bytes("80GiB") == 80 * 2**30
-    True
-    """
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise InputError(f"expected a size like 80GiB or 40GB, got {text!r}", where=where)
-    return float(m.group(1)) * _UNITS[m.group(2).lower()]
-
+from topology.units import parse_size
 
 SOURCE_LABELS = {"interleaved": ("ranks' profile between steps", "error_interleaved"),
                  "replay": ("ranks' replay of their actions", "error_replay"),
@@ -39,14 +25,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     pipe = sub.add_parser("pipe", help="pipeline parallelism: profile, plan, simulate, export, run")
     psub = pipe.add_subparsers(dest="pipe_command", metavar="ACTION", required=True)
 
-    p = psub.add_parser("profile", help="per-layer profile: analytic from a GPT/Llama config, or measured on this CPU")
+    p = psub.add_parser("profile", help="per-layer profile: analytic from a GPT/Llama config, or measured here (a real model, the MLP chain)")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", help="GPT/Llama config (YAML or JSON): layers, hidden, heads, seq_len, vocab, ...")
+    src.add_argument("--model", help="GPT/Llama config (YAML or JSON): layers, hidden, heads, seq_len, vocab, ...; "
+                                     "or package.module:factory, a function returning a torch model with example inputs (measured here)")
     src.add_argument("--mlp", help="measure the built-in MLP chain with these hidden widths, e.g. 256,256,2048")
+    p.add_argument("--split", help="with a factory: submodule names that begin a segment, e.g. 'blocks.*,ln_f' (* matches one name "
+                                   "component), or pipe_split for the model's pipe_split() calls (default: the factory's split, "
+                                   "else pipe_split)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="with a factory: keyword argument for it (repeatable)")
+    p.add_argument("--repeats", type=int, default=5, help="timed repetitions per segment for a factory's model (default 5)")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="with a factory: wall time, or the thread's CPU time")
     p.add_argument("--dim", type=int, default=128, help="model width of --mlp (default 128)")
     p.add_argument("--microbatch", type=int, default=32, help="rows per micro-batch for --mlp (default 32)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", help="write the profile JSON here")
+    add_output(p, "--out", help="write the profile JSON here")
     add_json_flag(p)
     p.set_defaults(func=cmd_profile)
 
@@ -61,11 +54,11 @@ def register(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--spans", help="layer spans per stage, e.g. 0:5,5:9,9:14 (default: equal layer counts)")
         if name == "export":
             p.add_argument("--format", choices=["compute_only", "compute_comms"], default="compute_only")
-            p.add_argument("--out", required=True, help="output directory (schedule.csv, stages.json, plan.json)")
+            add_output(p, "--out", required=True, help="output directory (schedule.csv, stages.json, plan.json)", directory=True)
         else:
-            p.add_argument("--out", help="write the plan/simulation JSON here")
-            p.add_argument("--gantt", help="write a Gantt chart PNG here")
-            p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here")
+            add_output(p, "--out", help="write the plan/simulation JSON here")
+            add_output(p, "--gantt", help="write a Gantt chart PNG here")
+            add_output(p, "--trace", help="write a Chrome/Perfetto trace JSON here")
         add_json_flag(p)
         p.set_defaults(func=func)
 
@@ -92,8 +85,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="cpu: gloo processes on this CPU (default); cuda: NCCL, every rank on GPU 0 (see docs/pipesched.md)")
     p.add_argument("--sharing", choices=["mps", "time-slice"], default=None,
                    help="with --device cuda: how the ranks share the GPU (default: mps when CUDA_MPS_ACTIVE_THREAD_PERCENTAGE is set)")
-    p.add_argument("--out", help="write the report JSON here")
-    p.add_argument("--trace", help="write predicted and measured timelines into one Chrome trace")
+    add_output(p, "--out", help="write the report JSON here")
+    add_output(p, "--trace", help="write predicted and measured timelines into one Chrome trace")
     add_json_flag(p)
     p.set_defaults(func=cmd_run)
 
@@ -107,22 +100,25 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stages", type=int, required=True, help="pipeline depth (devices)")
     p.add_argument("--microbatches", type=int, required=True)
     p.add_argument("--memory", help="memory per device, e.g. 80GiB (default: each GPU's memory)")
-    p.add_argument("--schedule", default="auto", help="auto, gpipe, 1f1b, zbh1, interleaved, chimera (default auto)")
-    p.add_argument("--chunks", type=int, default=2, help="virtual stages per device for interleaved (default 2)")
+    p.add_argument("--schedule", default="auto", help="auto, gpipe, 1f1b, zbh1, interleaved, interleaved_zb, looped_bfs, zbv, dualpipev, "
+                                                      "chimera (default auto: the fastest that torch can run)")
+    p.add_argument("--chunks", type=int, default=2, help="virtual stages per device for interleaved, interleaved_zb, looped_bfs (default 2)")
     p.add_argument("--recompute", default="none,selective,full", help="recomputation options the planner may use")
     p.add_argument("--replicate", type=int, default=1, help="allow PipeDream stage replication up to this many devices")
 
 
 def _load(args: argparse.Namespace):
     import topology
+    from topology.inputs import check_number
+    from topology.limits import MAX_MICROBATCHES, MAX_STAGES
 
     from .devices import Device, devices_from_topology
     from .profile import analytic_profile, load_model_config, load_profile
 
-    if args.stages < 1:
-        raise InputError("expected a positive number of stages", where="--stages")
-    if args.microbatches < 1:
-        raise InputError("expected a positive number of micro-batches", where="--microbatches")
+    check_number(args.stages, what="a number of stages", where="--stages", integer=True, minimum=1, maximum=MAX_STAGES)
+    check_number(args.microbatches, what="a number of micro-batches", where="--microbatches", integer=True, minimum=1, maximum=MAX_MICROBATCHES)
+    check_number(args.chunks, what="a number of chunks", where="--chunks", integer=True, minimum=1, maximum=MAX_STAGES)
+    check_number(args.replicate, what="a replication limit", where="--replicate", integer=True, minimum=1, maximum=MAX_STAGES)
     prof = analytic_profile(load_model_config(args.model)) if args.model else load_profile(args.profile)
     if args.stages > len(prof.layers):
         raise InputError(f"{args.stages} stages but the model has only {len(prof.layers)} layers (embedding, blocks, head)", where="--stages")
@@ -138,7 +134,7 @@ def _load(args: argparse.Namespace):
     if len(devices) != args.stages:
         raise InputError(f"{len(devices)} GPUs given for {args.stages} stages", where="--gpus")
     if args.memory:
-        mem = parse_bytes(args.memory)
+        mem = parse_size(args.memory, where="--memory", positive=True)
         devices = [Device(d.name, d.speed, mem) for d in devices]
     recompute = [o.strip() for o in args.recompute.split(",") if o.strip()]
     return prof, topo, devices, links, recompute
@@ -157,12 +153,50 @@ def _write_outputs(args: argparse.Namespace, result, title: str, data: dict[str,
         write_chrome_trace(args.trace, ("predicted", result))
 
 
+def _factory_options(items: list[str]) -> dict[str, Any]:
+    """``--set KEY=VALUE`` pairs, values read as YAML scalars (``3``, ``0.1``, ``true``, ``gelu``)."""
+    import yaml
+
+    options: dict[str, Any] = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_]\w*", key.strip()):
+            raise InputError(f"expected KEY=VALUE with KEY a Python name, got {item!r}", where="--set")
+        try:
+            options[key.strip()] = yaml.safe_load(value) if value.strip() else ""
+        except yaml.YAMLError:
+            options[key.strip()] = value
+    return options
+
+
+def _profile_factory(args: argparse.Namespace):
+    from .model_profile import load_factory, profile_model
+
+    if args.repeats < 1:
+        raise InputError(f"expected at least 1 repetition, got {args.repeats}", where="--repeats")
+    spec = load_factory(args.model, _factory_options(args.set))
+    if args.split is None:
+        split = spec.split
+    elif args.split.strip() == "pipe_split":
+        split = None
+    else:
+        split = args.split.split(",")
+    progress(f"splitting {args.model} and measuring every segment on this CPU ...")
+    return profile_model(spec.model, spec.args, spec.kwargs, split=split, loss_fn=spec.loss_fn, repeats=args.repeats,
+                         threads=args.threads, clock=args.clock, name=args.model.rpartition(":")[2])
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from topology.io import atomic_write_text
 
+    from .model_profile import FACTORY_RE
     from .profile import analytic_profile, dumps_profile, load_model_config
 
-    if args.model:
+    if args.model and FACTORY_RE.fullmatch(args.model) and not Path(args.model).exists():
+        prof = _profile_factory(args)
+    elif args.split is not None or args.set:
+        raise InputError("--split and --set need a model factory (--model package.module:function)", where="--split" if args.split else "--set")
+    elif args.model:
         prof = analytic_profile(load_model_config(args.model))
     else:
         from .calibrate import profile_mlp
@@ -182,6 +216,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
         lines.append(f"{lay.name:<12} {lay.fwd_s * 1e3:>9.4g} {lay.bwd_input_s * 1e3:>9.4g} {lay.bwd_weight_s * 1e3:>9.4g} "
                      f"{lay.output_bytes / 2**20:>9.3g} {lay.param_bytes / 2**20:>10.4g} "
                      f"{sv['none'] / 2**20:>8.4g}/{sv['selective'] / 2**20:.4g}/{sv['full'] / 2**20:.4g}")
+    for group in prof.reference.get("tied", []):
+        lines.append(f"tied: {' = '.join(group['params'])} ({group['bytes'] / 2**20:.4g} MiB) held by layers "
+                     f"{', '.join(str(k) for k in group['layers'])}, counted in each")
     emit(args, prof.to_dict(), "\n".join(lines))
     return 0
 
@@ -211,13 +248,16 @@ def _parse_spans(text: str, n: int) -> list[tuple[int, int]]:
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from .partition import evaluate_partition, uniform_partition
+    from .partition import FAMILIES, evaluate_partition, positions_on_devices, uniform_partition
     from .plan import plan_partition
+    from .schedules import LOOPED
 
     prof, _, devices, links, recompute = _load(args)
     family = "1f1b" if args.schedule == "auto" else args.schedule
-    chunks = args.chunks if family == "interleaved" else 1
-    positions = len(devices) * chunks
+    if family not in FAMILIES:
+        raise InputError(f"unknown schedule {family!r}, expected one of {list(FAMILIES)}", where="--schedule")
+    chunks = args.chunks if family in LOOPED else 1
+    positions = len(positions_on_devices(family, len(devices), chunks))
     spans = _parse_spans(args.spans, len(prof.layers)) if args.spans else uniform_partition(prof, positions)
     if len(spans) != positions:
         raise InputError(f"{len(spans)} spans for {positions} stage positions", where="--spans")
@@ -239,26 +279,17 @@ def cmd_export(args: argparse.Namespace) -> int:
     from .plan import plan
 
     prof, _, devices, links, recompute = _load(args)
-    fams = args.schedule
-    if fams == "auto":
-        best = None
-        for fam in ("1f1b", "zbh1", "interleaved", "gpipe"):
-            try:
-                cand = plan(prof, devices, links, microbatches=args.microbatches, schedule=fam, chunks=args.chunks, recompute=recompute)
-            except InputError:
-                continue
-            if cand.memory_ok and (best is None or cand.sim.makespan < best.sim.makespan):
-                best = cand
-        if best is None:
-            raise InputError("no exportable schedule fits", where="--schedule")
-        p = best
-    else:
-        p = plan(prof, devices, links, microbatches=args.microbatches, schedule=fams, chunks=args.chunks, recompute=recompute)
+    # The same plan as `pipe plan` with these arguments (auto ranks only what torch can run).
+    p = plan(prof, devices, links, microbatches=args.microbatches, schedule=args.schedule, chunks=args.chunks, recompute=recompute)
+    if p.export_problem:
+        raise InputError(f"the {p.family} plan cannot be exported: {p.export_problem}", where="--schedule")
     info = export_plan(p.schedule, p.partition, args.out, format=args.format, layer_names=[lay.name for lay in prof.layers])
-    atomic_write_text(Path(args.out) / "plan.json", json.dumps(p.to_dict(), indent=1, default=str) + "\n")
-    text = (f"{p.family} plan for {prof.name}: predicted {p.sim.makespan * 1e3:.4g} ms\n"
-            f"wrote {info['csv']} ({args.format}) and {info['stages']}\nload with: {info['torch_loader']}")
-    emit(args, info, text)
+    out = Path(args.out)
+    atomic_write_text(out / "plan.json", json.dumps(p.to_dict(), indent=1, default=str) + "\n")
+    files = [str(out / "schedule.csv"), str(out / "stages.json"), str(out / "plan.json")]
+    if not args.json:  # stdout is the written paths, one per line (for scripts); what they hold goes to stderr
+        progress(f"{p.family} plan for {prof.name}: predicted {p.sim.makespan * 1e3:.4g} ms; {args.format} CSV, load with: {info['torch_loader']}")
+    emit(args, {**info, "files": files}, "\n".join(files))
     return 0
 
 

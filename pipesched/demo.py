@@ -2,8 +2,9 @@
 
 >>> import pathlib, tempfile, topology
 >>> report, text = demo(topology.default_cluster(), pathlib.Path(tempfile.mkdtemp()))
->>> report["plan"]["schedule"] in ("gpipe", "1f1b", "zbh1", "interleaved", "chimera"), report["predicted_s"] >= report["lower_bound_s"]
-(True, True)
+>>> from pipesched.plan import AUTO_FAMILIES
+>>> report["plan"]["schedule"] in AUTO_FAMILIES, report["plan"]["exportable"], report["predicted_s"] >= report["lower_bound_s"]
+(True, True, True)
 """
 
 from __future__ import annotations

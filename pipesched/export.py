@@ -8,6 +8,8 @@ actions itself), or with the communication spelled out (``format="compute_comms"
 ``",".join(str(a) for a in actions)``. The partition goes with it as the layer span of every stage id, which
 a launcher uses to build one ``PipelineStage`` per stage id on the rank that holds it.
 
+Each family's public torch class is in :data:`TORCH_CLASSES` (:func:`torch_schedule_class`).
+
 Not exportable: Chimera (torch forbids one stage id on two ranks and requires every stage to run all
 micro-batches; Chimera's replicas would need tied weights across two stage ids and a replica all-reduce,
 which the runtime does not have). Rows for ``PipelineScheduleMulti._load_csv`` (lock-step, time-aligned) are
@@ -34,6 +36,36 @@ from .partition import Partition
 from .schedules import Action, Schedule, ScheduleError
 
 TORCH_FORMATS = ("compute_only", "compute_comms")
+
+# torch.distributed.pipelining's public schedule class that runs each family in the same action order as ours
+# (tests/test_pipe_schedules.py compares the orders), or None where torch has none (Chimera: not exportable at all).
+# ZB-H1 is the one-chunk case of ScheduleInterleavedZeroBubble. Any exportable family also runs from its CSV through
+# _PipelineScheduleRuntime.
+TORCH_CLASSES: dict[str, str | None] = {
+    "gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+    "zbh1": "ScheduleInterleavedZeroBubble", "interleaved_zb": "ScheduleInterleavedZeroBubble", "looped_bfs": "ScheduleLoopedBFS",
+    "zbv": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV", "chimera": None,
+}
+
+
+def torch_schedule_class(family: str) -> str | None:
+    """The name of torch's public schedule class for ``family`` (:data:`TORCH_CLASSES`), None if torch has none.
+
+    >>> torch_schedule_class("zbv"), torch_schedule_class("chimera")
+    ('ScheduleZBVZeroBubble', None)
+    """
+    if family not in TORCH_CLASSES:
+        raise ExportError(f"unknown schedule family {family!r}, expected one of {sorted(TORCH_CLASSES)}", where="--schedule")
+    return TORCH_CLASSES[family]
+
+
+def exportable(schedule: Schedule) -> str | None:
+    """Why torch's runtime cannot run ``schedule``, or None when it can."""
+    try:
+        check_exportable(schedule)
+    except ExportError as exc:
+        return str(exc)
+    return None
 
 
 class ExportError(InputError):
@@ -68,13 +100,15 @@ def write_torch_csv(schedule: Schedule, path: str | Path, format: str = "compute
 
 def read_torch_csv(path: str | Path) -> dict[int, list[Action]]:
     """Rows of a torch schedule CSV as our actions (empty cells, torch's idle steps, are dropped)."""
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ExportError(f"cannot read: {exc.strerror}", source=str(path)) from None
+    from topology.inputs import read_text
+
+    text = read_text(path, error=ExportError)
     out: dict[int, list[Action]] = {}
-    for rank, row in enumerate(csv.reader(io.StringIO(text))):
-        out[rank] = [Action.parse(cell, source=str(path), where=f"line {rank + 1}") for cell in row if cell.strip()]
+    try:
+        for rank, row in enumerate(csv.reader(io.StringIO(text))):
+            out[rank] = [Action.parse(cell, source=str(path), where=f"line {rank + 1}") for cell in row if cell.strip()]
+    except csv.Error as exc:
+        raise ExportError(f"invalid CSV ({exc})", source=str(path)) from None
     return out
 
 

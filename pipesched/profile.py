@@ -39,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from topology.errors import InputError
+from topology.inputs import check_number, loads_json, loads_yaml, read_text
+from topology.limits import MAX_BANDWIDTH_GBS, MAX_BYTES, MAX_LAYERS, MAX_SECONDS, MAX_TFLOPS
 
 RECOMPUTE_OPTIONS = ("none", "selective", "full")
 PROFILE_FORMAT = "netweave-pipe-profile"
@@ -157,6 +159,8 @@ def profile_from_dict(data: Any, *, source: str | None = None) -> ModelProfile:
     raw_layers = data.get("layers")
     if not isinstance(raw_layers, list) or not raw_layers:
         raise ProfileError("expected a non-empty list", source=source, where="layers")
+    if len(raw_layers) > MAX_LAYERS:
+        raise ProfileError(f"{len(raw_layers)} layers, more than {MAX_LAYERS} (the limit)", source=source, where="layers")
     layers = []
     for i, raw in enumerate(raw_layers):
         where = f"layers[{i}]"
@@ -167,6 +171,9 @@ def profile_from_dict(data: Any, *, source: str | None = None) -> ModelProfile:
             value = raw.get(key, default)
             if not isinstance(value, int | float) or isinstance(value, bool) or value < 0 or not math.isfinite(value):
                 raise ProfileError("expected a non-negative number", source=source, where=f"{where}.{key}")
+            limit = MAX_BYTES if key.endswith("bytes") else MAX_SECONDS
+            if value > limit:
+                raise ProfileError(f"expected a number <= {limit:g} (the limit)", source=source, where=f"{where}.{key}")
             return value
 
         def per_option(key: str, raw=raw, where=where) -> dict[str, float]:
@@ -174,8 +181,8 @@ def profile_from_dict(data: Any, *, source: str | None = None) -> ModelProfile:
             if not isinstance(value, dict) or set(value) != set(RECOMPUTE_OPTIONS):
                 raise ProfileError(f"expected an object with keys {list(RECOMPUTE_OPTIONS)}", source=source, where=f"{where}.{key}")
             for k, v in value.items():
-                if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
-                    raise ProfileError("expected a non-negative number", source=source, where=f"{where}.{key}.{k}")
+                if not isinstance(v, int | float) or isinstance(v, bool) or v < 0 or v > (MAX_BYTES if key.endswith("bytes") else MAX_SECONDS):
+                    raise ProfileError("expected a non-negative, finite number within the limits", source=source, where=f"{where}.{key}.{k}")
             return dict(value)
 
         full = raw.get("bwd_full_s")
@@ -188,10 +195,10 @@ def profile_from_dict(data: Any, *, source: str | None = None) -> ModelProfile:
             bwd_full_s=None if full is None else float(num("bwd_full_s")),
         ))
     mbs = data.get("microbatch_size", 1)
-    if not isinstance(mbs, int) or mbs < 1:
+    if not isinstance(mbs, int) or isinstance(mbs, bool) or not 1 <= mbs <= 1 << 20:
         raise ProfileError("expected a positive integer", source=source, where="microbatch_size")
     factor = data.get("state_factor", 8.0)
-    if not isinstance(factor, int | float) or factor < 1:
+    if not isinstance(factor, int | float) or isinstance(factor, bool) or not 1 <= factor <= 1e6:
         raise ProfileError("expected a number >= 1", source=source, where="state_factor")
     return ModelProfile(name=str(data.get("name", "model")), layers=tuple(layers), source=str(data.get("source", "analytic")),
                         microbatch_size=mbs, state_factor=float(factor), reference=dict(data.get("reference") or {}))
@@ -202,11 +209,7 @@ def dumps_profile(profile: ModelProfile) -> str:
 
 
 def loads_profile(text: str, *, source: str | None = None) -> ModelProfile:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"not valid JSON: {exc.msg}", source=source, where=exc.lineno) from None
-    return profile_from_dict(data, source=source)
+    return profile_from_dict(loads_json(text, source=source, error=ProfileError), source=source)
 
 
 def save_profile(profile: ModelProfile, path: str | Path) -> None:
@@ -217,11 +220,7 @@ def save_profile(profile: ModelProfile, path: str | Path) -> None:
 
 
 def load_profile(path: str | Path) -> ModelProfile:
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ProfileError(f"cannot read: {exc.strerror}", source=str(path)) from None
-    return loads_profile(text, source=str(path))
+    return loads_profile(read_text(path, error=ProfileError), source=str(path))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -269,6 +268,13 @@ _CONFIG_FIELDS = {
 }
 
 
+# (minimum, maximum) of the numeric fields: far beyond any real model or device, but finite (see topology.limits)
+_CONFIG_BOUNDS = {"layers": (1, MAX_LAYERS), "tflops": (1e-3, MAX_TFLOPS), "hbm_gbs": (1e-3, MAX_BANDWIDTH_GBS),
+                  "flops_efficiency": (1e-3, 1), "memory_efficiency": (1e-3, 1), "seq_len": (1, 1 << 24), "hidden": (1, 1 << 20),
+                  "ffn_hidden": (1, 1 << 22), "vocab": (1, 1 << 24), "heads": (1, 1 << 16), "kv_heads": (1, 1 << 16),
+                  "microbatch_size": (1, 1 << 20)}
+
+
 def config_from_dict(data: Any, *, source: str | None = None) -> GPTConfig:
     """Validate a model configuration (from YAML or JSON); unknown or mistyped fields are named."""
     if not isinstance(data, dict):
@@ -284,6 +290,9 @@ def config_from_dict(data: Any, *, source: str | None = None) -> GPTConfig:
             raise ProfileError("expected a positive integer", source=source, where=key)
         if kind is float and (not isinstance(value, int | float) or isinstance(value, bool) or value <= 0):
             raise ProfileError("expected a positive number", source=source, where=key)
+        if kind is not str:
+            lo, hi = _CONFIG_BOUNDS.get(key, (1, 1 << 30))
+            check_number(value, what=f"{key} in {lo:g}..{hi:g}", source=source, where=key, minimum=lo, maximum=hi, error=ProfileError)
         if kind is str and not isinstance(value, str):
             raise ProfileError("expected a string", source=source, where=key)
         values[key] = float(value) if kind is float else value
@@ -306,18 +315,7 @@ def config_from_dict(data: Any, *, source: str | None = None) -> GPTConfig:
 
 def load_model_config(path: str | Path) -> GPTConfig:
     """Read a model configuration from a YAML or JSON file."""
-    import yaml
-
-    try:
-        text = Path(path).read_text()
-    except OSError as exc:
-        raise ProfileError(f"cannot read: {exc.strerror}", source=str(path)) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        raise ProfileError(f"not valid YAML: {getattr(exc, 'problem', exc)}", source=str(path),
-                           where=mark.line + 1 if mark else None) from None
+    data = loads_yaml(read_text(path, error=ProfileError), source=str(path), error=ProfileError)
     return config_from_dict(data, source=str(path))
 
 
@@ -334,7 +332,9 @@ def analytic_profile(cfg: GPTConfig) -> ModelProfile:
     core ``4b*s^2*h`` (QK^T and AV). The input gradient costs the linear FLOPs again plus twice the attention core
     (it has no weights); the weight gradient costs the linear FLOPs. The LM head is a ``h x V`` matmul
     (``2t*h*V`` in each of F, I and W) with an FP32 softmax cross-entropy over the logits; the embedding is a
-    gather whose cost is memory traffic only. Each part's time is a roofline ``max(FLOPs/FLOP/s, bytes/bandwidth)``.
+    gather whose cost is memory traffic only; its weight gradient is dense (torch zero-fills a gradient of the
+    whole table, scatter-adds into it and adds that into ``.grad``: four passes over the table). Each part's
+    time is a roofline ``max(FLOPs/FLOP/s, bytes/bandwidth)``.
 
     Activation memory per block follows Korthikanti et al. (2022, Table 2 and eq. 1-2) for ``kind="gpt"``:
     ``s*b*h*(34 + 5*a*s/h)`` bytes at 16-bit; selective recomputation drops the ``5*a*s^2*b`` attention-score
@@ -379,7 +379,9 @@ def analytic_profile(cfg: GPTConfig) -> ModelProfile:
     emb_params = v * h + (s * h if cfg.kind == "gpt" else 0)
     layers.append(LayerProfile(
         name="embedding", fwd_s=_roofline(0, 2 * act_out, cfg), bwd_input_s=0.0,
-        bwd_weight_s=_roofline(t * h, 3 * act_out, cfg),   # scatter-add of the output gradient into the table
+        # W: torch's embedding backward scatter-adds the output gradient into a dense, zero-filled gradient of the
+        # whole table, which is then added into the weight's .grad: 4 table-sized passes besides the scatter.
+        bwd_weight_s=_roofline(t * h, 3 * act_out + 4 * emb_params * dt, cfg),
         output_bytes=act_out, param_bytes=emb_params * dt,
         saved_bytes={k: 8 * t for k in RECOMPUTE_OPTIONS},  # int64 token ids
         recompute_s={k: 0.0 for k in RECOMPUTE_OPTIONS}, weight_grad_bytes=8 * t,

@@ -28,6 +28,7 @@ every stage, so Chimera schedules are simulated and validated here but not expor
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -167,6 +168,18 @@ class Schedule:
             raise ScheduleError(f"malformed schedule: {exc}", source=source) from None
 
 
+def bytes_text(nbytes: float) -> str:
+    """A byte count for messages, in the largest binary unit that keeps it >= 1 (``150 B``, ``1.50 GiB``).
+
+    >>> bytes_text(150), bytes_text(3 * 2**29), bytes_text(2**30 - 1)
+    ('150 B', '1.50 GiB', '1024.00 MiB')
+    """
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes:.4g} B"
+
+
 def _single_chain(name: str, ranks: int, m: int, stage_rank: Sequence[int], actions: dict[int, list[Action]], **meta) -> Schedule:
     return Schedule(name, ranks, m, tuple(stage_rank), (tuple(range(len(stage_rank))),), (tuple(range(m)),), actions, meta=meta)
 
@@ -225,12 +238,61 @@ def zb_h1(ranks: int, microbatches: int) -> Schedule:
     return _single_chain("zbh1", ranks, microbatches, range(ranks), acts)
 
 
+def _rounds(p: int, m: int, family: str) -> int:
+    """Micro-batches per round of a looped schedule (torch: ``m // max(1, m // p)``); ``m`` must split into whole rounds."""
+    rounds = max(1, m // p)
+    if m % rounds:
+        raise ScheduleError(f"{family} needs the micro-batches ({m}) to divide into {rounds} rounds", where="--microbatches")
+    return m // rounds
+
+
+def _looped_order(p: int, m: int, v: int, r: int, zero_bubble: bool) -> list[Action]:
+    """Rank r's actions in a looped (stage k on rank ``k % p``) one-forward-one-backward schedule.
+
+    Forwards visit the rank's chunks in rounds of ``mpr`` micro-batches, backwards the chunks in reverse, after
+    ``(v-1)*mpr + f*(p-1-r)`` warm-up forwards (f = 2 for interleaved 1F1B, 1 for interleaved zero bubble). With
+    ``zero_bubble`` the backward is split into I and W, and rank r runs its W's ``r`` steps behind its I's (ZB-1P);
+    the drain runs the W's left. This is the order torch's ``_get_1f1b_rank_ops`` builds, empty slots left out.
+    """
+    mpr = m if v == 1 and zero_bubble else _rounds(p, m, "a looped schedule")
+    warm = min((v - 1) * mpr + (1 if zero_bubble else 2) * (p - 1 - r), m * v)
+    total = m * v
+    f_next: dict[int, int] = {}
+    b_next: dict[int, int] = {}
+    w_next: dict[int, int] = {}
+
+    def stage_of(step: int, backward: bool) -> int:
+        local = (v - 1 - ((step - warm) // mpr) % v) if backward else (step // mpr) % v
+        return local * p + r
+
+    def take(counter: dict[int, int], stage: int, kind: str) -> Action:
+        k = counter.get(stage, 0)
+        counter[stage] = k + 1
+        return Action(stage, kind, k)
+
+    seq = [take(f_next, stage_of(step, False), "F") for step in range(warm)]
+    backward_steps: list[int] = []
+    weights = 0
+    for step in range(warm, total + warm):
+        if step < total:
+            seq.append(take(f_next, stage_of(step, False), "F"))
+        seq.append(take(b_next, stage_of(step, True), "I" if zero_bubble else "B"))
+        backward_steps.append(step)
+        if zero_bubble and step - warm >= r:
+            seq.append(take(w_next, stage_of(backward_steps[weights], True), "W"))
+            weights += 1
+    if zero_bubble:
+        seq += [take(w_next, stage_of(step, True), "W") for step in backward_steps[weights:]]
+    return seq
+
+
 def interleaved_1f1b(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
     """Interleaved 1F1B (Narayanan et al., SC'21): ``chunks`` virtual stages per rank, stage k on rank ``k % p``.
 
     Micro-batches go through the chunks in rounds of ``mpr`` (= p when ``m`` is a multiple of p); rank r runs
     ``(v-1)*mpr + 2*(p-1-r)`` warm-up forwards, then one forward and one backward per step (backwards visit
     the chunks in reverse), then drains. Requires ``m >= p`` and ``m`` divisible by the number of rounds.
+    torch: ``ScheduleInterleaved1F1B``.
     """
     _check(ranks, microbatches)
     p, v, m = ranks, chunks, microbatches
@@ -238,36 +300,174 @@ def interleaved_1f1b(ranks: int, microbatches: int, chunks: int = 2) -> Schedule
         raise ScheduleError("need at least one chunk per rank", where="--chunks")
     if m < p:
         raise ScheduleError(f"interleaved 1F1B needs at least as many micro-batches ({m}) as ranks ({p})", where="--microbatches")
-    rounds = max(1, m // p)
-    if m % rounds:
-        raise ScheduleError(f"interleaved 1F1B needs the micro-batches ({m}) to divide into {rounds} rounds", where="--microbatches")
-    mpr = m // rounds
-    acts: dict[int, list[Action]] = {}
-    for r in range(p):
-        total = m * v
-        warm = min((v - 1) * mpr + 2 * (p - 1 - r), total)
-        f_next: dict[int, int] = {}
-        b_next: dict[int, int] = {}
-
-        def fwd(step: int, r=r, f_next=f_next) -> Action:
-            stage = ((step // mpr) % v) * p + r
-            k = f_next.get(stage, 0)
-            f_next[stage] = k + 1
-            return Action(stage, "F", k)
-
-        def bwd(step: int, r=r, b_next=b_next, warm=warm) -> Action:
-            stage = (v - 1 - ((step - warm) // mpr) % v) * p + r
-            k = b_next.get(stage, 0)
-            b_next[stage] = k + 1
-            return Action(stage, "B", k)
-
-        seq = [fwd(s) for s in range(warm)]
-        for s in range(warm, total):
-            seq += [fwd(s), bwd(s)]
-        seq += [bwd(s) for s in range(total, total + warm)]
-        acts[r] = seq
+    _rounds(p, m, "interleaved 1F1B")
+    acts = {r: _looped_order(p, m, v, r, zero_bubble=False) for r in range(p)}
     return Schedule("interleaved", p, m, tuple(k % p for k in range(p * v)), (tuple(range(p * v)),), (tuple(range(m)),), acts,
                     meta={"chunks": v})
+
+
+def interleaved_zb(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """Interleaved zero bubble (Qi et al., ICLR 2024, ZB-1P on v chunks), torch's ``ScheduleInterleavedZeroBubble``.
+
+    The interleaved 1F1B order with the backward split into I and W: ``(v-1)*mpr + (p-1-r)`` warm-up forwards
+    on rank r, then F, I per step with each W run ``r`` steps after its I, the W's left filling the drain. With
+    ``chunks=1`` it is ZB-H1 (:func:`zb_h1`). Requires ``m`` divisible by its ``max(1, m // p)`` rounds.
+    """
+    _check(ranks, microbatches)
+    p, v, m = ranks, chunks, microbatches
+    if v < 1:
+        raise ScheduleError("need at least one chunk per rank", where="--chunks")
+    _rounds(p, m, "interleaved zero bubble")
+    acts = {r: _looped_order(p, m, v, r, zero_bubble=True) for r in range(p)}
+    return Schedule("interleaved_zb", p, m, tuple(k % p for k in range(p * v)), (tuple(range(p * v)),), (tuple(range(m)),), acts,
+                    meta={"chunks": v})
+
+
+def looped_bfs(ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """Breadth-first looped pipeline (Lamy-Poirier, 2023), torch's ``ScheduleLoopedBFS``: stage k on rank ``k % p``.
+
+    Each rank runs all micro-batches' forwards through its first chunk, then its next chunk, and so on, then the
+    backwards chunk by chunk in reverse, last micro-batch first. Like GPipe it holds all ``m`` micro-batches of
+    every chunk; its bubble is GPipe's ``(p-1)/(m+p-1)`` share when ``m >= p`` (each chunk's forwards of all
+    micro-batches keep the ranks busy while the next chunk's inputs arrive).
+    """
+    _check(ranks, microbatches)
+    p, v, m = ranks, chunks, microbatches
+    if v < 1:
+        raise ScheduleError("need at least one chunk per rank", where="--chunks")
+    acts: dict[int, list[Action]] = {}
+    for r in range(p):
+        local = [c * p + r for c in range(v)]
+        acts[r] = [Action(st, "F", k) for st in local for k in range(m)] + [Action(st, "B", k) for st in reversed(local)
+                                                                             for k in reversed(range(m))]
+    return Schedule("looped_bfs", p, m, tuple(k % p for k in range(p * v)), (tuple(range(p * v)),), (tuple(range(m)),), acts,
+                    meta={"chunks": v})
+
+
+def v_stage_rank(ranks: int) -> tuple[int, ...]:
+    """V placement of ``2p`` stages (torch's ``generate_stage_to_rank_mapping(style="v")``): stage i and ``2p-1-i`` on rank i."""
+    return tuple(range(ranks)) + tuple(reversed(range(ranks)))
+
+
+def zbv(ranks: int, microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., ICLR 2024, section 6), torch's ``ScheduleZBVZeroBubble``: two chunks per rank in a V.
+
+    Stage i and stage ``2p-1-i`` live on rank i, so the last stage is on rank 0 next to the first and the turn at
+    the bottom of the V is local. Rank r: ``2(p-r)-1`` forwards of its first chunk, ``r`` pairs of second- and
+    first-chunk forwards, ``p-r`` second-chunk F, I, W triples, then F, I, W on each chunk in turn, then the drain.
+    With F = I = W it is bubble-free up to the ``(p-1)``-step fill; memory stays that of 1F1B (``2p`` chunk
+    activations, i.e. ``p`` micro-batches of the whole model per rank at most).
+    """
+    _check(ranks, microbatches)
+    p, m = ranks, microbatches
+    n_micro = max(2 * p - 1, m)
+    acts: dict[int, list[Action]] = {}
+    for r in range(p):
+        c0, c1 = r, 2 * p - 1 - r
+        seq: list[Action] = []
+        f0 = f1 = b0 = b1 = 0
+        for _ in range(2 * (p - r) - 1):
+            seq.append(Action(c0, "F", f0))
+            f0 += 1
+        for _ in range(r):
+            seq += [Action(c1, "F", f1), Action(c0, "F", f0)]
+            f1 += 1
+            f0 += 1
+        for _ in range(p - r):
+            seq += [Action(c1, "F", f1), Action(c1, "I", b1), Action(c1, "W", b1)]
+            f1 += 1
+            b1 += 1
+        while f1 < f0 or f0 < n_micro:
+            if f0 < n_micro:
+                seq.append(Action(c0, "F", f0))
+                f0 += 1
+            seq += [Action(c0, "I", b0), Action(c0, "W", b0), Action(c1, "F", f1), Action(c1, "I", b1), Action(c1, "W", b1)]
+            b0 += 1
+            f1 += 1
+            b1 += 1
+        w0, w1 = b0, b1
+        for _ in range(r):
+            seq += [Action(c0, "I", b0), Action(c1, "I", b1)]
+            b0 += 1
+            b1 += 1
+        for _ in range(p - r):
+            seq += [Action(c0, "I", b0), Action(c0, "W", w0)]
+            b0 += 1
+            w0 += 1
+        seq += [Action(c1, "W", k) for k in range(w1, b1)] + [Action(c0, "W", k) for k in range(w0, b0)]
+        acts[r] = [a for a in seq if a.mb < m]     # torch plans max(2p-1, m) micro-batches and drops the extra ones
+    return Schedule("zbv", p, m, v_stage_rank(p), (tuple(range(2 * p)),), (tuple(range(m)),), acts, meta={"chunks": 2})
+
+
+def dualpipev(ranks: int, microbatches: int) -> Schedule:
+    """DualPipe-V (DeepSeek-V3's DualPipe folded into a V), torch's ``ScheduleDualPipeV``: two chunks per rank in a V.
+
+    Rank r: ``2(p-r-1)`` first-chunk forwards, ``r+1`` forward pairs, ``p-r-1`` zero-bubble steps (second-chunk
+    I, a pending W, F), then the main phase of overlapped forward/backward pairs (F of one chunk with the full
+    backward of the other), the drain with full backwards turning into I's half way (W's deferred into the
+    last steps). torch runs an overlapped pair as its two actions in order (F, then B), which is how they are
+    listed here; torch's overlap of their communication with computation is not modelled. Requires
+    ``m >= 2p``.
+    """
+    _check(ranks, microbatches)
+    p, m = ranks, microbatches
+    if m < 2 * p:
+        raise ScheduleError(f"DualPipe-V needs at least as many micro-batches ({m}) as stages ({2 * p})", where="--microbatches")
+    acts: dict[int, list[Action]] = {}
+    for r in range(p):
+        c0, c1 = r, 2 * p - 1 - r
+        seq: list[Action] = []
+        count: dict[tuple[int, str], int] = {}
+        pending_w: list[tuple[int, int]] = []
+
+        def add(stage: int, kind: str, seq=seq, count=count, pending_w=pending_w) -> None:
+            key = (stage, "I" if kind == "B" else kind)
+            k = count.get(key, 0)
+            seq.append(Action(stage, kind, k))
+            count[key] = k + 1
+            if kind == "B":
+                count[(stage, "W")] = count.get((stage, "W"), 0) + 1
+            elif kind == "I":
+                pending_w.append((stage, k))
+
+        def weight(seq=seq, pending_w=pending_w) -> None:
+            if pending_w:
+                stage, k = pending_w.pop(0)
+                seq.append(Action(stage, "W", k))
+
+        for _ in range(2 * (p - r - 1)):
+            add(c0, "F")
+        for _ in range(r + 1):
+            add(c0, "F")
+            add(c1, "F")
+        for _ in range(p - r - 1):
+            add(c1, "I")
+            weight()
+            add(c1, "F")
+        for _ in range(m - 2 * p + r + 1):
+            add(c0, "F")
+            add(c1, "B")
+            add(c1, "F")
+            add(c0, "B")
+        for _ in range(p - r - 1):
+            add(c1, "B")
+            add(c1, "F")
+            add(c0, "B")
+        split = False
+        for i in range(r + 1):
+            if i == (r + 1) // 2 and r % 2 == 1:
+                split = True
+            add(c1, "I" if split else "B")
+            if i == (r + 1) // 2 and r % 2 == 0:
+                split = True
+            add(c0, "I" if split else "B")
+        for _ in range(p - r - 1):
+            weight()
+            add(c0, "I" if split else "B")
+        for _ in range(r + 1):
+            weight()
+        acts[r] = seq
+    return Schedule("dualpipev", p, m, v_stage_rank(p), (tuple(range(2 * p)),), (tuple(range(m)),), acts, meta={"chunks": 2})
 
 
 def chimera(ranks: int, microbatches: int) -> Schedule:
@@ -342,21 +542,58 @@ def _chimera_order(D: int, half: int) -> dict[int, list[Action]]:
     return order
 
 
-SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zb_h1, "interleaved": interleaved_1f1b, "chimera": chimera}
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zbh1": zb_h1, "interleaved": interleaved_1f1b, "chimera": chimera,
+             "interleaved_zb": interleaved_zb, "looped_bfs": looped_bfs, "zbv": zbv, "dualpipev": dualpipev}
+LOOPED = ("interleaved", "interleaved_zb", "looped_bfs")     # v chunks per rank, stage k on rank k % p
+V_SHAPED = ("zbv", "dualpipev")                               # two chunks per rank, stage i and 2p-1-i on rank i
 
 
 def make_schedule(family: str, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
-    """Build a schedule by family name (``gpipe``, ``1f1b``, ``zbh1``, ``interleaved``, ``chimera``)."""
+    """Build a schedule by family name (:data:`SCHEDULES`); ``chunks`` is the looped families' chunks per rank."""
     if family not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {family!r}, expected one of {sorted(SCHEDULES)}", where="--schedule")
-    if family == "interleaved":
-        return interleaved_1f1b(ranks, microbatches, chunks)
+    if family in LOOPED:
+        return SCHEDULES[family](ranks, microbatches, chunks)
     return SCHEDULES[family](ranks, microbatches)
+
+
+def schedule_in_flight(schedule: Schedule) -> dict[int, int]:
+    """Peak micro-batches each stage id holds, counted along its rank's order: +1 at F, -1 at B or W (a micro-batch's
+    graph lives until its weight gradient). A rank runs its actions one at a time, so this is what the simulator's
+    ``peak_in_flight`` reports for any costs.
+
+    >>> schedule_in_flight(zb_h1(3, 6))
+    {0: 3, 1: 3, 2: 3}
+    """
+    peak = {s: 0 for s in range(schedule.num_stages)}
+    for acts in schedule.actions.values():
+        level: dict[int, int] = {}
+        for a in acts:
+            if a.kind == "F":
+                level[a.stage] = level.get(a.stage, 0) + 1
+                peak[a.stage] = max(peak[a.stage], level[a.stage])
+            elif a.kind in ("B", "W"):
+                level[a.stage] = level.get(a.stage, 0) - 1
+    return peak
+
+
+@functools.lru_cache(maxsize=32)
+def cached_schedule(family: str, ranks: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """:func:`make_schedule`, generated once per shape for the planner; shared, so callers must not modify it."""
+    return make_schedule(family, ranks, microbatches, chunks=chunks)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------------------------------------------
+
+MEMORY_REL_TOL = 1e-9
+
+
+def fits_memory(need: float, limit: float) -> bool:
+    """``need <= limit`` up to floating-point rounding (prefix sums of byte counts can land a few ulps over an exact fit)."""
+    return need <= limit * (1 + MEMORY_REL_TOL) + 1e-9
+
 
 def validate(schedule: Schedule, costs: dict[int, Any] | None = None, memory_limit: Sequence[float] | float | None = None,
              links: Any = None) -> list[str]:
@@ -413,6 +650,6 @@ def validate(schedule: Schedule, costs: dict[int, Any] | None = None, memory_lim
     if costs is not None and memory_limit is not None:
         limits = [memory_limit] * schedule.ranks if isinstance(memory_limit, int | float) else list(memory_limit)
         for r, peak in enumerate(result.peak_memory):
-            if peak > limits[r]:
-                problems.append(f"rank {r}: peak memory {peak / 2**30:.2f} GiB exceeds the limit {limits[r] / 2**30:.2f} GiB")
+            if not fits_memory(peak, limits[r]):
+                problems.append(f"rank {r}: peak memory {bytes_text(peak)} exceeds the limit {bytes_text(limits[r])}")
     return problems

@@ -28,8 +28,12 @@ the activations recomputation re-materialises.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import heapq
 import json
-from collections.abc import Mapping
+import math
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -61,7 +65,17 @@ class StageCost:
         return self.b - self.i_s if self.w is None else self.w
 
     def duration(self, kind: str) -> float:
-        return {"F": self.f, "B": self.b, "I": self.i_s, "W": self.w_s, "REDUCE_GRAD": self.reduce_s}[kind]
+        if kind == "F":
+            return self.f
+        if kind == "B":
+            return self.b
+        if kind == "I":
+            return self.i_s
+        if kind == "W":
+            return self.w_s
+        if kind == "REDUCE_GRAD":
+            return self.reduce_s
+        raise KeyError(kind)
 
 
 @dataclass(frozen=True)
@@ -190,9 +204,38 @@ def _partner_stages(schedule: Schedule) -> dict[int, list[int]]:
 
 
 def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = None, *, cores: float | SharedCpu | None = None,
-             rendezvous: Rendezvous | None = None) -> SimResult:
+             rendezvous: Rendezvous | None = None, engine: str = "direct") -> SimResult:
     """Run ``schedule`` with per-stage ``costs`` over ``links`` (a ``LinkModel``; None = free transfers), optionally
-    with a ``rendezvous`` transport and the runtime's receive posts and send waits (module docstring)."""
+    with a ``rendezvous`` transport and the runtime's receive posts and send waits (module docstring).
+
+    ``engine``: ``"direct"`` (default) lets each rank run ahead until an input is missing when neither ``cores`` nor a
+    ``rendezvous`` is given (an action then starts at the later of its rank's last end and its inputs' arrival, so no
+    event queue is needed); ``"events"`` always uses the event loop, which processor sharing and rendezvous need. The
+    two give identical results (``tests/test_pipe_schedules.py``).
+    """
+    if engine not in ("direct", "events"):
+        raise ValueError(f"engine must be 'direct' or 'events', got {engine!r}")
+    # A simulation allocates a few objects per action (spans, transfers, events) and frees none of them before it returns:
+    # the cyclic collector's passes over them, and over everything else the caller holds, would find nothing to free, and
+    # in a process that keeps a few plans they cost more than the simulation itself. Paused while it runs.
+    with gc_paused():
+        return _simulate(schedule, costs, links, cores, rendezvous, engine)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for an allocation-heavy step that creates no garbage cycles (restored after)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any, cores: float | SharedCpu | None,
+              rendezvous: Rendezvous | None, engine: str) -> SimResult:
     message_cpu = action_cpu = 0.0
     efficiency = 1.0
     if isinstance(cores, SharedCpu):
@@ -213,7 +256,9 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     flight_events: dict[int, list[tuple[float, int]]] = {s: [] for s in range(schedule.num_stages)}
     busy = [0.0] * R
     ptr = [0] * R
-    running: dict[int, list[Any]] = {}     # rank -> [action, remaining work, start, duration]
+    running: dict[int, list[Any]] = {}     # rank -> [action, remaining work, start, duration, start order]
+    dirty: set[int] = set()                # ranks whose next action may have become ready
+    wakes: list[tuple[float, int]] = []    # (time, rank): a rank's next action becomes ready then (a heap)
     now = 0.0
     posts_at = rendezvous.posts_at() if rendezvous is not None else {}
     send_waits = rendezvous.send_waits if rendezvous is not None else {}
@@ -230,11 +275,14 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         except KeyError:
             raise ScheduleError(f"no cost for stage {stage}") from None
 
+    stage_rank = schedule.stage_rank
+
     def send(src_stage: int, dst_stage: int, kind: str, mb: int | None, t: float, nbytes: float, label: str) -> None:
-        a, b = schedule.stage_rank[src_stage], schedule.stage_rank[dst_stage]
+        a, b = stage_rank[src_stage], stage_rank[dst_stage]
         key = (dst_stage, kind, mb)
         if a == b or (links is None and rendezvous is None):   # free transfers; a rendezvous still waits for its receive
             arrive[key] = t
+            dirty.add(b)
             return
         sent[key] = (t, a, b, nbytes, label)
         move(key)
@@ -256,6 +304,7 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
         link_free[(a, b)] = start + serial
         end = start + serial + lat
         arrive[key] = end
+        dirty.update((a, b))      # the receiver's input, and the sender's wait on its send
         transfers.append(Transfer(a, b, label, nbytes, start, end))
 
     def reach(r: int, t: float) -> None:
@@ -296,77 +345,204 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
             return max(times)
         raise ScheduleError(f"cannot simulate action {a}")
 
-    def start(r: int, a: Action) -> None:
-        c = cost(a.stage)
-        dur = c.duration(a.kind) + (message_cpu * n_messages[(a.stage, a.kind)] if message_cpu and links is not None else 0.0)
+    effects_of: dict[tuple[int, str], tuple] = {}
+
+    def effects(stage: int, kind: str) -> tuple:
+        """What an action of this stage and kind does, shared by both engines: (duration, bytes allocated at its start or
+        None, bytes freed at its end or None, the tensor it sends as (receiving stage, "act"|"grad", bytes) or None,
+        whether it ends a micro-batch's backward)."""
+        key = (stage, kind)
+        if key not in effects_of:
+            c = cost(stage)
+            prev, nxt = neighbours[stage]
+            alloc = c.saved_bytes if kind == "F" else c.transient_bytes if kind in ("B", "I") else None
+            freed = {"B": -(c.transient_bytes + c.saved_bytes), "I": -(c.transient_bytes + c.saved_bytes - c.wgrad_bytes),
+                     "W": -c.wgrad_bytes}.get(kind)
+            message = ((nxt, "act", c.out_bytes) if kind == "F" and nxt is not None
+                       else (prev, "grad", cost(prev).out_bytes) if kind in ("B", "I") and prev is not None else None)
+            effects_of[key] = (c.duration(kind), alloc, freed, message, kind in ("B", "W"))
+        return effects_of[key]
+
+    def start(r: int, a: Action, order: int) -> None:
+        dur, alloc, _, _, _ = effects(a.stage, a.kind)
+        dur += message_cpu * n_messages[(a.stage, a.kind)] if message_cpu and links is not None else 0.0
         if action_cpu and a.kind in ("F", "B", "I", "W"):
             dur += action_cpu
-        running[r] = [a, dur, now, dur]
+        running[r] = [a, dur, now, dur, order]
+        if alloc is not None:
+            mem_events[r].append((now, alloc))
         if a.kind == "F":
-            mem_events[r].append((now, c.saved_bytes))
             flight_events[a.stage].append((now, 1))
-        elif a.kind in ("B", "I"):
-            mem_events[r].append((now, c.transient_bytes))
 
     def complete(r: int, t: float) -> None:
-        a, _, t0, _ = running.pop(r)
-        c = cost(a.stage)
+        a, _, t0, _, _ = running.pop(r)
+        dirty.add(r)
+        _, _, freed, message, ends_backward = effects(a.stage, a.kind)
         ptr[r] += 1
         reach(r, t)
         finish[(a.stage, a.kind, a.mb)] = t
         busy[r] += t - t0
         timeline.append(Span(r, a, t0, t))
-        prev, nxt = neighbours[a.stage]
-        if a.kind == "F" and nxt is not None:
-            send(a.stage, nxt, "act", a.mb, t, c.out_bytes, f"act {a}")
-        if a.kind in ("B", "I") and prev is not None:
-            send(a.stage, prev, "grad", a.mb, t, cost(prev).out_bytes, f"grad {a}")
-        if a.kind == "B":
-            mem_events[r].append((t, -(c.transient_bytes + c.saved_bytes)))
-        elif a.kind == "I":
-            mem_events[r].append((t, -(c.transient_bytes + c.saved_bytes - c.wgrad_bytes)))
-        elif a.kind == "W":
-            mem_events[r].append((t, -c.wgrad_bytes))
-        if a.kind in ("B", "W"):
+        if message is not None:
+            send(a.stage, message[0], message[1], a.mb, t, message[2], f"{message[1]} {a}")
+        if freed is not None:
+            mem_events[r].append((t, freed))
+        if ends_backward:
             backward_count[a.stage] += 1
             last_backward[a.stage] = t
+            if partners[a.stage]:
+                dirty.update(schedule.stage_rank[s] for s in partners[a.stage])   # their REDUCE_GRAD waits for this one
             flight_events[a.stage].append((t, -1))
 
     total = sum(len(v) for v in acts.values())
     done = 0
+    seq = 0                                   # start order: completions at one instant are handled in it
+    ends: list[tuple[float, int, int]] = []   # without processor sharing: (end, start order, rank), a heap
+    lanes: list[list[Span]] = []              # the run-ahead engine's timeline, per rank
     for r in range(R):
         reach(r, 0.0)
+    dirty.update(range(R))
+    if cores is None and rendezvous is None and engine == "direct":
+        # Without processor sharing or a rendezvous an action starts at max(its rank free, its inputs there) and every
+        # link carries its sender's messages in that rank's order, so each rank can run ahead until an input is missing.
+        # The loop below is the hot path of a plan (tens of thousands of actions per simulation): what an action of a
+        # stage and kind needs and does is looked up once per (stage, kind) (``step``), and the inputs of F, B, I and W
+        # are read inline; the arithmetic is the event loop's, so both engines give identical floats.
+        free = [0.0] * R
+        lanes = [[] for _ in range(R)]    # each rank's spans, in its order
+        step: dict[tuple[int, str], tuple] = {}
+        ready_reduce = ready_data            # REDUCE_GRAD (Chimera) only: the general rule
+        progress = True
+        while done < total and progress:
+            progress = False
+            for r in range(R):
+                row, k, end, events, lane, busy_r = acts[r], ptr[r], free[r], mem_events[r], lanes[r], busy[r]
+                n_row = len(row)
+                while k < n_row:
+                    a = row[k]
+                    stage, kind, mb = a.stage, a.kind, a.mb
+                    how = step.get((stage, kind))
+                    if how is None:
+                        if kind not in ("F", "B", "I", "W"):
+                            ready_data(a)            # REDUCE_GRAD, or the event loop's error for a kind it cannot run
+                        dur, alloc, freed, message, ends_backward = effects(stage, kind)
+                        prev, nxt = neighbours[stage]
+                        route = None
+                        if message is not None:
+                            dst_stage, what, nbytes = message
+                            src, dst = stage_rank[stage], stage_rank[dst_stage]
+                            if src == dst or links is None:
+                                route = (dst_stage, what, None)
+                            else:
+                                bw, lat = links.link(src, dst)
+                                route = (dst_stage, what, (src, dst, nbytes, nbytes / bw if nbytes > 0 else 0.0, lat))
+                        how = step[(stage, kind)] = (dur, alloc, freed, route, ends_backward, prev, nxt)
+                    dur, alloc, freed, route, ends_backward, prev, nxt = how
+                    if kind == "F":
+                        if prev is None:
+                            t = 0.0
+                        else:
+                            t = arrive.get((stage, "act", mb))
+                            if t is None:
+                                break
+                        flight_events[stage].append((end if end >= t else t, 1))
+                    elif kind == "B" or kind == "I":
+                        t = finish.get((stage, "F", mb))
+                        if t is None:
+                            break
+                        if nxt is not None:
+                            g = arrive.get((stage, "grad", mb))
+                            if g is None:
+                                break
+                            if g > t:
+                                t = g
+                    elif kind == "W":
+                        t = finish.get((stage, "I", mb))
+                        if t is None:
+                            break
+                    else:
+                        t = ready_reduce(a)
+                        if t is None:
+                            break
+                    begin = end if end >= t else t
+                    end = begin + dur
+                    if alloc is not None:
+                        events.append((begin, alloc))
+                    if kind == "F" or kind == "I":     # the only finishes an input waits for (B/I on F, W on I)
+                        finish[(stage, kind, mb)] = end
+                    busy_r += end - begin
+                    lane.append(Span(r, a, begin, end))
+                    if route is not None:     # as send() and move() without a rendezvous
+                        dst_stage, what, hop = route
+                        if hop is None:
+                            arrive[(dst_stage, what, mb)] = end
+                        else:
+                            src, dst, nbytes, serial, lat = hop
+                            go = max(end, 0.0, link_free.get((src, dst), 0.0))
+                            link_free[(src, dst)] = go + serial
+                            arrive[(dst_stage, what, mb)] = go + serial + lat
+                            label = f"{what} {stage}{kind}{'' if mb is None else mb}"     # f"{what} {a}" without a call
+                            transfers.append(Transfer(src, dst, label, nbytes, go, go + serial + lat))
+                    if freed is not None:
+                        events.append((end, freed))
+                    if ends_backward:
+                        backward_count[stage] += 1
+                        last_backward[stage] = end
+                        flight_events[stage].append((end, -1))
+                    k += 1
+                    done += 1
+                    progress = True
+                ptr[r], free[r], busy[r] = k, end, busy_r
+        if done < total:
+            waiting = [f"rank {r} at {acts[r][ptr[r]]}" for r in range(R) if ptr[r] < len(acts[r])]
+            raise ScheduleError("deadlock: " + ", ".join(waiting))
     while done < total:
-        # Start every idle rank whose next action is ready now.
-        future: list[float] = []
-        for r in range(R):
+        # Start every idle rank whose next action is ready now. Only ranks whose inputs changed (dirty) or whose
+        # known ready time has come (wakes) can start: a ready time, once known, never changes.
+        while wakes and wakes[0][0] <= now:
+            dirty.add(heapq.heappop(wakes)[1])
+        for r in sorted(dirty):
             if r in running or ptr[r] >= len(acts[r]):
                 continue
             t = ready_at(acts[r][ptr[r]], r)
             if t is None:
                 continue
             if t <= now:
-                start(r, acts[r][ptr[r]])
+                start(r, acts[r][ptr[r]], seq)
+                if cores is None:
+                    heapq.heappush(ends, (running[r][2] + running[r][3], seq, r))
+                seq += 1
             else:
-                future.append(t)
-        if not running and not future:
+                heapq.heappush(wakes, (t, r))
+        dirty.clear()
+        if not running and not wakes:
             waiting = [f"rank {r} at {acts[r][ptr[r]]}" for r in range(R) if ptr[r] < len(acts[r])]
             raise ScheduleError("deadlock: " + ", ".join(waiting))
-        rate = 1.0 if cores is None or len(running) <= cores else cores * efficiency / len(running)
-        ends = {r: (v[2] + v[3] if cores is None else now + v[1] / rate) for r, v in running.items()}
-        t_next = min(list(ends.values()) + future)
-        for v in running.values():
-            v[1] -= (t_next - now) * rate
-        now = t_next
-        for r in [r for r, e in ends.items() if e <= now]:
+        if cores is None:
+            t_next = min(ends[0][0] if ends else math.inf, wakes[0][0] if wakes else math.inf)
+            now = t_next
+            finished = []
+            while ends and ends[0][0] <= now:
+                _, order, r = heapq.heappop(ends)
+                finished.append((order, r))
+            finished.sort()
+        else:
+            rate = 1.0 if len(running) <= cores else cores * efficiency / len(running)
+            until = {r: now + v[1] / rate for r, v in running.items()}
+            t_next = min([*until.values(), *([wakes[0][0]] if wakes else [])])
+            for v in running.values():
+                v[1] -= (t_next - now) * rate
+            now = t_next
+            finished = [(running[r][4], r) for r, e in until.items() if e <= now]
+        for _, r in finished:
             complete(r, now)
             done += 1
-    makespan = max((s.end for s in timeline), default=0.0)
+    makespan = max((s.end for lane in (lanes or [timeline]) for s in lane), default=0.0)
     peaks, traces = [], []
     for r in range(R):
         base = sum(cost(s).state_bytes for s in range(schedule.num_stages) if schedule.stage_rank[s] == r)
         level, peak, trace = base, base, [(0.0, base)]
-        for t, delta in sorted(mem_events[r], key=lambda e: (e[0], e[1])):   # frees before allocations at equal times
+        for t, delta in sorted(mem_events[r]):   # by time, frees (negative) before allocations at equal times
             level += delta
             peak = max(peak, level)
             trace.append((t, level))
@@ -375,11 +551,13 @@ def simulate(schedule: Schedule, costs: Mapping[int, StageCost], links: Any = No
     flights = {}
     for s, events in flight_events.items():
         level = best = 0
-        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        for _, delta in sorted(events):
             level += delta
             best = max(best, level)
         flights[s] = best
-    return SimResult(makespan, sorted(timeline, key=lambda x: (x.rank, x.start)), transfers, busy, peaks, traces, flights, R,
+    # The run-ahead engine's lanes are each in its rank's order, which is start order: their concatenation is the sorted timeline.
+    timeline = [span for lane in lanes for span in lane] if lanes else sorted(timeline, key=lambda x: (x.rank, x.start))
+    return SimResult(makespan, timeline, transfers, busy, peaks, traces, flights, R,
                      names=list(getattr(links, "names", []) or []))
 
 
@@ -397,7 +575,7 @@ def lower_bound(schedule: Schedule, costs: Mapping[int, StageCost], links: Any =
     ``head + work`` and ``head + forwards + input backwards + tail`` where the tail ends with the first
     stage's W. For uniform stages and free links it is GPipe's/1F1B's ``(m + p - 1)(F + B)``, interleaved
     ``m(F+B) + (p-1)(F+B)/v``, ZB-H1 ``m(F+I+W) + (p-1)(F+I-W)`` when it binds, and Chimera's
-    ``(D-2)/(2N+D-2)`` bubble with B = 2F. ``work_bound`` is the busiest rank's work alone.
+    ``(D-2)/(2N+D-2)`` bubble with F = B. ``work_bound`` is the busiest rank's work alone.
     """
     split = schedule.split_backward
 
@@ -522,12 +700,24 @@ def uniform_costs(stages: int, f: float, b: float, i: float | None = None, w: fl
 
 
 def closed_form_bubble(family: str, ranks: int, microbatches: int, chunks: int = 1) -> float:
-    """Textbook bubble fraction at balanced stages and free links (GPipe/1F1B, interleaved, Chimera with B = 2F)."""
+    """Textbook bubble fraction at balanced stages and free links, in the cost setting each formula is stated for.
+
+    GPipe/1F1B ``(p-1)/(m+p-1)`` and interleaved 1F1B / looped BFS ``(p-1)/(vm+p-1)`` for any F and B; Chimera
+    ``(D-2)/(2N+D-2)`` with F = B (its paper's unit slots; with B = 2F the bubble differs); the zero-bubble families at
+    F = I = W: ZB-H1 ``(p-1)/(3m+p-1)``, interleaved zero bubble ``(p-1)/(3vm+p-1)`` (m >= p, a multiple of p), ZB-V
+    and DualPipe-V ``(p-1)/(6m+p-1)`` (two chunks of F + I + W per micro-batch; m >= 2p).
+    """
     p, m = ranks, microbatches
     if family in ("gpipe", "1f1b"):
         return (p - 1) / (m + p - 1)
-    if family == "interleaved":
+    if family in ("interleaved", "looped_bfs"):
         return (p - 1) / (chunks * m + p - 1)
     if family == "chimera":
         return (p - 2) / (2 * m + p - 2)
+    if family == "zbh1":
+        return (p - 1) / (3 * m + p - 1)
+    if family == "interleaved_zb":
+        return (p - 1) / (3 * chunks * m + p - 1)
+    if family in ("zbv", "dualpipev"):
+        return (p - 1) / (6 * m + p - 1)
     raise ValueError(family)

@@ -3,7 +3,8 @@
 Actions::
 
     netweave place --topology T --jobs J [--policy P] --out plan.json     (same as `place plan`)
-    netweave place plan --topology T --jobs J [--policy P] --out plan.json [--hostfiles DIR]
+    netweave place plan --topology T --jobs J [--policy P] --out plan.json [--hostfiles DIR] [--state FILE]
+    netweave place release --topology T --state FILE JOB [JOB...]          free jobs held in a planner state file
     netweave place cells --topology T                                      HiveD cell levels derived from T
     netweave place check --topology T --jobs J                             VC quota safety check and guarantees
     netweave place trace --synthetic N --seed S --out trace.csv            (or --philly FILE / --pai FILE)
@@ -22,9 +23,11 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, emit, progress
+from topology.clitools import CommaList, add_json_flag, add_output, emit, progress
 from topology.errors import InputError
+from topology.inputs import check_number
 from topology.io import atomic_write_text
+from topology.limits import MAX_JOBS
 
 
 def _topology(arg: str):
@@ -43,8 +46,10 @@ def _plan_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--script", default="train.py",
                    help="training script and its arguments for the torchrun lines, e.g. 'train.py --lr 3e-4' (a job's own script: wins)")
     p.add_argument("--base-port", type=int, default=29500, help="first master port; every job gets its own (default 29500)")
-    p.add_argument("--out", default=None, help="write the plan (JSON) here")
-    p.add_argument("--hostfiles", default=None, help="write one Slurm hostfile per job into this directory")
+    add_output(p, "--out", default=None, help="write the plan (JSON) here")
+    add_output(p, "--hostfiles", default=None, help="write one Slurm hostfile per job into this directory", directory=True)
+    add_output(p, "--state", default=None, help="planner state file: place next to the jobs it holds, then add the new ones (locked)")
+    p.add_argument("--fail", action=CommaList, default=[], metavar="GPU|HOST[,...]", help="bad hardware to plan around (repeatable)")
     add_json_flag(p)
 
 
@@ -58,6 +63,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     _plan_args(p, required=True)
     p.set_defaults(func=cmd_plan)
 
+    p = psub.add_parser("release", help="free jobs held in a planner state file (place plan --state)")
+    p.add_argument("jobs", nargs="+", metavar="JOB", help="job names to free")
+    p.add_argument("--topology", required=True)
+    add_output(p, "--state", required=True, help="planner state file")
+    add_json_flag(p)
+    p.set_defaults(func=cmd_release)
+
     p = psub.add_parser("cells", help="the HiveD cell hierarchy derived from a topology")
     p.add_argument("--topology", required=True)
     p.add_argument("--no-forge", action="store_true", help="do not add forged binary levels")
@@ -67,7 +79,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("check", help="check the virtual-cluster quotas of a jobs file against the topology (HiveD safety)")
     p.add_argument("--topology", required=True)
     p.add_argument("--jobs", required=True)
-    p.add_argument("--fail", action="append", default=[], metavar="GPU|HOST", help="mark hardware bad before checking")
+    p.add_argument("--fail", action=CommaList, default=[], metavar="GPU|HOST[,...]", help="mark hardware bad before checking (repeatable)")
     add_json_flag(p)
     p.set_defaults(func=cmd_check)
 
@@ -80,7 +92,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit", type=int, default=None, help="keep the first N jobs")
     p.add_argument("--arrival-rate", type=float, default=1 / 60, help="synthetic: jobs per second (default 1/60)")
     p.add_argument("--network-heavy", type=float, default=0.0, help="synthetic: share of jobs with 4x gradients")
-    p.add_argument("--out", required=True)
+    add_output(p, "--out", required=True)
     add_json_flag(p)
     p.set_defaults(func=cmd_trace)
 
@@ -89,10 +101,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", required=True, help="trace file (netweave CSV/JSON)")
     p.add_argument("--policy", default="fifo,hived,hived+cassini", help="comma-separated: fifo, las, hived, hived+cassini")
     p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"])
-    p.add_argument("--out", default=None, help="write per-policy metrics and per-job times (JSON)")
-    p.add_argument("--plot", default=None, help="write a JCT distribution plot (PNG)")
+    add_output(p, "--out", default=None, help="write per-policy metrics and per-job times (JSON)")
+    add_output(p, "--plot", default=None, help="write a JCT distribution plot (PNG)")
     p.add_argument("--fluid-radius", type=int, default=None, metavar="R",
                    help="re-simulate only jobs within R shared-link hops of each change (faster, approximate; default: exact)")
+    p.add_argument("--executor", choices=["auto", "local", "ray"], default="auto",
+                   help="run the policies' replays in local processes or as Ray tasks (auto: Ray when --address or $RAY_ADDRESS is set)")
+    p.add_argument("--address", default=None, metavar="HOST:PORT", help="a Ray cluster's head; without it --executor ray starts Ray here")
+    p.add_argument("--workers", type=int, default=1, help="local processes (default 1), or CPUs of a Ray instance started here")
     add_json_flag(p)
     p.set_defaults(func=cmd_replay)
 
@@ -105,7 +121,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner import dumps_plan, load_jobs, plan_jobs, plan_text
 
     if not args.topology or not args.jobs:
-        raise InputError("place: --topology and --jobs are required (or use an action: plan, cells, check, trace, replay)")
+        raise InputError("place: --topology and --jobs are required (or use an action: plan, release, cells, check, trace, replay)")
+    check_number(args.candidates, what="a candidate count", where="--candidates", integer=True, minimum=1, maximum=1024)
     try:
         script, *script_args = shlex.split(args.script)
     except ValueError as exc:
@@ -114,8 +131,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         raise InputError(f"expected a port in 1024..65535, got {args.base_port}", where="--base-port")
     topo = _topology(args.topology)
     jobs, vcs = load_jobs(args.jobs)
-    plan = plan_jobs(topo, jobs, virtual_clusters=vcs, policy=args.policy, candidates=args.candidates, routing=args.routing,
-                     script=script, script_args=script_args, base_port=args.base_port)
+    launch = {"script": script, "script_args": script_args, "base_port": args.base_port, "failed": args.fail}
+    if args.state:
+        from .state import locked_scheduler
+
+        with locked_scheduler(args.state, topo, vcs) as sched:
+            for i, j in enumerate(jobs):
+                if j.name in sched.jobs:
+                    raise InputError(f"job {j.name!r} already holds GPUs in the state {args.state}; release it first",
+                                     source=args.jobs, where=f"jobs[{i}].name")
+            plan = plan_jobs(topo, jobs, virtual_clusters=vcs, policy=args.policy, candidates=args.candidates, routing=args.routing,
+                             scheduler=sched, **launch)
+            plan["state"] = {"file": args.state, "running_jobs": sorted(sched.jobs)}
+    else:
+        plan = plan_jobs(topo, jobs, virtual_clusters=vcs, policy=args.policy, candidates=args.candidates, routing=args.routing, **launch)
     if args.out:
         atomic_write_text(args.out, dumps_plan(plan))
     if args.hostfiles:
@@ -125,6 +154,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 atomic_write_text(d / f"{j['name']}.hostfile", j["launch"]["slurm_hostfile"])
     emit(args, plan, plan_text(plan))
     return 0 if plan["unplaced"] == 0 else 1
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from .state import locked_scheduler
+
+    topo = _topology(args.topology)
+    with locked_scheduler(args.state, topo, must_exist=True) as sched:
+        for name in args.jobs:
+            if name not in sched.jobs:
+                raise InputError(f"job {name!r} holds no GPUs; the state holds {', '.join(sorted(sched.jobs)) or 'no jobs'}",
+                                 source=args.state)
+        freed = {name: sched.free(name) for name in args.jobs}
+        running = sorted(sched.jobs)
+    emit(args, {"released": freed, "running_jobs": running},
+         "\n".join([f"released {n}: {len(g)} GPUs" for n, g in freed.items()] + [f"still running: {', '.join(running) or '(none)'}"]))
+    return 0
 
 
 def cmd_cells(args: argparse.Namespace) -> int:
@@ -147,8 +192,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     from .planner import load_jobs
 
     topo = _topology(args.topology)
-    _, vcs = load_jobs(args.jobs)
+    jobs, vcs = load_jobs(args.jobs)
     sched = HivedScheduler(topo, vcs)  # raises QuotaError (an InputError) when infeasible
+    check_jobs_fit(sched, jobs, source=args.jobs)
     report = sched.fail(args.fail)["guarantees"] if args.fail else sched.guarantee_report()
     lines = [f"virtual clusters: {', '.join(vcs) or '(none)'}: quotas feasible on {topo.name}"]
     for chain, c in report["chains"].items():
@@ -160,12 +206,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report["ok"] else 1
 
 
+def check_jobs_fit(sched: Any, jobs: list[Any], *, source: str | None = None) -> None:
+    """Raise :class:`InputError` for a job that can never be placed: more GPUs than its chain, or than its VC's quota, holds."""
+    for i, j in enumerate(jobs):
+        chains = {n: t for n, t in sched.trees.items() if j.gpu_model in (None, n)}
+        if j.vc is not None:
+            quota = sum(n * sched.trees[c].levels[lv].size for c, vch in sched.vcs[j.vc].items() if c in chains for lv, n in vch.quota.items())
+            if j.gpus > quota:
+                raise InputError(f"job {j.name!r} asks for {j.gpus} GPUs; its virtual cluster {j.vc!r} has a quota of {quota}",
+                                 source=source, where=f"jobs[{i}].gpus")
+        most = max((len(t.leaves) for t in chains.values()), default=0)
+        if j.gpus > most:
+            raise InputError(f"job {j.name!r} asks for {j.gpus} GPUs; the cluster has {most}{' of ' + j.gpu_model if j.gpu_model else ''}",
+                             source=source, where=f"jobs[{i}].gpus")
+
+
 def cmd_trace(args: argparse.Namespace) -> int:
     from .traces import dumps_trace, read_pai, read_philly, synthetic_trace
 
+    if args.limit is not None:
+        check_number(args.limit, what="a job count", where="--limit", integer=True, minimum=1, maximum=MAX_JOBS)
     if args.synthetic is not None:
-        if args.synthetic < 1:
-            raise InputError(f"--synthetic must be >= 1, got {args.synthetic}")
+        check_number(args.synthetic, what="a job count", where="--synthetic", integer=True, minimum=1, maximum=MAX_JOBS)
+        check_number(args.arrival_rate, what="an arrival rate", where="--arrival-rate", positive=True, maximum=1e6)
+        check_number(args.network_heavy, what="a share", where="--network-heavy", minimum=0, maximum=1)
         jobs = synthetic_trace(args.synthetic, seed=args.seed, arrival_rate=args.arrival_rate, network_heavy=args.network_heavy)
     elif args.philly:
         jobs = read_philly(args.philly, seed=args.seed, limit=args.limit)
@@ -181,22 +245,32 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from .contention import FluidSlowdown
-    from .replay import POLICIES, replay
+    from .replay import POLICIES
     from .traces import read_trace
 
     topo = _topology(args.topology)
     trace = read_trace(args.trace)
+    total = len(topo.gpus())
+    for j in trace:
+        if j.gpus > total:
+            raise InputError(f"job {j.name!r} asks for {j.gpus} GPUs; the cluster has {total}, so it could never run", source=args.trace)
     policies = [p.strip() for p in args.policy.split(",") if p.strip()]
     for p in policies:
         if p not in POLICIES:
             raise InputError(f"unknown policy {p!r}; expected one of {', '.join(POLICIES)}", where="--policy")
     if args.fluid_radius is not None and args.fluid_radius < 1:
         raise InputError(f"expected a radius >= 1, got {args.fluid_radius}", where="--fluid-radius")
-    results: dict[str, Any] = {}
-    for p in policies:
-        progress(f"replaying {len(trace)} jobs under {p} ...")
-        results[p] = replay(topo, trace, p, routing=args.routing, slowdown=FluidSlowdown(topo, radius=args.fluid_radius))
+    from emu.sweep import RayExecutor, eta_progress, get_executor
+
+    from .replay_set import replay_many
+
+    executor = get_executor(args.executor, max_workers=args.workers, address=args.address)
+    if isinstance(executor, RayExecutor):
+        executor.check()
+    progress(f"replaying {len(trace)} jobs under {', '.join(policies)} on the {executor.name} executor")
+    done = replay_many(topo, {"trace": trace}, policies, executor=executor, fluid_radius=args.fluid_radius, routing=args.routing,
+                       progress=eta_progress("place replay"))
+    results: dict[str, Any] = {p: done["trace", p] for p in policies}
     from emu.fluid import fluid_engine
 
     data = {"topology": topo.name, "jobs": len(trace), "fluid_engine": fluid_engine(), "fluid_radius": args.fluid_radius,

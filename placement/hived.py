@@ -67,7 +67,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from topology.errors import InputError
+from topology.inputs import loads_json, read_text
 from topology.io import atomic_write_text
+from topology.limits import MAX_QUOTA_CELLS
 from topology.model import Topology
 
 from .cells import Cell, CellTree, cell_hierarchy, lowest_common_level
@@ -357,9 +359,15 @@ def _parse_quota(spec: Any, trees: dict[str, CellTree], vc: str) -> dict[str, di
             raise InputError(f"unknown cell level {level_name!r}; chain {chain} has {', '.join(names)}", where=where)
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise InputError(f"expected a non-negative integer cell count, got {count!r}", where=where)
+        if count > MAX_QUOTA_CELLS:
+            raise QuotaError(f"expected a cell count <= {MAX_QUOTA_CELLS} (the limit), got {count}", where=where)
         if count:
             lv = names.index(level_name)
             out.setdefault(chain, {})[lv] = out.setdefault(chain, {}).get(lv, 0) + count
+            cells = sum(1 for c in tree.cells if c.level == lv and c.full)
+            if out[chain][lv] > cells:  # checked before any virtual cell is built: a quota of 2^31 cells costs nothing
+                raise QuotaError(f"illegal virtual cluster assignment: chain {chain} level {level_name!r} is short of {out[chain][lv] - cells} "
+                                 f"cell(s) (VC {vc} demands {out[chain][lv]}, the cluster has {cells})", where=where)
 
     for key, value in spec.items():
         where = f"virtual_clusters.{vc}.{key}"
@@ -1364,7 +1372,21 @@ class HivedScheduler:
     @classmethod
     def from_state(cls, topo: Topology, state: Mapping[str, Any], *, source: str | None = None,
                    trees: dict[str, CellTree] | None = None) -> HivedScheduler:
-        """Rebuild a scheduler from :meth:`to_state`; the free lists come back identical, in order."""
+        """Rebuild a scheduler from :meth:`to_state`; the free lists come back identical, in order.
+
+        A state that does not match ``topo`` or is malformed raises :class:`InputError` naming ``source``.
+        """
+        try:
+            return cls._from_state(topo, state, source=source, trees=trees)
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            if isinstance(exc, InputError):
+                raise
+            raise InputError(f"state does not match the topology or is malformed ({type(exc).__name__}: {str(exc)[:80]})",
+                             source=source) from None
+
+    @classmethod
+    def _from_state(cls, topo: Topology, state: Mapping[str, Any], *, source: str | None = None,
+                    trees: dict[str, CellTree] | None = None) -> HivedScheduler:
         if not isinstance(state, Mapping) or state.get("format") != STATE_FORMAT:
             raise InputError(f"expected a JSON object with \"format\": \"{STATE_FORMAT}\"", source=source)
         if state.get("version") != 1:
@@ -1415,13 +1437,7 @@ class HivedScheduler:
 
     @classmethod
     def load(cls, topo: Topology, path: str) -> HivedScheduler:
-        try:
-            with open(path, encoding="utf-8") as f:
-                state = json.load(f)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"invalid JSON ({exc.msg})", source=str(path), where=exc.lineno) from None
-        except OSError as exc:
-            raise InputError(f"cannot read ({exc.strerror})", source=str(path)) from None
+        state = loads_json(read_text(path), source=str(path))
         return cls.from_state(topo, state, source=str(path))
 
     # -- reporting ---------------------------------------------------------------------------

@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from topology.errors import InputError
+from topology.inputs import check_name, check_number, loads_yaml, read_text
+from topology.limits import MAX_BYTES, MAX_ITERATIONS, MAX_JOB_GPUS, MAX_JOBS, MAX_SECONDS
 from topology.model import Topology
 
 from .cassini import rank_candidates, time_shifts
@@ -74,20 +74,11 @@ class JobsFile:
 
 def load_jobs_file(path: str | Path) -> JobsFile:
     """Read a jobs file with its launch sections (``addresses``, ``interfaces``)."""
-    source = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read file ({getattr(exc, 'strerror', None) or exc})", source=source) from None
-    return loads_jobs_file(text, source=source)
+    return loads_jobs_file(read_text(path), source=str(path))
 
 
 def loads_jobs_file(text: str, *, source: str | None = None) -> JobsFile:
-    try:
-        data = yaml.safe_load(text)  # YAML is a superset of JSON
-    except yaml.YAMLError as exc:
-        line = getattr(getattr(exc, "problem_mark", None), "line", None)
-        raise InputError(f"invalid YAML/JSON ({getattr(exc, 'problem', exc)})", source=source, where=None if line is None else line + 1) from None
+    data = loads_yaml(text, source=source)  # YAML is a superset of JSON
     if isinstance(data, list):
         data = {"jobs": data}
     if not isinstance(data, Mapping):
@@ -99,6 +90,8 @@ def loads_jobs_file(text: str, *, source: str | None = None) -> JobsFile:
     items = data.get("jobs")
     if not isinstance(items, list) or not items:
         raise InputError("expected a non-empty list of jobs", source=source, where="jobs")
+    if len(items) > MAX_JOBS:
+        raise InputError(f"{len(items)} jobs, more than {MAX_JOBS} (the limit)", source=source, where="jobs")
     defaults = data.get("defaults") or {}
     if not isinstance(defaults, Mapping):
         raise InputError("expected a mapping", source=source, where="defaults")
@@ -111,6 +104,7 @@ def loads_jobs_file(text: str, *, source: str | None = None) -> JobsFile:
     vcs = data.get("virtual_clusters") or {}
     if not isinstance(vcs, Mapping):
         raise InputError("expected a mapping of VC name to quota", source=source, where="virtual_clusters")
+    check_job_names_and_bounds(jobs, vcs, source=source)
     for i, j in enumerate(jobs):
         if j.vc is not None and j.vc not in vcs:
             raise InputError(f"unknown virtual cluster {j.vc!r}; expected one of {', '.join(vcs) or '(none defined)'}", source=source,
@@ -149,6 +143,31 @@ def check_host_value(kind: str, value: str) -> str | None:
     if kind == "addresses":
         return None if _ADDRESS_RE.fullmatch(value) else f"expected a host name or IP address, got {value!r}"
     return None if _IFNAME_RE.fullmatch(value) else f"expected an interface name or NCCL-style list (eth0, =eth0, ^docker), got {value!r}"
+
+
+def check_job_names_and_bounds(jobs: Sequence[JobSpec], vcs: Mapping[str, Any], *, source: str | None = None) -> None:
+    """Names that become file names, hostfile names and shell words are safe; counts are within :mod:`topology.limits`.
+
+    Job names name the hostfiles ``place plan --hostfiles DIR`` writes (``DIR/<name>.hostfile``), so a name
+    such as ``../../x`` would escape ``DIR``.
+
+    >>> check_job_names_and_bounds([JobSpec("../../escaped", 1)], {})
+    Traceback (most recent call last):
+    ...
+    topology.errors.InputError: jobs[0].name: expected a job name of letters, digits and . _ - + @ : (...), got '../../escaped'
+    """
+    for vc in vcs:
+        check_name(vc, what="virtual-cluster name", source=source, where="virtual_clusters")
+    for i, j in enumerate(jobs):
+        where = f"jobs[{i}]"
+        check_name(j.name, what="job name", source=source, where=f"{where}.name")
+        check_number(j.gpus, what="a GPU count", source=source, where=f"{where}.gpus", integer=True, minimum=1, maximum=MAX_JOB_GPUS)
+        check_number(j.iterations, what="an iteration count", source=source, where=f"{where}.iterations", integer=True, minimum=1,
+                     maximum=MAX_ITERATIONS)
+        for name, value, hi in (("compute", j.compute_s, MAX_SECONDS), ("arrival", j.arrival, MAX_SECONDS), ("grad_bytes", j.grad_bytes, MAX_BYTES)):
+            check_number(value, what=f"{name} <= {hi:g}", source=source, where=f"{where}.{name}", maximum=hi)
+        if j.gpu_model is not None and not isinstance(j.gpu_model, str):
+            raise InputError(f"expected a GPU model name, got {j.gpu_model!r}", source=source, where=f"{where}.gpu_model")
 
 
 def rank_order(topo: Topology, gpus: Sequence[str]) -> list[str]:
@@ -225,17 +244,30 @@ def _first_fit(topo: Topology, busy: set[str], n: int) -> list[str] | None:
 
 def plan_jobs(topo: Topology, jobs: Sequence[JobSpec], *, virtual_clusters: Mapping[str, Any] | None = None,
               policy: str = "hived+cassini", candidates: int = 4, routing: str = "rail", script: str = "train.py",
-              script_args: Sequence[str] = (), base_port: int = 29500) -> dict[str, Any]:
+              script_args: Sequence[str] = (), base_port: int = 29500, failed: Sequence[str] = (),
+              scheduler: HivedScheduler | None = None) -> dict[str, Any]:
     """Place ``jobs`` in order on ``topo``; returns the plan as data (see the module docstring).
+
+    ``failed`` names GPUs or hosts that are bad: no job is placed on them (HiveD marks their cells bad, first-fit skips them).
 
     Launch lines run a job's own ``launch.script``/``args`` when it has one, else ``script`` with ``script_args``.
     Every placed job gets its own master port (its ``launch.port``, else the next free one from ``base_port``),
     so that two jobs whose first host is the same do not both listen on one port.
+
+    ``scheduler``: an allocator that already holds running jobs (a state file, :mod:`placement.state`); the new
+    jobs get other GPUs, and stay in it. Not with ``first-fit``.
     """
     if policy not in POLICIES:
         raise InputError(f"unknown policy {policy!r}; expected one of {', '.join(POLICIES)}", where="--policy")
-    sched = HivedScheduler(topo, virtual_clusters or {}) if policy != "first-fit" else None
+    if scheduler is not None and policy == "first-fit":
+        raise InputError("a planner state needs a HiveD policy (hived or hived+cassini), not first-fit", where="--policy")
+    sched = scheduler if scheduler is not None else HivedScheduler(topo, virtual_clusters or {}) if policy != "first-fit" else None
     busy: set[str] = set()
+    if failed:
+        hosts = set(topo.hosts())
+        busy = {g for name in failed for g in (topo.gpus(host=name) if name in hosts else [topo.resolve_gpu(name)])}
+        if sched is not None:
+            sched.fail(failed)
     placed: dict[str, tuple[JobSpec, list[str], CommProfile]] = {}
     rows: list[dict[str, Any]] = []
     fixed: dict[str, float] = {}

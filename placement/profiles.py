@@ -35,11 +35,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from topology.errors import InputError
 from topology.model import LinkKind, Topology
+from topology.units import parse_duration, parse_size
 
 Edge = tuple[str, str, Any]
 
@@ -220,8 +222,6 @@ def parse_job(item: Any, where: str, source: str | None = None, *, defaults: Map
     ``base_dir``: where a relative ``script`` path is taken from (the jobs file's directory; default the
     current directory).
     """
-    from emu.workload import parse_duration, parse_size
-
     if not isinstance(item, Mapping):
         raise InputError("expected a mapping with at least 'name' and 'gpus'", source=source, where=where)
     data = {**(defaults or {}), **item}
@@ -241,6 +241,8 @@ def parse_job(item: Any, where: str, source: str | None = None, *, defaults: Map
         if field_name not in data:
             return default
         value = data[field_name]
+        if parse is not None:  # a size or a duration: topology.units reads it, in the field's unit
+            return parse(value, where=f"{where}.{field_name}", source=source, positive=positive)
         try:
             if integer:
                 if isinstance(value, bool) or not isinstance(value, int):
@@ -258,7 +260,7 @@ def parse_job(item: Any, where: str, source: str | None = None, *, defaults: Map
 
     compute = num("compute_s", parse_duration, None)
     if compute is None and "compute_ms" in data:
-        compute = num("compute_ms", float, 0.0) / 1e3
+        compute = num("compute_ms", partial(parse_duration, unit="ms"), 0.0) / 1e3
     if compute is None:
         compute = num("compute", parse_duration, 0.1)
     tp = num("tp", None, 1, positive=True, integer=True)
@@ -299,8 +301,6 @@ LAUNCH_FIELDS = ("dp", "pp", "parallelism", "script", "args", "microbatches", "s
 
 def _parse_launch(data: Mapping[str, Any], where: str, source: str | None, base_dir: str | Path | None, auto: bool, num) -> LaunchSpec:
     """The launch fields of a jobs-file entry (``num`` is :func:`parse_job`'s number reader)."""
-    from emu.workload import parse_size
-
     def bad(msg: str, key: str) -> InputError:
         return InputError(msg, source=source, where=f"{where}.{key}")
 
@@ -333,14 +333,8 @@ def _parse_launch(data: Mapping[str, Any], where: str, source: str | None, base_
         raise bad(f"expected one of {', '.join(DP_POLICIES)}, got {dpp['policy']!r}", "data_parallel.policy")
     for knob in ("partition", "credit"):
         if knob in dp_in:
-            try:
-                size = parse_size(dp_in[knob])
-            except (ValueError, TypeError):
-                raise bad(f"expected a size (e.g. 4MiB), got {dp_in[knob]!r}", f"data_parallel.{knob}") from None
-            if not math.isfinite(size) or size < 0 or (knob == "partition" and size == 0):
-                raise bad(f"expected a {'positive' if knob == 'partition' else 'non-negative'} size, got {dp_in[knob]!r}",
-                          f"data_parallel.{knob}")
-            dpp[knob] = size
+            dpp[knob] = parse_size(dp_in[knob], what=f"a {'positive' if knob == 'partition' else 'non-negative'} size",
+                                   where=f"{where}.data_parallel.{knob}", source=source, positive=knob == "partition")
     if "barrier" in dp_in:
         if not isinstance(dp_in["barrier"], bool):
             raise bad(f"expected true or false, got {dp_in['barrier']!r}", "data_parallel.barrier")

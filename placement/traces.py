@@ -19,6 +19,9 @@ priority      guaranteed priority 0..1000 (optional, default 0)
 Communication time is not part of ``duration_s``: it comes from the placement
 (routed collectives) and from contention with other jobs during the replay.
 
+Sizes and times may carry a unit, as in a jobs file (``grad_bytes: 2GB``,
+``compute_ms: 0.1s``; :mod:`topology.units`); a plain number is in the column's unit.
+
 Importers (the public traces carry no model information, so ``compute_ms`` and
 ``grad_bytes`` are drawn, seeded, from :data:`MODEL_MIX`, a mix of common
 models' per-iteration compute and gradient sizes):
@@ -52,6 +55,9 @@ from pathlib import Path
 from typing import Any
 
 from topology.errors import InputError
+from topology.inputs import check_name, check_node_id, loads_json, read_text
+from topology.limits import MAX_JOB_GPUS, MAX_JOBS, MAX_SECONDS
+from topology.units import parse_duration, parse_size
 
 from .profiles import JobSpec
 
@@ -96,7 +102,7 @@ class TraceJob:
 
 
 def _num(row: Mapping[str, Any], key: str, where: str, source: str | None, *, integer: bool = False, default: Any = None,
-         minimum: float = 0.0) -> Any:
+         minimum: float = 0.0, maximum: float = MAX_SECONDS) -> Any:
     value = row.get(key)
     if value in (None, ""):
         if default is not None:
@@ -111,26 +117,37 @@ def _num(row: Mapping[str, Any], key: str, where: str, source: str | None, *, in
         raise InputError(f"expected {'an integer' if integer else 'a number'}, got {value!r}", source=source, where=f"{where}.{key}") from None
     if not math.isfinite(out) or out < minimum:
         raise InputError(f"expected a value >= {minimum:g}, got {value!r}", source=source, where=f"{where}.{key}")
+    if out > maximum:
+        raise InputError(f"expected a value <= {maximum:g} (the limit), got {value!r}", source=source, where=f"{where}.{key}")
     return out
 
 
+def _quantity(row: Mapping[str, Any], key: str, where: str, source: str | None, parse: Any, default: float | None = None, **unit: Any) -> float:
+    """A size or duration column through :mod:`topology.units` (``2GB``, ``120ms``; a plain number in the column's unit)."""
+    value = row.get(key)
+    if value in (None, ""):
+        if default is not None:
+            return default
+        raise InputError(f"missing {key!r}", source=source, where=where)
+    return parse(value, where=f"{where}.{key}", source=source, **unit)
+
+
 def _job_from_row(row: Mapping[str, Any], where: str, source: str | None) -> TraceJob:
-    name = row.get("name")
-    if not isinstance(name, str) or not name:
-        raise InputError("expected a non-empty job name", source=source, where=f"{where}.name")
+    name = check_node_id(row.get("name"), what="job name", source=source, where=f"{where}.name")
+    vc = row.get("vc") or None
+    if vc is not None:
+        check_name(vc, what="virtual-cluster name", source=source, where=f"{where}.vc")
     job = TraceJob(
         name=name,
-        arrival_s=_num(row, "arrival_s", where, source),
-        gpus=_num(row, "gpus", where, source, integer=True, minimum=1),
-        duration_s=_num(row, "duration_s", where, source),
-        compute_ms=_num(row, "compute_ms", where, source, default=100.0),
-        grad_bytes=_num(row, "grad_bytes", where, source, default=0.0),
-        tp=_num(row, "tp", where, source, integer=True, default=1, minimum=1),
-        vc=(row.get("vc") or None),
-        priority=_num(row, "priority", where, source, integer=True, default=0),
+        arrival_s=_quantity(row, "arrival_s", where, source, parse_duration),
+        gpus=_num(row, "gpus", where, source, integer=True, minimum=1, maximum=MAX_JOB_GPUS),
+        duration_s=_quantity(row, "duration_s", where, source, parse_duration),
+        compute_ms=_quantity(row, "compute_ms", where, source, parse_duration, 100.0, unit="ms", positive=True),
+        grad_bytes=_quantity(row, "grad_bytes", where, source, parse_size, 0.0),
+        tp=_num(row, "tp", where, source, integer=True, default=1, minimum=1, maximum=MAX_JOB_GPUS),
+        vc=vc,
+        priority=_num(row, "priority", where, source, integer=True, default=0, maximum=1000),
     )
-    if job.compute_ms <= 0:
-        raise InputError("expected compute_ms > 0", source=source, where=f"{where}.compute_ms")
     if job.gpus % job.tp:
         raise InputError(f"tp={job.tp} must divide gpus={job.gpus}", source=source, where=f"{where}.tp")
     return job
@@ -140,20 +157,28 @@ def loads_trace(text: str, *, source: str | None = None) -> list[TraceJob]:
     """Parse a netweave trace (CSV or JSON, told apart by the first character)."""
     head = text.lstrip()[:1]
     if head in ("[", "{"):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(f"invalid JSON ({exc.msg})", source=source, where=exc.lineno) from None
+        data = loads_json(text, source=source)
         rows = data.get("jobs") if isinstance(data, dict) else data
         if not isinstance(rows, list):
             raise InputError("expected a list of jobs", source=source, where="jobs")
+        if len(rows) > MAX_JOBS:
+            raise InputError(f"{len(rows)} jobs, more than {MAX_JOBS} (the limit)", source=source, where="jobs")
         jobs = [_job_from_row(r if isinstance(r, Mapping) else {}, f"jobs[{i}]", source) for i, r in enumerate(rows)]
     else:
         reader = csv.DictReader(io.StringIO(text))
-        missing = {"name", "arrival_s", "gpus", "duration_s"} - set(reader.fieldnames or [])
-        if missing:
-            raise InputError(f"CSV header lacks {', '.join(sorted(missing))}; expected columns {', '.join(COLUMNS)}", source=source, where=1)
-        jobs = [_job_from_row(r, f"line {i + 2}", source) for i, r in enumerate(reader)]
+        jobs = []
+        try:
+            missing = {"name", "arrival_s", "gpus", "duration_s"} - set(reader.fieldnames or [])
+            if missing:
+                raise InputError(f"CSV header lacks {', '.join(sorted(missing))}; expected columns {', '.join(COLUMNS)}", source=source, where=1)
+            for i, r in enumerate(reader):
+                if i >= MAX_JOBS:
+                    raise InputError(f"more than {MAX_JOBS} jobs (the limit)", source=source, where=reader.line_num)
+                if None in r or None in r.values():
+                    raise InputError(f"expected {len(reader.fieldnames or [])} columns as in the header", source=source, where=reader.line_num)
+                jobs.append(_job_from_row(r, f"line {reader.line_num}", source))
+        except csv.Error as exc:
+            raise InputError(f"invalid CSV ({exc})", source=source, where=reader.line_num) from None
     seen: set[str] = set()
     for j in jobs:
         if j.name in seen:
@@ -163,11 +188,7 @@ def loads_trace(text: str, *, source: str | None = None) -> list[TraceJob]:
 
 
 def read_trace(path: str | Path) -> list[TraceJob]:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"cannot read file ({exc.strerror})", source=str(path)) from None
-    return loads_trace(text, source=str(path))
+    return loads_trace(read_text(path), source=str(path))
 
 
 def dumps_trace(jobs: Sequence[TraceJob], format: str = "csv") -> str:
@@ -198,12 +219,7 @@ def _parse_time(value: Any, where: str, source: str | None) -> float:
 def read_philly(path: str | Path, *, seed: int = 0, limit: int | None = None) -> list[TraceJob]:
     """Import a Philly ``cluster_job_log`` (see the module docstring); model fields are drawn with ``seed``."""
     source = str(path)
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise InputError(f"cannot read file ({exc.strerror})", source=source) from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"invalid JSON ({exc.msg})", source=source, where=exc.lineno) from None
+    data = loads_json(read_text(path), source=source)
     if not isinstance(data, list):
         raise InputError("expected a JSON list of jobs (Philly cluster_job_log)", source=source)
     rng = random.Random(seed)
@@ -212,20 +228,34 @@ def read_philly(path: str | Path, *, seed: int = 0, limit: int | None = None) ->
         where = f"[{i}]"
         if not isinstance(job, Mapping) or "jobid" not in job:
             raise InputError("expected an object with 'jobid'", source=source, where=where)
-        attempts = [a for a in job.get("attempts") or [] if a.get("start_time") and a.get("end_time")]
+        raw_attempts = job.get("attempts") or []
+        if not isinstance(raw_attempts, list) or not all(isinstance(a, Mapping) for a in raw_attempts):
+            raise InputError("expected a list of attempt objects", source=source, where=f"{where}.attempts")
+        attempts = [a for a in raw_attempts if a.get("start_time") and a.get("end_time")]
         if not attempts:
             continue  # never ran (killed in the queue): nothing to replay
         last = attempts[-1]
-        gpus = sum(len(d.get("gpus") or []) for d in last.get("detail") or [])
+        detail = last.get("detail") or []
+        if not isinstance(detail, list) or not all(isinstance(d, Mapping) and isinstance(d.get("gpus") or [], list) for d in detail):
+            raise InputError("expected a list of {ip, gpus: [...]} objects", source=source, where=f"{where}.attempts[-1].detail")
+        gpus = sum(len(d.get("gpus") or []) for d in detail)
         if gpus < 1:
             continue
+        if gpus > MAX_JOB_GPUS:
+            raise InputError(f"{gpus} GPUs, more than {MAX_JOB_GPUS} (the limit)", source=source, where=f"{where}.attempts[-1].detail")
         submitted = _parse_time(job.get("submitted_time"), f"{where}.submitted_time", source)
         duration = _parse_time(last["end_time"], f"{where}.attempts[-1].end_time", source) - _parse_time(
             last["start_time"], f"{where}.attempts[-1].start_time", source)
-        if duration <= 0:
-            continue
+        if duration < 0:
+            raise InputError(f"the attempt ends {-duration:g} s before it starts", source=source, where=f"{where}.attempts[-1].end_time")
+        if duration == 0:
+            continue  # failed at once: nothing to replay
+        jobid = check_node_id(str(job["jobid"]), what="job id", source=source, where=f"{where}.jobid")
+        vc = job.get("vc") or None
+        if vc is not None:
+            check_name(vc, what="virtual-cluster name", source=source, where=f"{where}.vc")
         _, compute_ms, grad = _model(rng)
-        rows.append((submitted, str(job["jobid"]), gpus, duration, compute_ms, grad, job.get("vc") or None))
+        rows.append((submitted, jobid, gpus, duration, compute_ms, grad, vc))
     return _normalise(rows, limit)
 
 
@@ -234,10 +264,9 @@ def read_pai(path: str | Path, *, seed: int = 0, limit: int | None = None) -> li
     source = str(path)
     cols = ["job_name", "task_name", "inst_num", "status", "start_time", "end_time", "plan_cpu", "plan_mem", "plan_gpu", "gpu_type"]
     try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"cannot read file ({exc.strerror})", source=source) from None
-    lines = list(csv.reader(io.StringIO(text)))
+        lines = list(csv.reader(io.StringIO(read_text(path))))
+    except csv.Error as exc:
+        raise InputError(f"invalid CSV ({exc})", source=source) from None
     if lines and lines[0] and lines[0][0] == "job_name":
         lines = lines[1:]
     rng = random.Random(seed)
@@ -255,11 +284,18 @@ def read_pai(path: str | Path, *, seed: int = 0, limit: int | None = None) -> li
             start, end = float(r["start_time"]), float(r["end_time"])
         except ValueError:
             raise InputError("expected numbers in inst_num, plan_gpu, start_time, end_time", source=source, where=n) from None
+        if not all(math.isfinite(x) and 0 <= x <= MAX_SECONDS * 10 for x in (inst, plan_gpu, start, end)):
+            raise InputError("expected finite, non-negative numbers in inst_num, plan_gpu, start_time, end_time", source=source, where=n)
+        if end < start:
+            raise InputError(f"end_time {r['end_time']} precedes start_time {r['start_time']}", source=source, where=n)
         gpus = math.ceil(inst * plan_gpu / 100 - 1e-9)
-        if gpus < 1 or end <= start:
-            continue
+        if gpus > MAX_JOB_GPUS:
+            raise InputError(f"{gpus} GPUs, more than {MAX_JOB_GPUS} (the limit)", source=source, where=n)
+        if gpus < 1 or end == start:
+            continue  # no GPU, or failed at once: nothing to replay
+        name = check_node_id(f"{r['job_name']}/{r['task_name']}", what="job/task name", source=source, where=n)
         _, compute_ms, grad = _model(rng)
-        rows.append((start, f"{r['job_name']}/{r['task_name']}", gpus, end - start, compute_ms, grad, None))
+        rows.append((start, name, gpus, end - start, compute_ms, grad, None))
     return _normalise(rows, limit)
 
 

@@ -64,12 +64,49 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, monkeypatch, argv, n
 
 def test_malformed_json_names_the_field(tmp_path, capsys):
     bad = tmp_path / "bad.json"
-    bad.write_text(json.dumps({"format": "netweave-topology", "version": 1, "nodes": [{"id": "g", "kind": "gpu", "host": "h"}],
-                               "links": [{"src": "g", "dst": "g", "kind": "pcie", "bw": -1}]}))
+    bad.write_text(json.dumps({"format": "netweave-topology", "version": 1,
+                               "nodes": [{"id": "g", "kind": "gpu", "host": "h"}, {"id": "f", "kind": "gpu", "host": "h"}],
+                               "links": [{"src": "g", "dst": "f", "kind": "pcie", "bw": -1}]}))
     code, _, err = run(capsys, "topo", "show", str(bad))
-    assert code == 2 and err.strip() == f"netweave: error: {bad}: links[0].bw: bw must be a positive number, got -1"
+    assert code == 2 and err.strip() == f"netweave: error: {bad}: links[0].bw: expected a bandwidth in GB/s > 0, got -1"
 
 
 def test_console_script_runs_as_module(tmp_path):
     out = subprocess.run([sys.executable, "-m", "netweave", "topo", "show", str(tmp_path / "none.json")], capture_output=True, text=True)
     assert out.returncode == 2 and out.stderr.startswith("netweave: error:")
+
+
+def test_show_progress_bar_with_eta_on_a_terminal_only(tmp_path, capsys, monkeypatch):
+    """A big file shows a rich progress bar with an ETA on stderr when stderr is a terminal; stdout stays the same."""
+    import io
+
+    import topology.cli as tcli
+
+    c = str(tmp_path / "c.json")
+    assert run(capsys, "topo", "build", "rail-optimized", "--nodes", "2", "--out", c)[0] == 0
+    monkeypatch.setattr(tcli, "SHOW_PROGRESS_BYTES", 0)  # treat the file as big
+    code, plain_out, plain_err = run(capsys, "topo", "show", c)
+    assert code == 0 and plain_err == ""  # not a terminal: no bar
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    monkeypatch.setattr(sys, "stderr", term)
+    monkeypatch.setenv("COLUMNS", "160")
+    code, out, _ = run(capsys, "topo", "show", c)
+    assert code == 0 and out == plain_out
+    assert "ETA" in term.getvalue() and "topo show" in term.getvalue()
+
+
+def test_show_stage_weights_cover_every_stage():
+    from topology import build_cluster
+    from topology.cli import SHOW_STAGES, describe
+    from topology.clitools import Stages
+
+    with Stages(SHOW_STAGES, enabled=False) as stages:
+        with stages.stage("reading"):
+            topo = build_cluster(2)
+        describe(topo, stages)
+    assert stages.done == sum(SHOW_STAGES.values())

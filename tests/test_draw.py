@@ -74,3 +74,97 @@ def test_merge_caps_columns_and_keeps_order():
     columns = list(dict.fromkeys(merged.values()))
     assert columns[0] == "SU 0-3" and columns[-1] == "SU 28-31" and len(columns) == 8
     assert _merge(["a", "b"], 8) == {"a": "a", "b": "b"}
+
+
+# --- readable detailed view: no two boxes of one row overlap; formats by extension -------------------------
+
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from topology.draw import _host_layout, _Layout, spread_row  # noqa: E402
+from topology.errors import InputError  # noqa: E402
+
+DATA = Path(__file__).parent / "data"
+
+
+@settings(max_examples=60, deadline=None)
+@given(desired=st.lists(st.floats(-20, 20, allow_nan=False), min_size=1, max_size=12), gap=st.floats(0.1, 3.0))
+def test_spread_row_is_the_least_squares_optimum(desired, gap):
+    """Brute force by another method: p = p0 + k*gap + cumulative slacks >= 0 is a bounded linear least-squares problem."""
+    from scipy.optimize import lsq_linear
+
+    out = spread_row(desired, gap)
+    order = sorted(range(len(desired)), key=lambda i: desired[i])
+    placed = [out[i] for i in order]
+    assert all(b - a >= gap - 1e-6 for a, b in zip(placed, placed[1:], strict=False))  # no overlap, order kept
+    n = len(desired)
+    A = np.zeros((n, n))  # columns: p0, then slack s_1..s_{n-1}
+    A[:, 0] = 1.0
+    for k in range(1, n):
+        A[k:, k] = 1.0
+    target = np.array([desired[i] - k * gap for k, i in enumerate(order)])
+    ref = lsq_linear(A, target, bounds=([-np.inf] + [0.0] * (n - 1), [np.inf] * n), tol=1e-12)
+    best = float(np.sum((A @ ref.x - target) ** 2))
+    ours = float(sum((out[i] - desired[i]) ** 2 for i in range(n)))
+    assert ours <= best + 1e-6 * (1 + best)
+    if all(b - a >= gap for a, b in zip(sorted(desired), sorted(desired)[1:], strict=False)):
+        assert out == pytest.approx(desired, abs=1e-8)  # already readable: nothing moves (positions are rounded to 1e-9)
+
+
+def _rows_do_not_overlap(topo):
+    lay = _Layout()
+    x = 0.0
+    for h in topo.hosts():
+        x += _host_layout(topo, h, x, 0.0, lay) + 0.8
+    rows = {}
+    for n, (px, py) in lay.pos.items():
+        rows.setdefault(py, []).append((px - lay.size[n][0] / 2, px + lay.size[n][0] / 2, n))
+    for boxes in rows.values():
+        boxes.sort()
+        for (_, right, a), (left, _, b) in zip(boxes, boxes[1:], strict=False):
+            assert right <= left + 1e-9, f"{a} overlaps {b}"
+    return lay
+
+
+@pytest.mark.parametrize("dump", sorted(p.name for p in DATA.glob("nvsmi_*.txt")))
+def test_imported_nodes_have_no_overlapping_boxes(dump, tmp_path):
+    from topology.io import read_topology
+
+    topo = read_topology(DATA / dump, "nvidia-smi", gpu_model="H100-SXM5-80GB")
+    lay = _rows_do_not_overlap(topo)
+    assert set(lay.pos) == {n for n in topo.graph if topo.graph.nodes[n].get("host")}  # every device drawn
+    draw_topology(topo, tmp_path / "node.png")
+
+
+@pytest.mark.parametrize("kind", ["dgx-h100", "dgx-a100", "pcie-server", "gb200-nvl72"])
+def test_built_nodes_have_no_overlapping_boxes(kind):
+    _rows_do_not_overlap(build_cluster(2, node=kind))
+
+
+def test_format_follows_the_extension(tmp_path):
+    topo = build_node("dgx-h100")
+    draw_topology(topo, tmp_path / "n.svg")
+    draw_topology(topo, tmp_path / "n.pdf")
+    draw_topology(topo, tmp_path / "n.PNG")
+    assert b"<svg" in (tmp_path / "n.svg").read_bytes()[:2000]
+    assert (tmp_path / "n.pdf").read_bytes()[:5] == b"%PDF-"
+    png_size(tmp_path / "n.PNG")
+    with pytest.raises(InputError, match=r"n\.jpg: unknown picture format '\.jpg'"):
+        draw_topology(topo, tmp_path / "n.jpg")
+    assert not (tmp_path / "n.jpg").exists()
+
+
+def test_cli_draw_svg_and_bad_extension(tmp_path, capsys, monkeypatch):
+    from netweave.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["topo", "import", str(DATA / "nvsmi_dgx_h100.txt"), "--out", "node.json"]) == 0
+    assert main(["topo", "draw", "node.json", "--out", "node.svg"]) == 0
+    assert (tmp_path / "node.svg").read_text().lstrip().startswith("<?xml")
+    capsys.readouterr()
+    assert main(["topo", "draw", "node.json", "--out", "node.gif"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "expected a file ending in .png, .svg or .pdf" in err

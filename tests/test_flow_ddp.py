@@ -32,7 +32,7 @@ def batch(rank, step):
 
 def make_plan(kind, model):
     sizes = [sum(p.numel() * 4 for p in m.parameters()) for m in layers_of(model)]
-    prof = analytic_gradient_profile(["a", "b", "c"], sizes, [1e-3] * 3, [1e-3] * 3, bandwidth=1e6, overhead=1e-5)
+    prof = analytic_gradient_profile(["a", "b", "c"], sizes, [1e-3] * 3, [1e-3] * 3, bandwidth=1e-3, overhead=1e-5)
     return {
         "ddp": lambda: ddp_plan(prof, bucket_cap=3000, first_bucket=3000),
         "bytescheduler": lambda: bytescheduler_plan(prof, partition=1024, credit=2048),
@@ -92,7 +92,7 @@ def mha_transformer(rank):
     model = transformer()
     layers = gradient_layers(model)
     sizes = [sum(p.numel() * 4 for p in ps) for ps in layer_parameters(layers)]
-    prof = analytic_gradient_profile([str(i) for i in range(len(layers))], sizes, [1e-3] * len(layers), [1e-3] * len(layers), bandwidth=1e6)
+    prof = analytic_gradient_profile([str(i) for i in range(len(layers))], sizes, [1e-3] * len(layers), [1e-3] * len(layers), bandwidth=1e-3)
     sched = GradientScheduler(layers, bytescheduler_plan(prof, partition=256, credit=512), model=model,
                               optimizer_factory=lambda ps: torch.optim.SGD(ps, lr=LR))
     for step in range(STEPS):
@@ -111,7 +111,7 @@ def ddp_with_caps(rank):
 
     model = make_model()
     plan = prophet_plan(analytic_gradient_profile(["a", "b", "c"], [1 << 20, 3 << 20, 2 << 20], [1e-3] * 3, [1e-3] * 3,
-                                                  bandwidth=1e9 * (1 + rank)), partition=(1 + rank) << 20)
+                                                  bandwidth=1.0 * (1 + rank)), partition=(1 + rank) << 20)
     caps = ddp_bucket_caps(plan)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb_list=caps)
     hook, log = timed_comm_hook(default_hooks.allreduce_hook)
@@ -191,7 +191,7 @@ def test_scheduler_refuses_layers_that_miss_parameters():
         leaves = [m for m in model.modules() if not list(m.children()) and list(m.parameters())]   # the old discovery
         with pytest.raises(InputError, match="in none of the layers, first '0.positions'"):
             GradientScheduler(leaves, ddp_plan(analytic_gradient_profile(["x"] * len(leaves), [1.0] * len(leaves), [1e-3] * len(leaves),
-                                                                         [1e-3] * len(leaves), bandwidth=1e6)), model=model)
+                                                                         [1e-3] * len(leaves), bandwidth=1e-3)), model=model)
     finally:
         dist.destroy_process_group()
 

@@ -248,3 +248,51 @@ def test_cells_without_separator_parse_the_same():
 def test_byte_order_mark_is_ignored():
     text = (DATA / "nvsmi_dgx_h100.txt").read_text()
     assert parse_nvidia_smi("\ufeff" + text).to_dict() == parse_nvidia_smi(text).to_dict()
+
+
+# --- the GPU model: from a flag, from `nvidia-smi -L` lines in the dump, from NV#, else a stated default ---------
+
+_DATA = Path(__file__).parent / "data"
+_PCIE_ONLY = (_DATA / "nvsmi_old_driver_soc.txt").read_text()
+
+
+def _imported(topo):
+    return topo.meta["imported"]["gpu_model"], topo.meta["imported"]["gpu_model_from"]
+
+
+def test_gpu_model_from_nvidia_smi_list_lines():
+    import warnings
+
+    listed = "".join(f"GPU {i}: NVIDIA L40S (UUID: GPU-{i:08x})\n" for i in range(4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no guess, no warning
+        topo = parse_nvidia_smi(listed + _PCIE_ONLY)
+    assert _imported(topo) == ("L40S-48GB", "nvidia-smi -L")
+    assert {topo.graph.nodes[g]["model"] for g in topo.gpus()} == {"L40S-48GB"}
+    assert _imported(parse_nvidia_smi(listed + _PCIE_ONLY, gpu_model="A100-SXM4-80GB")) == ("A100-SXM4-80GB", "given")
+
+
+def test_unknown_or_mixed_listed_models_are_refused():
+    with pytest.raises(InputError, match=r"line 2: GPU model 'NVIDIA H100 PCIe' is not in the hardware table"):
+        parse_nvidia_smi("GPU 0: NVIDIA L40S (UUID: GPU-1)\nGPU 1: NVIDIA H100 PCIe (UUID: GPU-2)\n" + _PCIE_ONLY)
+    with pytest.raises(InputError, match="several GPU models"):
+        parse_nvidia_smi("GPU 0: NVIDIA L40S (UUID: GPU-1)\nGPU 1: NVIDIA H100 80GB HBM3 (UUID: GPU-2)\n" + _PCIE_ONLY)
+
+
+def test_model_from_nvlink_count_and_the_stated_default():
+    assert _imported(parse_nvidia_smi((_DATA / "nvsmi_dgx_a100.txt").read_text())) == ("A100-SXM4-80GB", "NV12 links")
+    with pytest.warns(UserWarning, match="GPU model is not in the dump; assumed H100-SXM5-80GB"):
+        topo = parse_nvidia_smi(_PCIE_ONLY)
+    assert _imported(topo) == ("H100-SXM5-80GB", "default")
+
+
+def test_cli_import_says_when_the_model_is_assumed(tmp_path, capsys):
+    from netweave.cli import main
+
+    assert main(["topo", "import", str(_DATA / "nvsmi_old_driver_soc.txt"), "--out", str(tmp_path / "a.json")]) == 0
+    assert "note: " in capsys.readouterr().err
+    listed = tmp_path / "l40s.txt"
+    listed.write_text("GPU 0: NVIDIA L40S (UUID: GPU-1)\n" + _PCIE_ONLY)
+    assert main(["topo", "import", str(listed), "--out", str(tmp_path / "b.json")]) == 0  # format guessed with the list lines
+    assert "note" not in capsys.readouterr().err
+    assert '"gpu_model": "L40S-48GB"' in (tmp_path / "b.json").read_text()

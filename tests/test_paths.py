@@ -397,3 +397,29 @@ def test_cached_paths_follow_changes_made_through_the_topology():
         d["bw"] = 10.0
     t.touch()
     assert gpu_path(t, "h/g0", "h/g1").bw == 20.0
+
+
+@pytest.mark.parametrize("name", sorted(CLUSTERS))
+def test_bandwidth_classes_equal_counting_the_matrix(name):
+    """Differential: the structural count equals counting the expanded matrix entry by entry, on every GPU subset kind."""
+    from topology.paths import matrix_classes
+
+    t = CLUSTERS[name]()
+    gpus = t.gpus()
+    rng = random.Random(name)
+    subsets = [None, rng.sample(gpus, max(2, len(gpus) // 3)), gpus[::-1], gpus[:1]]
+    for sub in subsets:
+        assert bandwidth_classes(t, sub) == matrix_classes(bandwidth_matrix(t, sub)), sub
+    twice = [gpus[0], gpus[0], gpus[-1]]  # a GPU listed twice: LOC with itself (the matrix path)
+    assert bandwidth_classes(t, twice) == matrix_classes(bandwidth_matrix(t, twice))
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hosts=st.integers(1, 7), per_su=st.integers(1, 4), oversub=st.sampled_from([1, 2, 4]), seed=st.integers(0, 10**6))
+def test_bandwidth_classes_differential_on_random_rail_clusters(hosts, per_su, oversub, seed):
+    from topology.paths import matrix_classes
+
+    t = build_cluster(hosts, hosts_per_su=per_su, oversubscription=oversub)
+    sub = random.Random(seed).sample(t.gpus(), random.Random(seed + 1).randint(1, len(t.gpus())))
+    assert bandwidth_classes(t, sub) == matrix_classes(bandwidth_matrix(t, sub))
+    assert sum(c["pairs"] for c in bandwidth_classes(t)) == len(t.gpus()) * (len(t.gpus()) - 1)

@@ -9,7 +9,8 @@ import re
 import pytest
 
 from netweave.cli import main
-from pipesched.cli import parse_bytes
+from pipesched.export import TORCH_CLASSES
+from pipesched.partition import FAMILIES
 
 GPT = "model:\n  kind: gpt\n  layers: 12\n  hidden: 1024\n  heads: 16\n  seq_len: 1024\n  vocab: 50257\n"
 
@@ -35,7 +36,8 @@ def test_plan_json_and_files(capsys, gpt, tmp_path):
     data = json.loads(out)
     assert data["predicted"]["makespan_s"] >= data["lower_bound"]["bound_s"] * (1 - 1e-9)
     assert data["partition"]["stages"][0]["layers"][0] == 0 and data["partition"]["stages"][-1]["layers"][1] == 14
-    assert {a["schedule"] for a in data["alternatives"]} == {"gpipe", "1f1b", "zbh1", "interleaved", "chimera"}
+    assert {a["schedule"] for a in data["alternatives"]} == set(FAMILIES)
+    assert data["exportable"] and data["torch_class"] == TORCH_CLASSES[data["schedule"]]
     assert (tmp_path / "g.png").read_bytes()[:4] == b"\x89PNG"
     assert json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     assert json.loads((tmp_path / "plan.json").read_text())["schedule"] == data["schedule"]
@@ -84,8 +86,44 @@ def test_profile_simulate_export(capsys, gpt, tmp_path):
     assert code == 2 and "two ranks" in err
 
 
-def test_parse_bytes():
-    assert parse_bytes("1.5GB") == 1.5e9 and parse_bytes("64") == 64 and parse_bytes("2TiB") == 2 * 2**40
+def test_auto_plans_what_torch_runs_and_its_numbers_agree(capsys, gpt, tmp_path):
+    """Issue #21.3: auto ranks only exportable families, `pipe export` exports the plan `pipe plan` chose, and the candidate
+    list shows the chosen plan's own predicted iteration; a plan that cannot run says so where it is chosen."""
+    args = ["--model", str(gpt), "--stages", "4", "--microbatches", "8", "--schedule", "auto", "--json"]
+    code, out, _ = run(capsys, "pipe", "plan", *args)
+    planned = json.loads(out)
+    assert code == 0 and planned["exportable"]
+    mine = [a for a in planned["alternatives"] if a["schedule"] == planned["schedule"]]
+    assert mine[0]["makespan_s"] == planned["predicted"]["makespan_s"]
+    assert [a for a in planned["alternatives"] if a["schedule"] == "chimera"][0]["error"].startswith("not ranked by auto")
+    code, out, _ = run(capsys, "pipe", "export", *args, "--out", str(tmp_path / "exp"))
+    exported = json.loads((tmp_path / "exp" / "plan.json").read_text())
+    assert code == 0 and exported["schedule"] == planned["schedule"]
+    assert exported["predicted"]["makespan_s"] == planned["predicted"]["makespan_s"]
+    code, out, _ = run(capsys, "pipe", "plan", "--model", str(gpt), "--stages", "4", "--microbatches", "8", "--schedule", "chimera")
+    assert code == 0 and "cannot run in torch.distributed.pipelining" in out
+
+
+@pytest.mark.parametrize("family", ["zbv", "dualpipev", "interleaved_zb", "looped_bfs"])
+def test_new_families_plan_and_export(capsys, gpt, tmp_path, family):
+    code, out, _ = run(capsys, "pipe", "export", "--model", str(gpt), "--stages", "2", "--microbatches", "4", "--schedule", family,
+                       "--out", str(tmp_path / family), "--json")
+    assert code == 0
+    plan_json = json.loads((tmp_path / family / "plan.json").read_text())
+    assert plan_json["schedule"] == family and plan_json["torch_class"] == TORCH_CLASSES[family] and plan_json["memory_ok"]
+    assert len((tmp_path / family / "schedule.csv").read_text().splitlines()) == 2
+
+
+def test_memory_flag_takes_every_size_form(capsys, gpt):
+    """--memory goes through topology.units: 80GiB and 85899345920 are the same; 80G (GB or GiB?) is refused on one line."""
+    plans = []
+    for memory in ("80GiB", "85899345920"):
+        code, out, _ = run(capsys, "pipe", "plan", "--model", str(gpt), "--stages", "2", "--microbatches", "4", "--memory", memory, "--json")
+        assert code == 0
+        plans.append(json.loads(out))
+    assert plans[0] == plans[1]
+    code, _, err = run(capsys, "pipe", "plan", "--model", str(gpt), "--stages", "2", "--microbatches", "4", "--memory", "80G")
+    assert code == 2 and "error: --memory: expected a size in bytes" in err and "ambiguous" in err and err.count("\n") == 1
 
 
 def test_demo(tmp_path, cluster):

@@ -172,3 +172,13 @@ def test_every_timed_fused_backward_adds_into_existing_gradients_and_the_layers_
     layer.weight.grad = None
     measure_profile([layer], torch.randn(2, 4), repeats=1, warmup=0)
     assert layer.weight.grad is None
+
+
+def test_embedding_weight_gradient_is_dense():
+    """The embedding's W passes over the whole table four times (zero-fill, scatter target, .grad read and write)."""
+    cfg = GPTConfig(layers=1, hidden=768, heads=12, seq_len=1024, vocab=50257, dtype="fp32", tflops=1e6, hbm_gbs=10.0,
+                    memory_efficiency=1.0)
+    emb = analytic_profile(cfg).layers[0]
+    table = (50257 + 1024) * 768 * 4
+    assert emb.param_bytes == table
+    assert emb.bwd_weight_s == pytest.approx((3 * 1024 * 768 * 4 + 4 * table) / 10e9)

@@ -11,7 +11,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipesched.devices import LinkModel
-from pipesched.schedules import Action, Schedule, ScheduleError, chimera, gpipe, interleaved_1f1b, make_schedule, one_f_one_b, validate, zb_h1
+from pipesched.partition import in_flight
+from pipesched.schedules import (
+    LOOPED,
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    chimera,
+    gpipe,
+    interleaved_1f1b,
+    interleaved_zb,
+    looped_bfs,
+    make_schedule,
+    one_f_one_b,
+    validate,
+    zb_h1,
+    zbv,
+)
 from pipesched.simulate import StageCost, chrome_trace, closed_form_bubble, gantt_png, lower_bound, simulate, uniform_costs
 
 
@@ -86,14 +103,14 @@ def test_chimera_and_interleaved_reject_bad_shapes():
 
 
 @settings(max_examples=40, deadline=None)
-@given(family=st.sampled_from(["gpipe", "1f1b", "zbh1", "interleaved", "chimera"]), p=st.integers(1, 6), m=st.integers(1, 12),
-       seed=st.integers(0, 10**6))
+@given(family=st.sampled_from(sorted(SCHEDULES)), p=st.integers(1, 6), m=st.integers(1, 12), seed=st.integers(0, 10**6))
 def test_every_schedule_is_valid_and_never_beats_its_lower_bound(family, p, m, seed):
     if family == "chimera":
         p, m = 2 * ((p + 1) // 2), 2 * ((m + 1) // 2)
-    if family == "interleaved" and (m < p or m % max(1, m // p)):
+    try:
+        sched = make_schedule(family, p, m, chunks=2)
+    except ScheduleError:      # a shape the family does not take (interleaved: m < p, DualPipe-V: m < 2p, ...)
         return
-    sched = make_schedule(family, p, m, chunks=2)
     assert validate(sched) == []
     rng = random.Random(seed)
     costs = {}
@@ -116,6 +133,10 @@ def test_every_schedule_is_valid_and_never_beats_its_lower_bound(family, p, m, s
         assert res.memory_trace[r][-1][1] == pytest.approx(states)
     # processor sharing only slows things down
     assert simulate(sched, costs, links, cores=1).makespan >= res.makespan * (1 - 1e-9)
+    # the run-ahead engine and the event loop are two implementations of one model: identical results
+    events = simulate(sched, costs, links, engine="events")
+    assert events.timeline == res.timeline and events.peak_memory == res.peak_memory and events.peak_in_flight == res.peak_in_flight
+    assert sorted(events.transfers, key=repr) == sorted(res.transfers, key=repr) and events.busy == res.busy
 
 
 def test_validator_finds_broken_schedules():
@@ -179,7 +200,8 @@ def test_schedule_json_round_trip_and_comms_lowering():
 def test_torch_accepts_our_schedules():
     """torch's own validator and comms dry-run accept our rows (compute_only lowering by torch)."""
     ts = pytest.importorskip("torch.distributed.pipelining.schedules")
-    for sched in (gpipe(4, 6), one_f_one_b(4, 6), zb_h1(4, 6), interleaved_1f1b(4, 8, 2)):
+    for sched in (gpipe(4, 6), one_f_one_b(4, 6), zb_h1(4, 6), interleaved_1f1b(4, 8, 2), interleaved_zb(4, 8, 2), looped_bfs(3, 5, 2),
+                  zbv(4, 8), make_schedule("dualpipev", 3, 7)):
         order = {r: [ts._Action.from_str(x) for x in row] for r, row in enumerate(sched.rows())}
         mapping = ts._validate_schedule(order, sched.ranks, sched.num_stages, sched.microbatches)
         assert mapping == dict(enumerate(sched.stage_rank))
@@ -198,3 +220,119 @@ def test_gantt_and_chrome_trace(tmp_path):
     assert len(compute) == 4 * 16
     assert max(e["ts"] + e["dur"] for e in compute) == pytest.approx(res.makespan * 1e6)
     assert math.isclose(sum(e["dur"] for e in compute) / 1e6, sum(res.busy))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The families torch ships (issue #21): torch's own order, closed forms, memory model
+# --------------------------------------------------------------------------------------------------------------
+
+TORCH_CLASS_OF = {"interleaved": "ScheduleInterleaved1F1B", "interleaved_zb": "ScheduleInterleavedZeroBubble",
+                  "zbh1": "ScheduleInterleavedZeroBubble", "looped_bfs": "ScheduleLoopedBFS", "zbv": "ScheduleZBVZeroBubble",
+                  "dualpipev": "ScheduleDualPipeV"}
+
+
+def torch_rows(family: str, p: int, m: int, v: int) -> list[list[str]]:
+    """The per-rank compute order torch's schedule class builds (its own _calculate_single_rank_operations), with its
+    empty slots dropped and DualPipe-V's overlapped F+B pairs as the two actions torch runs in turn."""
+    ts = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from pipesched.export import TORCH_CLASSES
+
+    assert TORCH_CLASSES[family] == TORCH_CLASS_OF[family]
+    obj = object.__new__(getattr(ts, TORCH_CLASS_OF[family]))
+    obj.pp_group_size, obj._n_microbatches, obj.n_local_stages, obj._stages = p, m, v, [None] * v
+    obj.num_stages = obj._num_stages = p * v
+    obj.number_of_rounds = max(1, m // p)
+    obj.microbatches_per_round = m // obj.number_of_rounds
+    obj.pipeline_order = {r: obj._calculate_single_rank_operations(r) for r in range(p)}
+    if family in ("interleaved_zb", "zbh1"):
+        obj.pipeline_order = obj._add_bubbles_to_actions(p * v)
+    return [[str(x) for a in obj.pipeline_order[r] if a is not None for x in (a.sub_actions or (a,))] for r in range(p)]
+
+
+@pytest.mark.parametrize("family", ["interleaved", "interleaved_zb", "zbh1", "looped_bfs", "zbv", "dualpipev"])
+def test_action_order_equals_torchs(family):
+    """Each family's order is what torch's class of that family executes, for every shape both accept."""
+    compared = 0
+    for p in range(1, 6):
+        for m in range(1, 13):
+            for v in ((2, 3) if family in LOOPED else (1,) if family == "zbh1" else (2,)):
+                try:
+                    ours = make_schedule(family, p, m, chunks=v)
+                except ScheduleError:
+                    continue
+                assert ours.rows() == torch_rows(family, p, m, v), (p, m, v)
+                assert validate(ours) == []
+                compared += 1
+    assert compared >= 30
+
+
+def test_v_placement_is_torchs():
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for p in range(1, 6):
+        assert zbv(p, 2 * p).stage_rank == tuple(generate_stage_to_rank_mapping(p, 2 * p, style="v")[s] for s in range(2 * p))
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (4, 8, 2), (4, 4, 2), (3, 9, 3), (8, 16, 2), (4, 6, 2)])
+def test_looped_bfs_bubble_and_memory(p, m, v):
+    F, B = 1.0, 2.0    # per device; each chunk costs 1/v
+    sched = looped_bfs(p, m, v)
+    res = simulate(sched, uniform_costs(p * v, F / v, B / v))
+    assert res.makespan == pytest.approx(m * (F + B) + (p - 1) * (F + B) / v)
+    assert res.bubble_fraction == pytest.approx(closed_form_bubble("looped_bfs", p, m, v))
+    assert all(res.peak_in_flight[s] == m for s in range(p * v))       # every chunk holds all m, like GPipe
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(2, 4, 2), (4, 8, 2), (4, 4, 2), (3, 9, 3), (8, 16, 2), (4, 16, 3)])
+def test_interleaved_zb_bubble_and_memory(p, m, v):
+    sched = interleaved_zb(p, m, v)
+    res = simulate(sched, uniform_costs(p * v, 1.0, 2.0, 1.0, 1.0))
+    assert res.makespan == pytest.approx(3 * m * v + p - 1)               # (p-1) F of idle per rank at F = I = W
+    assert res.bubble_fraction == pytest.approx(closed_form_bubble("interleaved_zb", p, m, v))
+    assert [res.peak_in_flight[s] for s in range(p * v)] == [min(m, 2 * p) if s < p else min(m, p) for s in range(p * v)]
+    one = simulate(interleaved_1f1b(p, m, v), uniform_costs(p * v, 1.0, 2.0))
+    assert res.makespan < one.makespan
+
+
+@pytest.mark.parametrize("family", ["zbv", "dualpipev"])
+@pytest.mark.parametrize(("p", "m"), [(1, 2), (2, 4), (2, 7), (3, 6), (4, 8), (4, 13), (6, 12)])
+def test_v_schedules_bubble_and_memory(family, p, m):
+    sched = make_schedule(family, p, m)
+    res = simulate(sched, uniform_costs(2 * p, 1.0, 2.0, 1.0, 1.0))
+    assert res.makespan == pytest.approx(6 * m + p - 1)                  # (p-1) F of idle per rank at F = I = W, m >= 2p
+    assert res.bubble_fraction == pytest.approx(closed_form_bubble(family, p, m))
+    assert [res.peak_in_flight[s] for s in range(2 * p)] == [min(m, 2 * p - s) for s in range(2 * p)]
+    assert res.makespan <= simulate(zb_h1(p, m), uniform_costs(p, 2.0, 4.0, 2.0, 2.0)).makespan
+
+
+def test_chimera_closed_form_is_for_equal_forward_and_backward():
+    """Issue #21.5: (D-2)/(2N+D-2) holds for F = B (the docstring said B = 2F, where the simulated bubble differs)."""
+    assert "F = B" in closed_form_bubble.__doc__ and "B = 2F" not in closed_form_bubble.__doc__.split("with F = B")[0]
+    at_equal = simulate(chimera(4, 8), {s: StageCost(f=1.0, b=1.0) for s in range(8)})
+    at_double = simulate(chimera(4, 8), {s: StageCost(f=1.0, b=2.0) for s in range(8)})
+    assert at_equal.bubble_fraction == pytest.approx(closed_form_bubble("chimera", 4, 8))
+    assert at_double.bubble_fraction != pytest.approx(closed_form_bubble("chimera", 4, 8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(family=st.sampled_from(sorted(SCHEDULES)), p=st.integers(1, 6), m=st.integers(1, 14), v=st.integers(1, 3), seed=st.integers(0, 10**6))
+def test_memory_model_in_flight_matches_the_simulator(family, p, m, v, seed):
+    """For every family, shape and costs: the partitioner's in-flight count is at least the simulated peak, and equal."""
+    if family == "chimera":
+        p, m = 2 * ((p + 1) // 2), 2 * ((m + 1) // 2)
+    try:
+        sched = make_schedule(family, p, m, chunks=v)
+    except ScheduleError:
+        return
+    rng = random.Random(seed)
+    costs = {s: StageCost(f=rng.uniform(0.1, 2), b=rng.uniform(0.2, 3), i=rng.uniform(0.1, 2), w=rng.uniform(0.1, 2))
+             for s in range(sched.num_stages)}
+    res = simulate(sched, costs)
+    chunks = v if family in LOOPED else 1
+    if family == "chimera":
+        for k in range(p):
+            peak = max(res.peak_in_flight[s] for s in range(2 * p) if sched.stage_layers[s] == k)
+            assert in_flight(family, k, p, m, ranks=p) == peak
+        return
+    for s in range(sched.num_stages):
+        assert in_flight(family, s, sched.num_stages, m, ranks=p, chunks=chunks) == res.peak_in_flight[s], s

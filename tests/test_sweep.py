@@ -70,24 +70,49 @@ def test_process_pool_gives_the_serial_rows():
     assert len({r["id"] for r in serial["rows"]}) == 8  # content addresses differ per point
 
 
-def test_ray_executor_without_ray_is_a_clear_error(monkeypatch):
+def test_ray_executor_without_ray_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    from netweave.cli import main
+
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "ray" else real(name, *a))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert isinstance(sw.get_executor("auto"), sw.LocalExecutor)
     with pytest.raises(sw.SweepError, match=r"needs the 'ray' package"):
         sw.get_executor("ray")
+    write_workload(two_jobs(), tmp_path / "w.yaml")
+    from topology.io import write_topology
+
+    write_topology(star3(), tmp_path / "t.json")
+    assert main(["emu", "sweep", str(tmp_path / "w.yaml"), "--topology", str(tmp_path / "t.json"), "--set", "jobs.b.start_offset=0,1",
+                 "--address", "127.0.0.1:6379"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "needs the 'ray' package" in err[0]
 
 
-def test_ray_executor_is_chosen_and_used_when_ray_is_importable(monkeypatch):
-    calls = {"init": 0, "remote": []}
+def test_auto_picks_ray_only_for_a_cluster_address(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert isinstance(sw.get_executor("auto"), sw.LocalExecutor)
+    if importlib.util.find_spec("ray") is not None:
+        executor = sw.get_executor("auto", address="10.1.2.3:6379")
+        assert isinstance(executor, sw.RayExecutor) and executor.address == "10.1.2.3:6379" and executor.ship_code
+        monkeypatch.setenv("RAY_ADDRESS", "10.1.2.3:6379")
+        assert isinstance(sw.get_executor("auto"), sw.RayExecutor)
+    with pytest.raises(sw.SweepError, match="use it with --executor ray"):
+        sw.get_executor("local", address="10.1.2.3:6379")
+
+
+def test_ray_executor_protocol_with_a_stand_in(monkeypatch):
+    """What the executor asks of Ray (init once, resources per task, wait for progress, shut down what it started)."""
+    calls = {"init": [], "remote": [], "wait": 0, "shutdown": 0}
 
     class _Ref:
         def __init__(self, value):
             self.value = value
 
     fake = types.ModuleType("ray")
-    fake.is_initialized = lambda: calls["init"] > 0
-    fake.init = lambda address=None: calls.__setitem__("init", calls["init"] + 1)
+    fake.is_initialized = lambda: bool(calls["init"]) and not calls["shutdown"]
+    fake.init = lambda **kw: calls["init"].append(kw)
+    fake.shutdown = lambda: calls.__setitem__("shutdown", calls["shutdown"] + 1)
 
     def remote(**options):
         calls["remote"].append(options)
@@ -97,18 +122,40 @@ def test_ray_executor_is_chosen_and_used_when_ray_is_importable(monkeypatch):
 
         return wrap
 
-    fake.remote = remote
+    def wait(pending, num_returns=1):
+        calls["wait"] += 1
+        return pending[:num_returns], pending[num_returns:]
+
+    fake.remote, fake.wait = remote, wait
     fake.get = lambda refs: [r.value for r in refs]
+    fake.exceptions = types.SimpleNamespace(RayTaskError=type("RayTaskError", (Exception,), {}))
     fake.__spec__ = importlib.machinery.ModuleSpec("ray", None)
     monkeypatch.setitem(sys.modules, "ray", fake)
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: fake.__spec__ if name == "ray" else real(name, *a))
-    executor = sw.get_executor("auto", resources={"mininet": 1})
-    assert isinstance(executor, sw.RayExecutor)
-    table = sw.sweep(star3(), two_jobs(), {"jobs.b.start_offset": [0.0, 1.0]}, executor=executor)
-    assert table["executor"] == "ray" and calls["init"] == 1
-    assert calls["remote"] == [{"num_cpus": 1, "resources": {"mininet": 1}}]
+    executor = sw.get_executor("ray", resources={"mininet": 1}, max_workers=2)
+    ticks = []
+    table = sw.sweep(star3(), two_jobs(), {"jobs.b.start_offset": [0.0, 1.0]}, executor=executor, progress=lambda d, t: ticks.append((d, t)))
+    assert table["executor"] == "ray" and len(calls["init"]) == 1 and calls["init"][0]["num_cpus"] == 2 and calls["shutdown"] == 1
+    assert "runtime_env" not in calls["init"][0]  # a local instance imports the code from this machine
+    assert calls["remote"] == [{"num_cpus": 1, "resources": {"mininet": 1}}] and calls["wait"] == 2
+    assert ticks == [(0, 2), (1, 2), (2, 2)]
     assert [r["jobs"]["a"]["mean_iteration_s"] for r in table["rows"]] == pytest.approx([3.0, 2.0])
+
+
+def test_local_executor_reports_progress_in_any_order_and_keeps_the_order():
+    for workers in (1, 2):
+        ticks: list[tuple[int, int]] = []
+        assert sw.LocalExecutor(workers).map(abs, [-3, 1, -2], lambda d, t, ticks=ticks: ticks.append((d, t))) == [3, 1, 2]
+        assert ticks == [(0, 3), (1, 3), (2, 3), (3, 3)]
+
+
+def test_bad_addresses_are_refused_at_once():
+    if importlib.util.find_spec("ray") is None:
+        pytest.skip("needs the ray package")
+    for bad, why in [("nohost", "expected HOST:PORT"), ("h:99999", "expected HOST:PORT"), ("127.0.0.1:1", "no Ray head answers there")]:
+        with pytest.raises(sw.SweepError, match=why):
+            sw.RayExecutor(address=bad).map(abs, [1])
 
 
 def test_cli_sweep_and_example(tmp_path, capsys):

@@ -20,13 +20,12 @@ from emu.workload import (
     dumps_workload,
     example_workload,
     loads_workload,
-    parse_duration,
-    parse_size,
     read_workload,
     workload_from_dict,
     write_workload,
 )
 from topology import default_cluster
+from topology.units import parse_duration, parse_size
 
 
 def sample() -> Workload:

@@ -1,4 +1,4 @@
-"""Draw a topology as a PNG (matplotlib, Agg backend).
+"""Draw a topology as PNG, SVG or PDF (matplotlib, Agg backend; the format follows the file extension).
 
 Two pictures, chosen by size:
 
@@ -39,6 +39,7 @@ from matplotlib.collections import LineCollection  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import FancyBboxPatch, Patch  # noqa: E402
 
+from .errors import InputError  # noqa: E402
 from .model import LinkKind, NodeKind, SwitchTier, Topology  # noqa: E402
 
 DETAIL_MAX_HOSTS = 8
@@ -82,12 +83,33 @@ def format_bw(gbs: float) -> str:
     return f"{gbs:.3g} GB/s"
 
 
+FORMATS = ("png", "svg", "pdf")
+
+
+def image_format(path: str | os.PathLike[str]) -> str:
+    """The picture format named by ``path``'s extension: png, svg or pdf.
+
+    >>> image_format("c.svg"), image_format("out/C.PDF"), image_format("node.png")
+    ('svg', 'pdf', 'png')
+    >>> image_format("c.jpg")
+    Traceback (most recent call last):
+    ...
+    topology.errors.InputError: c.jpg: unknown picture format '.jpg'; expected a file ending in .png, .svg or .pdf
+    """
+    suffix = os.path.splitext(os.fspath(path))[1]
+    if suffix.lower().lstrip(".") not in FORMATS:
+        raise InputError(f"{os.fspath(path)}: unknown picture format {suffix!r}; expected a file ending in .png, .svg or .pdf")
+    return suffix.lower().lstrip(".")
+
+
 def draw_topology(topo: Topology, path: str | os.PathLike[str], *, title: str | None = None) -> None:
-    """Write a PNG picture of ``topo`` to ``path`` (detailed for small topologies, aggregated for large ones)."""
+    """Write a picture of ``topo`` to ``path`` in the format of its extension (png, svg, pdf): detailed for small topologies,
+    aggregated for large ones. An unknown extension raises :class:`~topology.errors.InputError` before any drawing."""
+    fmt = image_format(path)
     hosts = topo.hosts()
     fig = _draw_detailed(topo, hosts, title) if len(hosts) <= DETAIL_MAX_HOSTS else _draw_aggregated(topo, hosts, title)
     try:
-        fig.savefig(os.fspath(path), format="png", dpi=110)
+        fig.savefig(os.fspath(path), format=fmt, dpi=110)
     finally:
         plt.close(fig)
 
@@ -159,8 +181,41 @@ ROW = {NodeKind.NIC: 0.0, NodeKind.PCIE_SWITCH: -1.0, NodeKind.CPU: -2.0, NodeKi
 COL = 1.0  # horizontal pitch of one GPU column
 
 
+def spread_row(desired: list[float], gap: float) -> list[float]:
+    """Positions as close as possible (least squares) to ``desired`` with neighbours at least ``gap`` apart, order kept.
+
+    The constraint ``p[k+1] - p[k] >= gap`` on the sorted items becomes monotonicity of ``p[k] - k * gap``, so the
+    exact optimum is the isotonic regression of ``desired[k] - k * gap`` (pool adjacent violators) shifted back.
+
+    >>> spread_row([0.0, 0.0, 0.0], 1.0)
+    [-1.0, 0.0, 1.0]
+    >>> spread_row([0.0, 5.0, 0.2], 1.0)
+    [-0.4, 5.0, 0.6]
+    """
+    order = sorted(range(len(desired)), key=lambda i: desired[i])
+    blocks: list[list[float]] = []  # [sum, count] of pooled values of desired[k] - k * gap
+    for k, i in enumerate(order):
+        blocks.append([desired[i] - k * gap, 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    out = [0.0] * len(desired)
+    k = 0
+    for total, count in blocks:
+        for _ in range(int(count)):
+            out[order[k]] = round(total / count + k * gap, 9)
+            k += 1
+    return out
+
+
 def _host_layout(topo: Topology, host: str, x0: float, y0: float, lay: _Layout) -> float:
-    """Place one host's devices with its left edge at ``x0`` and NIC row at ``y0``; return the host's width."""
+    """Place one host's devices with its left edge at ``x0`` and NIC row at ``y0``; return the host's width.
+
+    GPUs are spaced one column apart; every other device wants to sit over (the mean of) the devices it connects
+    to below it, and :func:`spread_row` then moves each row's boxes the least it can so that none overlap. The host
+    is as wide as its widest row.
+    """
     g = topo.graph
     by_kind: dict[NodeKind, list[str]] = defaultdict(list)
     for n in topo.nodes(host=host):
@@ -170,34 +225,38 @@ def _host_layout(topo: Topology, host: str, x0: float, y0: float, lay: _Layout) 
     nics = by_kind[NodeKind.NIC]
     cpus = by_kind[NodeKind.CPU]
     nvs = by_kind[NodeKind.NVSWITCH]
-    columns = max(len(gpus), len(nics), len(pcie), len(nvs), len(cpus), 1)
-    width = columns * COL
-    x = {gpu: x0 + (i + 0.5) * width / max(len(gpus), 1) for i, gpu in enumerate(gpus)}
+    x: dict[str, float] = {gpu: i * COL for i, gpu in enumerate(gpus)}
+    centre = (len(gpus) - 1) * COL / 2 if gpus else 0.0
 
     def neighbours(n: str, kind: NodeKind) -> list[str]:
         return [v for v in g.successors(n) if g.nodes[v]["kind"] == kind and g.nodes[v].get("host") == host]
 
-    def spread(items: list[str]) -> None:
-        for i, n in enumerate(items):
-            x.setdefault(n, x0 + (i + 0.5) * width / len(items))
+    def mean(values: list[float]) -> float | None:
+        return sum(values) / len(values) if values else None
 
-    for sw in pcie:
-        below = [x[v] for v in neighbours(sw, NodeKind.GPU)]
-        if below:
-            x[sw] = sum(below) / len(below)
-    spread(pcie)
-    for cpu in cpus:
-        under = [x[v] for v in neighbours(cpu, NodeKind.PCIE_SWITCH)] or [x[v] for v in neighbours(cpu, NodeKind.GPU)]
-        if under:
-            x[cpu] = sum(under) / len(under)
-    spread(cpus)
+    def place_row(items: list[str], desired: dict[str, float | None], gap: float) -> None:
+        if not items:
+            return
+        known = [desired[n] for n in items if desired[n] is not None]
+        fallback = mean(known) if known else centre
+        # Items with no anchor keep their order around the row's centre (or the anchored items' mean).
+        wanted = [desired[n] if desired[n] is not None else fallback + (i - (len(items) - 1) / 2) * gap for i, n in enumerate(items)]
+        for n, px in zip(items, spread_row(wanted, gap), strict=True):
+            x[n] = px
+
+    # PCIe switches over their GPUs; CPUs over their switches (or GPUs); GPU-less switches next to their CPU.
+    place_row(pcie, {sw: mean([x[v] for v in neighbours(sw, NodeKind.GPU)]) for sw in pcie}, COL)
+    place_row(cpus, {c: mean([x[v] for v in neighbours(c, NodeKind.PCIE_SWITCH) + neighbours(c, NodeKind.GPU)]) for c in cpus}, 1.5 * COL)
+    place_row(pcie, {sw: mean([x[v] for v in neighbours(sw, NodeKind.GPU) or neighbours(sw, NodeKind.CPU)]) for sw in pcie}, COL)
     # NICs sit above their PCIe switch (or CPU), spread over the GPUs that share it.
     parents: dict[str, list[str]] = defaultdict(list)
     for nic in nics:
         ups = neighbours(nic, NodeKind.PCIE_SWITCH) or neighbours(nic, NodeKind.CPU)
         parents[ups[0] if ups else ""].append(nic)
+    nic_want: dict[str, float | None] = {}
     for parent, members in parents.items():
         if not parent:
+            nic_want.update(dict.fromkeys(members))
             continue
         span = sorted(x[v] for v in neighbours(parent, NodeKind.GPU)) or [x[parent]]
         if len(members) == len(span):
@@ -207,18 +266,18 @@ def _host_layout(topo: Topology, host: str, x0: float, y0: float, lay: _Layout) 
         else:
             lo, hi = (span[0], span[-1]) if span[-1] > span[0] else (x[parent] - 0.35 * COL, x[parent] + 0.35 * COL)
             slots = [lo + (hi - lo) * i / (len(members) - 1) for i in range(len(members))]
-        for nic, sx in zip(members, slots, strict=True):
-            x[nic] = sx
-    spread(nics)
-    spread(nvs)
-    widths = {NodeKind.NIC: 0.78, NodeKind.PCIE_SWITCH: 0.78, NodeKind.CPU: 0.6, NodeKind.GPU: 0.82, NodeKind.NVSWITCH: 0.9}
-    cpu_w = min(0.9, 1.6 * width / max(len(cpus), 1) / columns) if cpus else 0
+        nic_want.update(zip(members, slots, strict=True))
+    place_row(nics, nic_want, COL)
+    place_row(nvs, dict.fromkeys(nvs), COL * max(1.0, (len(gpus) - 1) / max(len(nvs), 1)))
+    widths = {NodeKind.NIC: 0.78, NodeKind.PCIE_SWITCH: 0.78, NodeKind.CPU: 0.9, NodeKind.GPU: 0.82, NodeKind.NVSWITCH: 0.9}
+    placed = [n for items in by_kind.values() for n in items]
+    lo = min((x[n] for n in placed), default=0.0) - COL / 2
+    hi = max((x[n] for n in placed), default=0.0) + COL / 2
     for kind, items in by_kind.items():
         for n in items:
-            w = cpu_w if kind is NodeKind.CPU else widths.get(kind, 0.8) * min(COL, width / max(len(items), 1))
-            lay.pos[n] = (x[n], y0 + ROW[kind])
-            lay.size[n] = (w, 0.42)
-    return width
+            lay.pos[n] = (x0 + x[n] - lo, y0 + ROW[kind])
+            lay.size[n] = (widths.get(kind, 0.8) * COL, 0.42)
+    return hi - lo
 
 
 def _device_label(topo: Topology, n: str) -> str:

@@ -88,7 +88,11 @@ def nic_bw(gbps: float) -> float:
     >>> nic_bw(400)
     50.0
     """
-    return gbps / 8.0
+    from .errors import TopologyError
+    from .inputs import check_number
+    from .limits import MAX_NIC_GBPS
+
+    return check_number(gbps, what="a NIC line rate in Gb/s", where="nic_gbps", positive=True, maximum=MAX_NIC_GBPS, error=TopologyError) / 8.0
 
 
 # --- Latencies (microseconds), order-of-magnitude figures -----------------------

@@ -30,6 +30,8 @@ from typing import Any
 import networkx as nx
 
 from .errors import TopologyError
+from .inputs import check_name, check_node_id, check_number
+from .limits import MAX_BANDWIDTH_GBS, MAX_HOSTS, MAX_NIC_GBPS, MAX_TFLOPS, MAX_TOPOLOGY_NODES
 
 FORMAT_NAME = "netweave-topology"
 FORMAT_VERSION = 1
@@ -113,8 +115,10 @@ class Topology:
         for end in (u, v):
             if end not in self.graph:
                 raise TopologyError(f"link {u} -> {v}: unknown node {end!r}")
-        if not bw > 0:
-            raise TopologyError(f"link {u} -> {v}: bandwidth must be positive, got {bw!r}")
+        if u == v:
+            raise TopologyError(f"link {u} -> {v}: a link must join two different devices")
+        check_number(bw, what="a bandwidth in GB/s", where=f"link {u} -> {v}", positive=True, maximum=MAX_BANDWIDTH_GBS, error=TopologyError)
+        check_number(latency_us, what="a latency in us", where=f"link {u} -> {v}", minimum=0, maximum=1e9, error=TopologyError)
         kind = LinkKind(kind)
         self.revision += 1
         self.graph.add_edge(u, v, kind=kind, bw=float(bw), latency_us=float(latency_us), **attrs)
@@ -229,28 +233,57 @@ class Topology:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str | None = None) -> Topology:
-        """Inverse of :meth:`to_dict`; errors name the offending element."""
+        """Inverse of :meth:`to_dict`; checks the schema and names the offending element of any error.
+
+        Node ids are names joined by ``/`` and unique; every GPU, NIC, PCIe switch and CPU has a ``host`` (a
+        name); bandwidths are finite, positive and at most :data:`~topology.limits.MAX_BANDWIDTH_GBS`;
+        no link joins a device to itself; numeric attributes are finite numbers.
+        """
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             raise TopologyError(f"expected a JSON object with \"format\": \"{FORMAT_NAME}\"", source=source)
         if data.get("version") != FORMAT_VERSION:
             raise TopologyError(f"unsupported version {data.get('version')!r}, expected {FORMAT_VERSION}", source=source, where="version")
         graph = nx.MultiDiGraph()
         meta = data.get("meta") or {}
+        if not isinstance(meta, dict):
+            raise TopologyError("expected an object", source=source, where="meta")
+        if "name" in meta and not isinstance(meta["name"], str):
+            raise TopologyError(f"expected a string, got {meta['name']!r}", source=source, where="meta.name")
         graph.graph.update(meta)
         topo = cls(graph=graph)
-        for i, item in enumerate(_expect_list(data, "nodes", source)):
+        nodes = _expect_list(data, "nodes", source)
+        if len(nodes) > MAX_TOPOLOGY_NODES:
+            raise TopologyError(f"{len(nodes)} nodes, more than {MAX_TOPOLOGY_NODES} (the limit)", source=source, where="nodes")
+        hosts: set[str] = set()
+        for i, item in enumerate(nodes):
             where = f"nodes[{i}]"
             if not isinstance(item, dict) or "id" not in item or "kind" not in item:
                 raise TopologyError("expected an object with \"id\" and \"kind\"", source=source, where=where)
             attrs = dict(item)
-            node = attrs.pop("id")
+            node = check_node_id(attrs.pop("id"), source=source, where=f"{where}.id", error=TopologyError)
+            if node in graph:
+                raise TopologyError(f"node id {node!r} is used twice", source=source, where=f"{where}.id")
             try:
                 attrs["kind"] = NodeKind(attrs["kind"])
                 if "tier" in attrs and attrs["tier"] is not None:
                     attrs["tier"] = SwitchTier(attrs["tier"])
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 raise TopologyError(str(exc), source=source, where=where) from None
+            if attrs["kind"] is NodeKind.SWITCH and attrs.get("tier") is None:
+                attrs["tier"] = SwitchTier.LEAF
+            host = attrs.setdefault("host", None)
+            if host is not None:
+                hosts.add(check_name(host, what="host name", source=source, where=f"{where}.host", error=TopologyError))
+            elif attrs["kind"] in _HOSTED:
+                raise TopologyError(f"a {attrs['kind']} must belong to a host", source=source, where=f"{where}.host")
+            for key, value in attrs.items():
+                if key in _NODE_NUMBERS and value is not None:
+                    lo, hi, integer, positive = _NODE_NUMBERS[key]
+                    check_number(value, what=f"a {key}", source=source, where=f"{where}.{key}", minimum=lo, maximum=hi,
+                                 integer=integer, positive=positive, error=TopologyError)
             graph.add_node(node, **attrs)
+        if len(hosts) > MAX_HOSTS:
+            raise TopologyError(f"{len(hosts)} hosts, more than {MAX_HOSTS} (the limit)", source=source, where="nodes")
         for i, item in enumerate(_expect_list(data, "links", source)):
             where = f"links[{i}]"
             if not isinstance(item, dict) or not {"src", "dst", "kind", "bw"} <= item.keys():
@@ -258,14 +291,23 @@ class Topology:
             attrs = dict(item)
             u, v, key = attrs.pop("src"), attrs.pop("dst"), attrs.pop("key", None)
             for end in (u, v):
-                if end not in graph:
+                if not isinstance(end, str) or end not in graph:
                     raise TopologyError(f"unknown node {end!r}", source=source, where=where)
+            if u == v:
+                raise TopologyError(f"a link must join two different devices, got {u!r} twice", source=source, where=where)
+            if key is not None and (isinstance(key, bool) or not isinstance(key, int) or key < 0):
+                raise TopologyError(f"expected a non-negative integer key, got {key!r}", source=source, where=f"{where}.key")
+            if key is not None and graph.has_edge(u, v, key):
+                raise TopologyError(f"link {u} -> {v} key {key} is given twice", source=source, where=f"{where}.key")
             try:
                 attrs["kind"] = LinkKind(attrs["kind"])
-            except ValueError as exc:
+            except (ValueError, TypeError) as exc:
                 raise TopologyError(str(exc), source=source, where=where) from None
-            if not isinstance(attrs["bw"], int | float) or not attrs["bw"] > 0:
-                raise TopologyError(f"bw must be a positive number, got {attrs['bw']!r}", source=source, where=f"{where}.bw")
+            check_number(attrs["bw"], what="a bandwidth in GB/s", source=source, where=f"{where}.bw", positive=True,
+                         maximum=MAX_BANDWIDTH_GBS, error=TopologyError)
+            attrs["bw"] = float(attrs["bw"])
+            attrs["latency_us"] = float(check_number(attrs.get("latency_us", 0.0), what="a latency in us", source=source,
+                                                     where=f"{where}.latency_us", minimum=0, maximum=1e9, error=TopologyError))
             graph.add_edge(u, v, key=key, **attrs)
         return topo
 
@@ -273,6 +315,14 @@ class Topology:
         return isinstance(other, Topology) and self.to_dict() == other.to_dict()
 
     __hash__ = None  # mutable
+
+
+# kinds of device that sit inside a server
+_HOSTED = (NodeKind.GPU, NodeKind.NIC, NodeKind.PCIE_SWITCH, NodeKind.CPU)
+# numeric node attributes of the JSON format: (minimum, maximum, integer, positive)
+_NODE_NUMBERS = {"index": (0, 1_000_000, True, False), "numa": (0, 1_000_000, True, False), "rail": (0, 1_000_000, True, False),
+                 "memory_gib": (0, 1e9, False, False), "tflops": (0, MAX_TFLOPS, False, True),
+                 "speed_gbps": (0, MAX_NIC_GBPS, False, True), "level": (0, 1000, True, False)}
 
 
 def _plain(d: dict[str, Any]) -> dict[str, Any]:

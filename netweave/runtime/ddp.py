@@ -321,6 +321,11 @@ def planned_ddp(module: Any, dp: Any, *, device: Any, backend: str, group: Any =
 
     named = trainable_parameters(module, set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())))
     plan = agree_on_plan(named, dp, group=group, device=device if backend == "nccl" else None, source=source)
+    if plan.transfers and "bucket_cap_mb" not in ddp_kwargs and "bucket_cap_mb_list" not in ddp_kwargs:
+        # DDP hands the hook whole buckets (25 MiB by default: a small model is one bucket, ready only when the backward
+        # pass ends, and no plan could overlap anything); buckets no larger than the plan's smallest transfer let each
+        # transfer start as soon as the backward pass has produced its gradients (bench/results/runtime_emu.md)
+        ddp_kwargs["bucket_cap_mb"] = min(plan.transfer_bytes(k) for k in range(len(plan.transfers))) / MiB
     ddp = DDP(module, device_ids=[device] if device.type == "cuda" else None, process_group=group, **ddp_kwargs)
     reduced = {id(p) for p in getattr(ddp, "_module_parameters", []) if p.requires_grad}
     if reduced and reduced != {id(p) for _, p in named}:

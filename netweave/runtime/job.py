@@ -13,7 +13,7 @@ from typing import Any
 from . import plan as jp
 from .ddp import CommPlan, ModelMismatchError, PlannedAllReduce, planned_ddp
 from .phase import PhaseClock, grid_start
-from .pipeline import PipelineRun, build_pipeline
+from .pipeline import PipelineRun, build_pipeline, build_traced_pipeline
 
 PLAN_ENV = "NETWEAVE_JOB_PLAN"
 
@@ -93,14 +93,25 @@ class Job:
         return ddp
 
     # -- pipeline parallel ----------------------------------------------------------------------------------
-    def pipeline(self, model: Any, loss_fn: Any) -> PipelineRun:
+    def pipeline(self, model: Any, loss_fn: Any, *, example_args: tuple | None = None, example_kwargs: dict[str, Any] | None = None,
+                 constants: dict[str, Any] | None = None, split: list[str] | None = None) -> PipelineRun:
         """This rank's stages of the plan's pipeline, with their recomputation, under the plan's schedule.
 
         ``model`` is the list of blocks the plan's ``layers`` index (list, ``nn.ModuleList``, ``nn.Sequential``)
         or a model whose submodules the plan's ``modules`` name. Build it identically on every rank (same seed).
+
+        With ``example_args`` (one micro-batch of the first stage's inputs) the model is traced and split by torch
+        instead (any ``nn.Module``: extra arguments, tied weights): ``example_kwargs`` the first stage's keyword
+        inputs, ``constants`` keyword arguments shared by every micro-batch and stage (an attention mask),
+        ``split`` the submodules that begin layers 1, 2, ... (see :func:`netweave.runtime.pipeline.build_traced_pipeline`).
         """
+        plan_dir = Path(self.source).parent if self.source != "<plan>" else None
+        if example_args is not None:
+            return build_traced_pipeline(self.plan, model, loss_fn, example_args=example_args, example_kwargs=example_kwargs,
+                                         constants=constants, split=split, rank=self.rank, device=self.device, source=self.source,
+                                         plan_dir=plan_dir)
         run = build_pipeline(self.plan, model, loss_fn, rank=self.rank, device=self.device, backend=self.backend, source=self.source,
-                             plan_dir=Path(self.source).parent if self.source != "<plan>" else None)
+                             plan_dir=plan_dir)
         if run.ddp:
             self.comm_plan, self.hook = run.ddp[0][1], run.ddp[0][2]
             self._hooks += [h for _, _, h in run.ddp]

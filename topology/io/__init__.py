@@ -14,7 +14,8 @@ import re
 import tempfile
 from pathlib import Path
 
-from ..errors import TopologyError
+from ..errors import InputError, TopologyError
+from ..inputs import loads_json, read_text
 from ..model import Topology
 
 IMPORT_FORMATS = ("json", "nvidia-smi", "nccl-xml", "slurm")
@@ -26,9 +27,17 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 
     The file gets the mode an ordinary ``open(path, "w")`` would (``0o666`` less the umask), so
     that a hostfile or plan written by one account can be read by ``srun`` or NCCL running as
-    another; the directory is synced after the rename so the new name survives a crash.
+    another; the directory is synced after the rename so the new name survives a crash. A path that
+    cannot be written raises :class:`~topology.errors.InputError` naming it (the CLI's one line).
     """
     path = Path(path)
+    try:
+        _atomic_write(path, text)
+    except OSError as exc:
+        raise InputError(f"cannot write {path} ({exc.strerror or exc})") from None
+
+
+def _atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -73,10 +82,7 @@ def guess_format(path: str | os.PathLike[str], text: str) -> str:
 def loads(text: str, format: str, *, source: str | None = None, **options) -> Topology:
     """Parse topology ``text`` in ``format``; ``options`` go to the format's parser (see its docs)."""
     if format == "json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise TopologyError(f"invalid JSON ({exc.msg})", source=source, where=exc.lineno) from None
+        data = loads_json(text, source=source, error=TopologyError)
         if options:
             raise TopologyError(f"the json format takes no options (got {', '.join(sorted(options))})", source=source)
         return Topology.from_dict(data, source=source)
@@ -112,10 +118,7 @@ def dumps(topo: Topology, format: str = "json", *, host: str | None = None) -> s
 
 def read_topology(path: str | os.PathLike[str], format: str | None = None, **options) -> Topology:
     """Read a topology file; ``format`` is guessed from the name and content when omitted."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TopologyError(f"cannot read file ({exc.strerror})", source=str(path)) from None
+    text = read_text(path, error=TopologyError)
     return loads(text, format or guess_format(path, text), source=str(path), **options)
 
 

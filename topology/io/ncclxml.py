@@ -83,6 +83,7 @@ from typing import Any
 
 from .. import hardware as hw
 from ..errors import InputError, TopologyError
+from ..inputs import check_name
 from ..model import LinkKind, NodeKind, Topology
 
 __all__ = ["NCCL_CPU_BW", "NCCL_LOC_BW", "nccl_nvlink_bw", "parse_nccl_xml", "to_nccl_xml"]
@@ -232,6 +233,8 @@ def parse_nccl_xml(text: str, source: str | None = None, *, host: str | None = N
     >>> t.gpus(), t.graph.nodes["a/gpu0"]["model"], [d["bw"] for _, _, d in t.graph.out_edges("a/gpu0", data=True)]
     (['a/gpu0'], 'A100-SXM4-80GB', [24.0])
     """
+    if host is not None:
+        check_name(host, what="host name", source=source, where="--host")
     reader = _Reader(source)
     try:
         root = ET.fromstring(text.lstrip("\ufeff"))

@@ -43,8 +43,13 @@ then the matrix code mapped by :data:`NVSMI_TO_NCCL` (``NV#`` -> ``NVL``,
 
 Bandwidths are not in the matrix and come from :mod:`topology.hardware`:
 
-* ``gpu_model``: default from ``NV#`` (NV18 -> H100-SXM5-80GB, NV12 ->
-  A100-SXM4-80GB), else H100-SXM5-80GB;
+* ``gpu_model``: the matrix does not name it. Default from the ``nvidia-smi -L``
+  lines in the same file if there are any (``nvidia-smi -L; nvidia-smi topo -m``:
+  ``GPU 0: NVIDIA L40S (UUID: ...)``; a model not in
+  :data:`topology.hardware.GPU_SPECS` is refused), else from ``NV#`` (NV18 ->
+  H100-SXM5-80GB, NV12 -> A100-SXM4-80GB), else H100-SXM5-80GB with a
+  :class:`UserWarning` (``netweave topo import`` prints it as a note). The
+  topology's ``imported`` metadata records where it came from (``gpu_model_from``);
 * ``pcie_gen``: default by model (5 for H100/B200, 4 for A100/L40S), x16;
 * ``cpu``: inter-socket link, default by model (sapphire-rapids for H100,
   amd for A100, emerald-rapids for B200);
@@ -62,7 +67,7 @@ Bandwidths are not in the matrix and come from :mod:`topology.hardware`:
 ...
 ...   NIC0: mlx5_0
 ... '''
->>> topo = parse_nvidia_smi(text, host="box")
+>>> topo = parse_nvidia_smi(text, host="box", gpu_model="H100-SXM5-80GB")
 >>> topo.gpus(), topo.graph.nodes["box/nic0"]["name"], topo.graph.nodes["box/gpu1"]["numa"]
 (['box/gpu0', 'box/gpu1'], 'mlx5_0', 1)
 """
@@ -70,11 +75,14 @@ Bandwidths are not in the matrix and come from :mod:`topology.hardware`:
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from .. import hardware as hw
 from ..errors import InputError, TopologyError
+from ..inputs import check_name
+from ..limits import MAX_NVLINK_LANES
 from ..model import LinkKind, NodeKind, Topology
 
 __all__ = ["NVSMI_TO_NCCL", "nvsmi_to_nccl", "parse_nvidia_smi", "read_matrix"]
@@ -95,6 +103,43 @@ _ARCH_DEFAULTS = {
     100: (5, "emerald-rapids", hw.NVLINK5_BW_PER_LINK, hw.NVLINK5_LINKS_PER_B200),
 }
 _MODEL_BY_NVLINKS = {18: "H100-SXM5-80GB", 12: "A100-SXM4-80GB"}
+_LISTED_GPU = re.compile(r"^\s*GPU\s+(\d+):\s*(.+?)\s*\(UUID:", re.M)  # a line of `nvidia-smi -L`
+# Words of nvidia-smi's product names -> GPU_SPECS keys; the first rule whose words all occur wins.
+_MODEL_BY_NAME = (
+    (("GB200",), "B200-GB200-186GB"),
+    (("B200",), "B200-180GB"),
+    (("H100", "HBM3"), "H100-SXM5-80GB"),
+    (("H100", "SXM"), "H100-SXM5-80GB"),
+    (("A100", "SXM4", "80GB"), "A100-SXM4-80GB"),
+    (("L40S",), "L40S-48GB"),
+)
+
+
+def listed_gpu_model(text: str, source: str | None = None) -> str | None:
+    """The GPU model named by ``nvidia-smi -L`` lines in ``text``, as a :data:`~topology.hardware.GPU_SPECS` key (None without such lines).
+
+    >>> listed_gpu_model("GPU 0: NVIDIA L40S (UUID: GPU-1)\\nGPU 1: NVIDIA L40S (UUID: GPU-2)")
+    'L40S-48GB'
+    >>> listed_gpu_model("GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-1)"), listed_gpu_model("no list here")
+    ('H100-SXM5-80GB', None)
+    >>> listed_gpu_model("GPU 0: NVIDIA GeForce RTX 4090 (UUID: GPU-1)")
+    Traceback (most recent call last):
+    ...
+    topology.errors.InputError: line 1: GPU model 'NVIDIA GeForce RTX 4090' is not in the hardware table; ...
+    """
+    names = {m.group(2): text.count("\n", 0, m.start()) + 1 for m in _LISTED_GPU.finditer(text)}
+    models = set()
+    for name, line in names.items():
+        words = name.upper().replace("-", " ").split()
+        model = next((key for need, key in _MODEL_BY_NAME if all(any(w.startswith(n) for w in words) for n in need)), None)
+        if model is None:
+            raise InputError(f"GPU model {name!r} is not in the hardware table; pass gpu_model (--gpu-model), one of {', '.join(hw.GPU_SPECS)}",
+                             source=source, where=line)
+        models.add(model)
+    if len(models) > 1:
+        raise InputError(f"the nvidia-smi -L lines name several GPU models ({', '.join(sorted(models))}); one model per host: "
+                         "pass gpu_model (--gpu-model)", source=source)
+    return models.pop() if models else None
 
 
 def nvsmi_to_nccl(code: str) -> str:
@@ -187,7 +232,11 @@ def read_matrix(text: str, source: str | None = None) -> Matrix:
                     f"row {label}, column {col}: expected X, NV#, PIX, PXB, PHB, NODE or SYS, got {got[0] if got else 'end of line'!r}",
                     source=source, where=i + 1,
                 )
-            matrix.codes[(label, col)] = m.group(1)
+            code = m.group(1)
+            if code.startswith("NV") and code != "NODE" and not 1 <= int(code[2:]) <= MAX_NVLINK_LANES:
+                raise InputError(f"row {label}, column {col}: expected NV1..NV{MAX_NVLINK_LANES} (bonded NVLinks), got {code}",
+                                 source=source, where=i + 1)
+            matrix.codes[(label, col)] = code
             pos = m.end()
         values = rest[pos:].split()
         if len(values) > len(extra):
@@ -345,8 +394,9 @@ def parse_nvidia_smi(
     """
     if nvlink not in ("auto", "nvswitch", "direct"):
         raise InputError(f"nvlink must be auto, nvswitch or direct, got {nvlink!r}", source=source)
+    hw.nic_bw(nic_gbps)  # the line rate is checked even though one host has no network link to give it
     matrix = read_matrix(text, source)
-    host = host or matrix.host or "node0"
+    host = check_name(host or matrix.host or "node0", what="host name", source=source, where="host")
     codes = matrix.codes
     gpus = sorted((d for d in matrix.devices if matrix.is_gpu(d)), key=_natural)
     nics = [d for d in matrix.devices if not matrix.is_gpu(d)]
@@ -354,9 +404,17 @@ def parse_nvidia_smi(
         raise InputError("the matrix has no GPU rows", source=source)
     nv_counts = {(a, b): int(codes[(a, b)][2:]) for a in gpus for b in gpus if a != b and codes[(a, b)].startswith("NV") and codes[(a, b)] != "NODE"}
 
+    model_from = "given"
     if gpu_model is None:
         uniform = set(nv_counts.values())
-        gpu_model = _MODEL_BY_NVLINKS.get(uniform.pop(), "H100-SXM5-80GB") if len(uniform) == 1 else "H100-SXM5-80GB"
+        gpu_model, model_from = listed_gpu_model(text, source), "nvidia-smi -L"
+        if gpu_model is None and len(uniform) == 1 and next(iter(uniform)) in _MODEL_BY_NVLINKS:
+            count = next(iter(uniform))
+            gpu_model, model_from = _MODEL_BY_NVLINKS[count], f"NV{count} links"
+        if gpu_model is None:
+            gpu_model, model_from = "H100-SXM5-80GB", "default"
+            warnings.warn(f"{source or 'nvidia-smi matrix'}: the GPU model is not in the dump; assumed {gpu_model}. Pass --gpu-model "
+                          "(gpu_model=) or put the output of `nvidia-smi -L` in the same file", UserWarning, stacklevel=2)
     if gpu_model not in hw.GPU_SPECS:
         raise InputError(f"unknown gpu_model {gpu_model!r}; expected one of {', '.join(hw.GPU_SPECS)}", source=source)
     spec = hw.GPU_SPECS[gpu_model]
@@ -384,7 +442,7 @@ def parse_nvidia_smi(
     numa = _assign_numa(matrix, source)
     topo = Topology(
         f"{host}-nvidia-smi",
-        imported={"format": "nvidia-smi", "source": source, "gpu_model": gpu_model, "pcie_gen": pcie_gen, "cpu": cpu,
+        imported={"format": "nvidia-smi", "source": source, "gpu_model": gpu_model, "gpu_model_from": model_from, "pcie_gen": pcie_gen, "cpu": cpu,
                   "nic_gbps": nic_gbps, "nccl_model": nccl_model, "nvlink": ("nvswitch" if use_switch else "direct") if nv_counts else "none"},
     )
     cpu_ids = {}

@@ -65,6 +65,8 @@ from dataclasses import dataclass, field
 from .. import hardware as hw
 from ..builders import node_builder
 from ..errors import InputError, TopologyError
+from ..inputs import check_name
+from ..limits import MAX_HOSTS
 from ..model import LinkKind, NodeKind, SwitchTier, Topology
 
 __all__ = ["compress_hostlist", "expand_hostlist", "parse_slurm_topology", "to_slurm_topology"]
@@ -106,6 +108,8 @@ def _expand_ranges(body: str, expr: str) -> list[str]:
         if hi < lo:
             raise InputError(f"descending range {item!r} in hostlist {expr!r}")
         width = len(lo_text)  # Slurm pads every number of a range to the width of its first bound
+        if len(out) + hi - lo + 1 > MAX_HOSTS:
+            raise InputError(f"hostlist {_short(expr)} names more than {MAX_HOSTS} hosts (the limit)")
         out.extend(str(n).zfill(width) for n in range(lo, hi + 1))
     return out
 
@@ -132,14 +136,23 @@ def expand_hostlist(expr: str) -> list[str]:
         combos = [""]
         for piece in pieces:
             if piece.startswith("["):
-                combos = [c + n for c in combos for n in _expand_ranges(piece[1:-1], expr)]
+                numbers = _expand_ranges(piece[1:-1], expr)
+                if len(combos) * len(numbers) + len(names) > MAX_HOSTS:
+                    raise InputError(f"hostlist {_short(expr)} names more than {MAX_HOSTS} hosts (the limit)")
+                combos = [c + n for c in combos for n in numbers]
             elif piece:
                 if "]" in piece or "[" in piece:
                     raise InputError(f"unbalanced brackets in hostlist {expr!r}")
                 combos = [c + piece for c in combos]
         for c in combos:
             names.setdefault(c, None)
+        if len(names) > MAX_HOSTS:
+            raise InputError(f"hostlist {_short(expr)} names more than {MAX_HOSTS} hosts (the limit)")
     return list(names)
+
+
+def _short(expr: str) -> str:
+    return repr(expr) if len(expr) <= 60 else repr(expr[:57] + "...")
 
 
 _TRAILING_NUMBER = re.compile(r"^(.*?)(\d+)$")
@@ -233,6 +246,7 @@ def _logical_lines(text: str) -> Iterable[tuple[int, str]]:
 def _read_switches(text: str, source: str | None) -> list[_Switch]:
     switches: list[_Switch] = []
     seen: dict[str, int] = {}
+    hosts = 0
     for line, content in _logical_lines(text):
         fields: dict[str, str] = {}
         for token in content.split():
@@ -256,7 +270,7 @@ def _read_switches(text: str, source: str | None) -> list[_Switch]:
             fields[lower] = value
         if "switchname" not in fields:
             raise InputError("expected a line starting with SwitchName=<name>", source=source, where=line)
-        name = fields["switchname"]
+        name = check_name(fields["switchname"], what="switch name", source=source, where=line)
         if name in seen:
             raise InputError(f"switch {name!r} is defined twice (first on line {seen[name]})", source=source, where=line)
         seen[name] = line
@@ -268,6 +282,11 @@ def _read_switches(text: str, source: str | None) -> list[_Switch]:
                 sw.nodes = expand_hostlist(fields["nodes"])
         except InputError as exc:
             raise InputError(exc.message, source=source, where=line) from None
+        for host in sw.nodes:
+            check_name(host, what="node name", source=source, where=line)
+        hosts += len(sw.nodes)
+        if hosts > MAX_HOSTS:
+            raise InputError(f"the file names more than {MAX_HOSTS} nodes (the limit)", source=source, where=line)
         if sw.switches and sw.nodes:
             raise InputError(f"switch {name!r} has both Nodes= and Switches=; Slurm's tree wants one or the other", source=source, where=line)
         if not sw.switches and not sw.nodes:
@@ -331,6 +350,8 @@ def parse_slurm_topology(
     if oversubscription < 1:
         raise InputError(f"oversubscription must be >= 1, got {oversubscription}", source=source)
     text = text.lstrip("\ufeff")  # a byte-order mark from Windows editors
+    line_rate = 400.0 if nic_gbps is None else nic_gbps
+    hw.nic_bw(line_rate)  # checks the rate before any work
     switches = _read_switches(text, source)
     levels = _levels(switches, source)
     topo = Topology(source or "slurm-topology", imported={"format": "slurm", "source": source, "node": node})
@@ -362,13 +383,13 @@ def parse_slurm_topology(
             if add_server is None:
                 # One NIC per leaf a node sits under (normally exactly one).
                 i = len(host_nics[host])
-                nic = topo.add_node(f"{host}/nic{i}", NodeKind.NIC, host=host, index=i, speed_gbps=float(nic_gbps or 400))
+                nic = topo.add_node(f"{host}/nic{i}", NodeKind.NIC, host=host, index=i, speed_gbps=float(line_rate))
                 host_nics[host].append(nic)
                 nics = [nic]
             elif not nics:
                 nics = host_nics[host]  # a server listed under a second leaf: cable its NICs there too
             for nic in nics:
-                bw = hw.nic_bw(topo.graph.nodes[nic].get("speed_gbps", nic_gbps or 400))
+                bw = hw.nic_bw(topo.graph.nodes[nic].get("speed_gbps", line_rate))
                 topo.add_link(nic, s.name, LinkKind.NETWORK, bw, latency_us=hw.LATENCY_US["nic"])
                 down[s.name] += bw
 
