@@ -158,7 +158,8 @@ class _Run:
     shift: float = 0.0
     remaining: float = 0.0  # iterations left at time ``anchor`` (progress is settled lazily, when the rate changes)
     iter_time: float = math.inf
-    attained: float = 0.0  # GPU-seconds at time ``anchor``
+    served: float = 0.0  # GPU-seconds of attained service before its current run (see Replay.attained)
+    run_start: float = 0.0  # when its current (or last) run started
     anchor: float = 0.0
     version: int = 0  # of its entry in the replay's finish heap
     has_entry: bool = False  # whether that entry is valid
@@ -195,6 +196,11 @@ class Replay:
         self.slowdown = slowdown or FluidSlowdown(topo)
         self.candidates, self.las_thresholds = candidates, tuple(las_thresholds)
         self._las_sorted = sorted(self.las_thresholds)
+        # LAS's order across events: per queue, (arrival, name) sorted; each job's queue; crossing heap (time, start, name)
+        self._las_order: list[list[tuple[float, str]]] = [[] for _ in range(len(self._las_sorted) + 1)]
+        self._las_level: dict[str, int] = {}
+        self._las_cross: list[tuple[float, int, str]] = []
+        self._las_demand = 0  # GPUs of the jobs in the order
         self.profiles = profiles or ProfileCache(topo, routing)
         self.gpus = topo.gpus()
         self.gpu_pos = {g: i for i, g in enumerate(self.gpus)}
@@ -274,6 +280,7 @@ class Replay:
             r.remaining = float(r.spec.iterations)
         r.running = True
         r.anchor = self.now
+        r.run_start = self.now
         self._starts += 1
         r.started = self._starts
         self.running[r.trace.name] = r
@@ -282,6 +289,7 @@ class Replay:
 
     def _stop(self, r: _Run) -> None:
         self._settle(r)
+        r.served = self.attained(r)
         r.running = False
         r.version += 1  # its finish entry is void
         r.has_entry = False
@@ -340,35 +348,95 @@ class Replay:
         return changed
 
     def _las_queue(self, r: _Run) -> int:
-        return bisect.bisect_right(self._las_sorted, r.attained)
+        """The LAS queue a job is in now: the number of thresholds its attained service has reached."""
+        return bisect.bisect_right(self._las_sorted, self.attained(r))
+
+    def _las_add(self, r: _Run) -> None:
+        """Enter a job (arrived) into the LAS order."""
+        level = self._las_level[r.trace.name] = self._las_queue(r)
+        bisect.insort(self._las_order[level], (r.trace.arrival_s, r.trace.name))
+        self._las_demand += r.spec.gpus
+
+    def _las_remove(self, r: _Run) -> None:
+        """Take a job (finished) out of the LAS order."""
+        order = self._las_order[self._las_level.pop(r.trace.name)]
+        del order[bisect.bisect_left(order, (r.trace.arrival_s, r.trace.name))]
+        self._las_demand -= r.spec.gpus
+
+    def _las_watch(self, r: _Run) -> None:
+        """Note when a running job's attained service reaches its queue's threshold (when it moves down a queue)."""
+        level = self._las_level[r.trace.name]
+        if level < len(self._las_sorted):
+            cross = r.run_start + (self._las_sorted[level] - r.served) / r.spec.gpus
+            heapq.heappush(self._las_cross, (cross, r.started, r.trace.name))
+
+    def _las_demote(self) -> None:
+        """Move the running jobs whose attained service crossed a threshold by now to their new queue.
+
+        The heap's crossing times are computed ahead; each one near now is checked against :meth:`_las_queue` itself (the
+        queue of every job is exactly what sorting all of them at this event would give), and a crossing a rounding error
+        late stays for the next event.
+        """
+        heap, later = self._las_cross, []
+        while heap and heap[0][0] <= self.now + 1e-9 * max(1.0, abs(self.now)):
+            entry = heapq.heappop(heap)
+            r = self.jobs[entry[2]]
+            if not r.running or r.started != entry[1]:
+                continue  # stopped (or restarted: a newer entry stands for it)
+            level = self._las_queue(r)
+            name = r.trace.name
+            if level == self._las_level[name]:
+                later.append(entry)
+                continue
+            order = self._las_order[self._las_level[name]]
+            del order[bisect.bisect_left(order, (r.trace.arrival_s, name))]
+            bisect.insort(self._las_order[level], (r.trace.arrival_s, name))
+            self._las_level[name] = level
+            self._las_watch(r)
+        for entry in later:
+            heapq.heappush(heap, entry)
 
     def _schedule_las(self) -> bool:
-        for r in self.running.values():  # attained service up to now
-            self._settle(r)
-        cands = [*self.running.values(), *(self.jobs[n] for n in self.queue)]
-        levels = self._las_sorted
-        cands.sort(key=lambda r: (bisect.bisect_right(levels, r.attained), r.trace.arrival_s, r.trace.name))  # = _las_queue
-        budget = len(self.gpus)
-        keep = set()
-        for r in cands:
-            if r.spec.gpus <= budget:
-                keep.add(r.trace.name)
-                budget -= r.spec.gpus
+        """Discretised LAS: the jobs, by (queue, arrival, name), run while they fit by GPU count; the rest wait or are preempted.
+
+        The order is kept across events (one arrival-sorted list per queue; running jobs move down a queue when their
+        attained service crosses a threshold, found through a heap of crossing times), so an event costs the jobs it walks,
+        not a sort of all of them; when every job fits (the sum of their GPUs is at most the cluster's) nothing is walked.
+        """
+        self._las_demote()
+        jobs = self.jobs
+        if self._las_demand <= len(self.gpus):  # everyone fits: nobody is preempted, every waiting job starts
+            keep = None
+            start = sorted((jobs[n] for n in self.queue), key=lambda r: (self._las_level[r.trace.name], r.trace.arrival_s, r.trace.name))
+        else:
+            budget, keep, start = len(self.gpus), set(), []
+            for order in self._las_order:
+                for _, name in order:
+                    r = jobs[name]
+                    if r.spec.gpus <= budget:
+                        keep.add(name)
+                        budget -= r.spec.gpus
+                        if not r.running:
+                            start.append(r)
+                        if budget == 0:
+                            break
+                if budget == 0:
+                    break
         changed = False
-        for name in [n for n in self.running if n not in keep]:
-            r = self.running[name]
-            self._stop(r)
-            self.queue.append(name)
-            self.stats["preemptions"] += 1
-            changed = True
-        for r in cands:
-            if r.trace.name in keep and not r.running:
-                gpus = self._first_fit(r.spec.gpus)
-                if gpus is None:  # cannot happen: the kept set fits by count and first-fit takes any idle GPU
-                    continue
-                self.queue.remove(r.trace.name)
-                self._start(r, gpus)
+        if keep is not None and len(keep) - len(start) < len(self.running):  # some running jobs were not kept
+            for name in [n for n in self.running if n not in keep]:
+                self._stop(self.running[name])
+                self.queue.append(name)
+                self.stats["preemptions"] += 1
                 changed = True
+        for r in start:
+            gpus = self._first_fit(r.spec.gpus)
+            if gpus is None:  # cannot happen: the kept set fits by count and first-fit takes any idle GPU
+                continue
+            self.queue.remove(r.trace.name)
+            self._start(r, gpus)
+            self._las_watch(r)
+            changed = True
         return changed
 
     def _place_hived(self, r: _Run) -> bool:
@@ -407,6 +475,7 @@ class Replay:
             r = self.running.get(n)
             if r is not None:
                 self._settle(r)
+                r.served = self.attained(r)
                 r.running = False
                 r.version += 1
                 r.has_entry = False
@@ -422,13 +491,20 @@ class Replay:
         self._changed.pop(name, None)
         self._changed[name] = None
 
+    def attained(self, r: _Run) -> float:
+        """A job's attained service (GPU-seconds) now: its earlier runs' plus ``gpus * (now - run_start)`` while it runs."""
+        return r.served + r.spec.gpus * (self.now - r.run_start) if r.running else r.served
+
+    def remaining(self, r: _Run) -> float:
+        """A running job's iterations left now (its rate has been constant since ``anchor``)."""
+        return r.remaining - max(0.0, self.now - max(r.anchor, r.ready)) / r.iter_time
+
     def _settle(self, r: _Run) -> None:
-        """Bring a running job's ``remaining`` and ``attained`` up to now (its rate has been constant since ``anchor``)."""
-        t = self.now
-        if t > r.anchor:
-            r.remaining -= max(0.0, t - max(r.anchor, r.ready)) / r.iter_time
-            r.attained += r.spec.gpus * (t - r.anchor)
-            r.anchor = t
+        """Bring a running job's ``remaining`` up to now; called only when its rate changes or it stops, so a job's progress is
+        summed over the stretches of constant rate (the reference loop, ``tests/replay_reference.py``, does the same)."""
+        if self.now > r.anchor:
+            r.remaining = self.remaining(r)
+            r.anchor = self.now
 
     def _set_iter_time(self, r: _Run, iter_time: float) -> None:
         if iter_time == r.iter_time and r.has_entry:
@@ -556,8 +632,7 @@ class Replay:
             r = self.jobs[entry[2]]
             if not r.running or r.version != entry[1]:
                 continue
-            self._settle(r)
-            if r.remaining <= 1e-9 * max(1.0, r.spec.iterations):
+            if self.remaining(r) <= 1e-9 * max(1.0, r.spec.iterations):
                 out.append(r)
             else:
                 later.append(entry)
@@ -583,6 +658,8 @@ class Replay:
                 r = self.running[name]
                 r.finish = self.now
                 self._stop(r)
+                if self.policy == "las":
+                    self._las_remove(r)
                 changed = True
             while i < len(self.arrivals) and self.arrivals[i].arrival_s <= self.now:
                 r = self.jobs[self.arrivals[i].name]
@@ -592,6 +669,8 @@ class Replay:
                     r.reason = never["message"]
                     continue
                 self.queue.append(r.trace.name)
+                if self.policy == "las":
+                    self._las_add(r)
                 changed = True
             if changed:
                 self._schedule()
