@@ -231,6 +231,9 @@ class Replay:
         self._ov_jobs: dict[str, tuple[CommProfile, float]] = {}
         self._ov_users: dict[Edge, dict[str, tuple[CommProfile, float]]] = {}
         self._ov_link: dict[Edge, float] = {}
+        self._ov_load: dict[Edge, float] = {}  # per shared link: its users' demands summed as they come and go (see _over_capacity)
+        # hived+cassini: the running jobs on each link (the candidates' link-sharing neighbours without a scan of all jobs)
+        self._link_jobs: dict[Edge, dict[str, None]] | None = {} if policy == "hived+cassini" else None
         # the event loop's incremental state: the jobs started or stopped since the last recompute (in the order of their
         # last change), the finish heap ``(finish time, version, name)`` and the largest finish slack (see _finishing)
         self._changed: dict[str, None] = {}
@@ -286,18 +289,29 @@ class Replay:
         self.running[r.trace.name] = r
         self._mark(r.trace.name)
         self._take(ordered)
+        if self._link_jobs is not None:
+            for e in r.profile.link_rates:
+                self._link_jobs.setdefault(e, {})[r.trace.name] = None
 
-    def _stop(self, r: _Run) -> None:
+    def _stop(self, r: _Run, free_cells: bool = True) -> None:
+        """Stop a running job (finished or preempted); ``free_cells=False`` when HiveD freed its cells already."""
         self._settle(r)
         r.served = self.attained(r)
         r.running = False
         r.version += 1  # its finish entry is void
         r.has_entry = False
-        del self.running[r.trace.name]
-        self._mark(r.trace.name)
+        name = r.trace.name
+        del self.running[name]
+        self._mark(name)
         self._give(r.gpus)
-        if self.sched is not None and r.trace.name in self.sched.jobs:
-            self.sched.free(r.trace.name)
+        if self._link_jobs is not None:
+            for e in r.profile.link_rates:
+                users = self._link_jobs[e]
+                del users[name]
+                if not users:
+                    del self._link_jobs[e]
+        if free_cells and self.sched is not None and name in self.sched.jobs:
+            self.sched.free(name)
 
     # -- policies -------------------------------------------------------------------------------------
     def _schedule(self) -> bool:
@@ -458,8 +472,7 @@ class Replay:
         profs = [self.profiles.profile(r.spec, rank_order(self.topo, c.gpus)) for c in cands]
         pick, shift = 0, 0.0
         if any(p.link_rates for p in profs):
-            links = {e for p in profs for e in p.link_rates}
-            running = {n: (x.profile, x.ready) for n, x in self.running.items() if x.profile and links.intersection(x.profile.link_rates)}
+            running = self._sharing({e for p in profs for e in p.link_rates})
             ranked = rank_candidates(self.capacity, running, profs)
             pick = ranked[0].index
             phase = ranked[0].shifts.shifts.get(name, 0.0)
@@ -470,18 +483,16 @@ class Replay:
         self._start(r, res.gpus, shift, profs[pick])
         return True
 
+    def _sharing(self, links: set[Edge]) -> dict[str, tuple[CommProfile, float]]:
+        """The running jobs that use any of ``links``: ``{name: (profile, start of its first iteration)}``, in start order."""
+        names = {n for e in links for n in self._link_jobs.get(e, ())}
+        return {r.trace.name: (r.profile, r.ready) for r in sorted((self.running[n] for n in names), key=lambda r: r.started)}
+
     def _preempted(self, names: Sequence[str]) -> None:
         for n in names:  # HiveD preempted these opportunistic jobs; they go back to the queue
             r = self.running.get(n)
             if r is not None:
-                self._settle(r)
-                r.served = self.attained(r)
-                r.running = False
-                r.version += 1
-                r.has_entry = False
-                del self.running[n]
-                self._mark(n)
-                self._give(r.gpus)
+                self._stop(r, free_cells=False)
                 self.queue.insert(0, n)  # the oldest work of its queue: it goes first when cells free up
                 self.stats["preemptions"] += 1
 
@@ -558,30 +569,41 @@ class Replay:
             if now is not None and now[0] is prof and now[1] == ready:
                 continue
             del self._ov_jobs[name]
-            for e in prof.link_rates:
+            for e, rate in prof.link_rates.items():
                 del self._ov_users[e][name]
+                self._ov_load[e] -= rate
                 touched.add(e)
         for name, (prof, ready) in current.items():
             if name in self._ov_jobs:
                 continue
             self._ov_jobs[name] = (prof, ready)
-            for e in prof.link_rates:
+            for e, rate in prof.link_rates.items():
                 self._ov_users.setdefault(e, {})[name] = (prof, ready)
+                self._ov_load[e] = self._ov_load.get(e, 0.0) + rate
                 touched.add(e)
         for e in touched:
             users = self._ov_users.get(e)
             share = self._link_overload(e, users) if users else 0.0
             if not users:
                 self._ov_users.pop(e, None)
+                self._ov_load.pop(e, None)
             if share > 0:
                 self._ov_link[e] = share
             else:
                 self._ov_link.pop(e, None)
         return sum(self._ov_link.values())
 
+    def _over_capacity(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]], limit: float) -> bool:
+        """Whether the users' demands on ``e`` sum above ``limit``: the running sum decides unless it is within 1e-6 of the
+        limit (its rounding drifts by far less); there the demands are summed afresh, so the answer is a fresh sum's."""
+        load = self._ov_load[e]
+        if abs(load - limit) <= 1e-6 * limit:
+            load = self._ov_load[e] = sum(p.link_rates[e] for p, _ in users.values())
+        return load > limit
+
     def _link_overload(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]]) -> float:
         cap = self.capacity[e]
-        if len(users) < 2 or sum(p.link_rates[e] for p, _ in users.values()) <= cap * (1 + 1e-9):
+        if len(users) < 2 or not self._over_capacity(e, users, cap * (1 + 1e-9)):
             return 0.0
         key = (tuple(sorted((round(p.compute_s, 9), round(p.comm_s, 9), round(ready % p.period_s, 4), round(p.link_rates[e], 6))
                             for p, ready in users.values())), round(cap, 6))

@@ -1,10 +1,11 @@
 """The reference replay loop: :class:`placement.replay.Replay` with every incremental structure replaced by the plain computation.
 
 At every event it scans all running jobs for the next finish and for the jobs done (no finish heap), asks the slowdown
-model about the whole running set (no ``update``), re-evaluates every shared link's overload, runs FIFO's
-head-of-line loop on the plain queue and sorts all LAS candidates by (queue, arrival, name) (no kept order, no crossing
-heap). The placement steps (first-fit, HiveD's cells, CASSINI's ranking) and the arithmetic of progress are the fast
-loop's own, so the two must give the same floats: ``tests/test_scale.py`` asserts it on random traces.
+model about the whole running set (no ``update``), sums the demands on the links it re-evaluates afresh, runs FIFO's
+head-of-line loop on the plain queue, finds CASSINI's link-sharing jobs by scanning all running ones and sorts all LAS
+candidates by (queue, arrival, name) (no kept order, no crossing heap). The placement steps (first-fit, HiveD's cells,
+CASSINI's ranking) and the arithmetic of progress are the fast loop's own, so the two must give the same floats:
+``tests/test_scale.py`` asserts it on random traces.
 
 Progress is summed per stretch of constant rate, and attained service per run, in both loops: adding up every event's
 share instead (the loop before the scale work) rounds differently, and a replay amplifies those last bits (a phase
@@ -35,6 +36,12 @@ class ReferenceReplay(Replay):
             self._set_iter_time(r, max(times.get(name, r.profile.period_s), 1e-12))
         self._changed = {}
         self._overload_rate = self._overload(dict.fromkeys([*self._ov_jobs, *self.running]))
+
+    def _over_capacity(self, e, users, limit: float) -> bool:
+        return sum(p.link_rates[e] for p, _ in users.values()) > limit
+
+    def _sharing(self, links):
+        return {n: (r.profile, r.ready) for n, r in self.running.items() if links.intersection(r.profile.link_rates)}
 
     def _schedule(self) -> bool:
         if self.policy == "fifo":
