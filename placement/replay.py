@@ -19,7 +19,13 @@ Policies (:data:`POLICIES`):
     by the queue their attained service (GPU-seconds) falls in (thresholds
     ``las_thresholds``), FIFO inside a queue; at every event the highest jobs
     that fit by GPU count run and the others are preempted (progress kept, no
-    restart penalty; placement first-fit, i.e. consolidation relaxed).
+    restart penalty; placement first-fit, i.e. consolidation relaxed). Queues
+    are re-evaluated at events (arrivals, completions), not at the instant a
+    job crosses a threshold. The order is kept between events (one
+    arrival-ordered list per queue, a heap of threshold-crossing times), which
+    gives exactly the schedule of sorting every job at every event
+    (``tests/test_scale.py`` checks it against that loop) at the cost of the
+    jobs walked.
 ``hived``
     HiveD buddy cell allocation (:class:`~placement.hived.HivedScheduler`): each
     job placed by the buddy allocator (guaranteed in its VC when the trace names
