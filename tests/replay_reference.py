@@ -1,15 +1,15 @@
 """The reference replay loop: :class:`placement.replay.Replay` with every incremental structure replaced by the plain computation.
 
 At every event it scans all running jobs for the next finish and for the jobs done (no finish heap), asks the slowdown
-model about the whole running set (no ``update``), sums the demands on the links it re-evaluates afresh, runs FIFO's
-head-of-line loop on the plain queue, finds CASSINI's link-sharing jobs by scanning all running ones and sorts all LAS
-candidates by (queue, arrival, name) (no kept order, no crossing heap). The placement steps (first-fit, HiveD's cells,
-CASSINI's ranking) and the arithmetic of progress are the fast loop's own, so the two must give the same floats:
+model about the whole running set (no ``update``), sums the demands on the links it re-evaluates afresh, finds
+CASSINI's link-sharing jobs by scanning all running ones and sorts all LAS candidates by (queue, arrival, name) (no kept
+order, no crossing heap). The placement steps (first-fit, FIFO's head-of-line loop, HiveD's cells, CASSINI's ranking)
+and the arithmetic of progress are the fast loop's own, so the two must give the same floats:
 ``tests/test_scale.py`` asserts it on random traces.
 
 Progress is summed per stretch of constant rate, and attained service per run, in both loops: adding up every event's
-share instead (the loop before the scale work) rounds differently, and a replay amplifies those last bits (a phase
-differing by 1e-13 s is another fluid simulation), so long replays of the two kinds part; see ``docs/placement.md``.
+share instead (the loop before the scale work) rounds differently, and a replay amplifies those last bits (start times
+are the phases the fluid model's answers depend on), so long replays of the two kinds part; see ``docs/placement.md``.
 """
 
 from __future__ import annotations
@@ -42,27 +42,6 @@ class ReferenceReplay(Replay):
 
     def _sharing(self, links):
         return {n: (r.profile, r.ready) for n, r in self.running.items() if links.intersection(r.profile.link_rates)}
-
-    def _schedule(self) -> bool:
-        if self.policy == "fifo":
-            return self._schedule_fifo()
-        return super()._schedule()
-
-    def _schedule_fifo(self) -> bool:
-        changed = False
-        while self.queue:
-            r = self.jobs[self.queue[0]]
-            gpus = self._first_fit(r.spec.gpus)
-            if gpus is None:
-                if not self.running:
-                    r.reason = r.reason or "does not fit the idle cluster"
-                    self.queue.pop(0)
-                    continue
-                break
-            self._start(r, gpus)
-            self.queue.pop(0)
-            changed = True
-        return changed
 
     def _schedule_las(self) -> bool:
         cands = [*self.running.values(), *(self.jobs[n] for n in self.queue)]
