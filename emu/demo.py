@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from topology import build_cluster
+from topology.clitools import render_table
 from topology.errors import InputError
 from topology.model import Topology
 
@@ -72,6 +73,7 @@ def demo(topo: Topology, out: pathlib.Path) -> tuple[dict[str, Any], str]:
     report: dict[str, Any] = {"workload": w.to_dict(), "scenarios": {}}
     lines = [f"Two data-parallel jobs ({len(w.jobs[0].gpus)} GPUs each, {COMPUTE_S * 1e3:g} ms compute + ring all-reduce of "
              f"{GRADIENT_BYTES / 1e6:g} MB per iteration), flow-level simulation with ECMP routing:"]
+    rows: list[tuple[str, ...]] = []  # one per scenario: its label and each job's mean iteration
 
     def scenario(key: str, label: str, t: Topology, workload: Workload, png: str | None = None, **options: Any) -> dict[str, float]:
         r = simulate(t, workload, record_flows=False, **options)
@@ -81,7 +83,7 @@ def demo(topo: Topology, out: pathlib.Path) -> tuple[dict[str, Any], str]:
         if png:
             entry["timeline"] = str(plot_timeline(r, out / png, title=f"{label} ({t.name})"))
         report["scenarios"][key] = entry
-        lines.append(f"  {label:<46} " + "  ".join(f"{n} {v * 1e3:7.3f} ms" for n, v in its.items()))
+        rows.append((label, *(f"{v * 1e3:.3f}" for v in its.values()), *[""] * (len(w.jobs) - len(its))))
         return its
 
     alone = scenario("alone", "dp-a alone", topo, Workload("alone", (w.jobs[0],)))
@@ -108,6 +110,7 @@ def demo(topo: Topology, out: pathlib.Path) -> tuple[dict[str, Any], str]:
     report["slowdown_default"] = slow_default
     lines.append(f"On the non-blocking default fabric the jobs do not interfere (dp-a {slow_default * 100:+.2f}% vs alone).")
     report["wall_s"] = time.perf_counter() - t0
+    lines.insert(1, render_table(["scenario"] + [f"{j.name} iteration ms>" for j in w.jobs], rows, indent=2))
     lines.append(f"Timelines: {', '.join(sorted(str(p.name) for p in out.glob('timeline-*.png')))} in {out}")
     return report, "\n".join(lines)
 

@@ -62,6 +62,8 @@ PARENT_MINOR = 0x1
 LEAF_MINOR_BASE = 0x10  # leaf of priority p is class 1:(0x10 + p)
 ACK_MINOR = 0x20  # the control leaf for pure TCP ACKs
 ACK_CLASSID = f"{ROOT_HANDLE:x}:{ACK_MINOR:x}"
+NIC_MINOR_STRIDE = 0x100  # NIC k's subtree is class 1:(k+1)00, its leaves 1:(k+1)10 .. 1:(k+1)17 and 1:(k+1)20
+MAX_NIC_CLASSES = 0xFE
 DEFAULT_PRIORITY = NUM_PRIORITIES - 1
 #: Highest link rate a tree may be built for (Mbit/s): 8 Tb/s, ten times an 800 Gb/s NIC. The bound is tc's: a leaf's
 #: burst (1 ms of the link, :attr:`HtbSpec.burst_bytes`) must fit the kernel's 32-bit byte count, which fails ("Illegal
@@ -108,6 +110,11 @@ class HtbSpec:
     ``queue_packets`` is the pfifo limit under each leaf (a per-class buffer).
     ``ack_fraction`` is the control leaf's guaranteed share (0: no control
     leaf; ACKs then follow their DSCP like data).
+    ``nic_classes``: ``(IPv4 address, rate Mbit/s)`` of the NICs that one
+    interface stands for (the emulator's aggregate NIC mode); each NIC gets its
+    own rate-limited subtree of the same eight leaves, selected by the packet's
+    source (``nic_match="src"``, a host's egress) or destination address
+    (``"dst"``, the switch port towards the host). See :func:`htb_tree_commands`.
     """
 
     dev: str
@@ -116,6 +123,8 @@ class HtbSpec:
     queue_packets: int = 200
     mtu: int = 1514
     ack_fraction: float = 0.05
+    nic_classes: tuple[tuple[str, float], ...] = ()
+    nic_match: str = "src"
 
     def __post_init__(self) -> None:
         if not 0 <= self.ack_fraction <= 0.5:
@@ -128,6 +137,16 @@ class HtbSpec:
                            f"<= 1, got {self.floor_fraction!r} (ack_fraction {self.ack_fraction!r})")
         if self.queue_packets < 1:
             raise HtbError(f"interface {self.dev}: queue_packets must be >= 1, got {self.queue_packets!r}")
+        if self.nic_match not in ("src", "dst"):
+            raise HtbError(f"interface {self.dev}: nic_match must be 'src' or 'dst', got {self.nic_match!r}")
+        if len(self.nic_classes) > MAX_NIC_CLASSES:
+            raise HtbError(f"interface {self.dev}: at most {MAX_NIC_CLASSES} NIC classes, got {len(self.nic_classes)}")
+        for addr, rate in self.nic_classes:
+            if not re.fullmatch(r"(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})", str(addr)) or any(int(x) > 255 for x in str(addr).split(".")):
+                raise HtbError(f"interface {self.dev}: NIC class address must be an IPv4 address, got {addr!r}")
+            if not 0 < rate <= self.rate_mbit * (1 + 1e-9):
+                raise HtbError(f"interface {self.dev}: NIC class rate must be positive and at most the link's {self.rate_mbit:g} Mbit/s, "
+                               f"got {rate!r} for {addr}")
 
     @property
     def rate_kbit(self) -> int:
@@ -150,8 +169,33 @@ class HtbSpec:
         return max(2 * self.mtu, round(self.rate_kbit * 1000 / 8 * 0.001))
 
 
+def nic_classid(nic: int, priority: int | None = None) -> str:
+    """tc class id of NIC ``nic``'s subtree (``1:100``, ``1:200`` ...), or of its leaf for ``priority`` (``1:110`` ... ``1:117``).
+
+    >>> nic_classid(0), nic_classid(0, 3), nic_classid(2, 7)
+    ('1:100', '1:113', '1:317')
+    """
+    minor = NIC_MINOR_STRIDE * (nic + 1)
+    if priority is not None:
+        dscp_for_priority(priority)
+        minor += LEAF_MINOR_BASE + priority
+    return f"{ROOT_HANDLE:x}:{minor:x}"
+
+
+def nic_ack_classid(nic: int) -> str:
+    """tc class id of NIC ``nic``'s control leaf for pure ACKs (``1:120`` ...)."""
+    return f"{ROOT_HANDLE:x}:{NIC_MINOR_STRIDE * (nic + 1) + ACK_MINOR:x}"
+
+
+def _leaf_priority(classid: str) -> int | None:
+    """The priority a leaf class serves (``1:13`` and ``1:213`` serve 3), None for inner and control classes."""
+    minor = int(classid.split(":")[1], 16)
+    low = minor % NIC_MINOR_STRIDE
+    return low - LEAF_MINOR_BASE if LEAF_MINOR_BASE <= low < LEAF_MINOR_BASE + NUM_PRIORITIES else None
+
+
 def htb_tree_commands(dev: str, rate_mbit: float, *, floor_fraction: float = 0.01, queue_packets: int = 200,
-                      ack_fraction: float = 0.05) -> list[str]:
+                      ack_fraction: float = 0.05, nic_classes: Sequence[tuple[str, float]] = (), nic_match: str = "src") -> list[str]:
     """``tc -batch`` lines (no leading ``tc``) that install the 8-class tree on ``dev``.
 
     Layout: root qdisc ``1:`` (htb, default leaf ``1:17``) -> class ``1:1``
@@ -161,15 +205,32 @@ def htb_tree_commands(dev: str, rate_mbit: float, *, floor_fraction: float = 0.0
     the filter that sends pure ACKs to the control leaf ``1:20`` (omitted
     when ``ack_fraction`` is 0).
 
+    ``nic_classes`` (one ``(address, rate Mbit/s)`` per NIC) adds, for NIC *k*,
+    a class ``1:(k+1)00`` under ``1:1`` with rate = ceil = the NIC's rate and
+    the same eight leaves and control leaf below it (``1:(k+1)10`` ...
+    ``1:(k+1)17``, ``1:(k+1)20``), reached by filters that match the NIC's
+    address (source or destination, ``nic_match``) as well as the DSCP, and
+    that are tried before the plain DSCP filters. One interface then carries
+    several NICs, each at its own rate and with its own eight classes; traffic
+    from or to any other address uses the plain leaves at the link rate.
+
+    >>> sub = htb_tree_commands("h0-eth0", 800, nic_classes=[("10.1.0.1", 400), ("10.2.0.1", 400)])
+    >>> sum(c.startswith("class add") for c in sub), sum(c.startswith("filter add") for c in sub)
+    (30, 27)
+    >>> [c for c in sub if "flowid 1:110" in c][0]
+    'filter add dev h0-eth0 parent 1: protocol ip prio 2 u32 match ip src 10.1.0.1/32 match ip tos 0xe0 0xfc flowid 1:110'
+
     >>> cmds = htb_tree_commands("s0-eth1", 400)
     >>> sum(c.startswith("class add") for c in cmds), sum(c.startswith("filter add") for c in cmds)
     (10, 9)
     >>> [c for c in cmds if "tos 0xe0" in c][0]
     'filter add dev s0-eth1 parent 1: protocol ip prio 2 u32 match ip tos 0xe0 0xfc flowid 1:10'
     """
-    spec = HtbSpec(dev, rate_mbit, floor_fraction=floor_fraction, queue_packets=queue_packets, ack_fraction=ack_fraction)
+    spec = HtbSpec(dev, rate_mbit, floor_fraction=floor_fraction, queue_packets=queue_packets, ack_fraction=ack_fraction,
+                   nic_classes=tuple((str(a), float(r)) for a, r in nic_classes), nic_match=nic_match)
     rate, floor, burst = spec.rate_kbit, spec.floor_kbit, spec.burst_bytes
     default_minor = LEAF_MINOR_BASE + DEFAULT_PRIORITY
+    shift = _nic_prefs(spec)  # the NIC subtrees' filters come first
     lines = [
         f"qdisc replace dev {dev} root handle {ROOT_HANDLE}: htb default {default_minor:x} r2q 10",
         f"class add dev {dev} parent {ROOT_HANDLE}: classid {ROOT_HANDLE}:{PARENT_MINOR:x} htb rate {rate}kbit ceil {rate}kbit "
@@ -182,19 +243,54 @@ def htb_tree_commands(dev: str, rate_mbit: float, *, floor_fraction: float = 0.0
             f"ceil {rate}kbit burst {burst} cburst {burst} prio {p} quantum {spec.mtu}"
         )
         lines.append(f"qdisc add dev {dev} parent {ROOT_HANDLE}:{minor:x} handle {minor:x}: pfifo limit {queue_packets}")
+    filters = []
     if spec.ack_fraction > 0:
         lines.append(
             f"class add dev {dev} parent {ROOT_HANDLE}:{PARENT_MINOR:x} classid {ACK_CLASSID} htb rate {spec.ack_kbit}kbit "
             f"ceil {rate}kbit burst {burst} cburst {burst} prio 0 quantum {spec.mtu}"
         )
         lines.append(f"qdisc add dev {dev} parent {ACK_CLASSID} handle {ACK_MINOR:x}: pfifo limit {queue_packets}")
-        lines.append(f"filter add dev {dev} parent {ROOT_HANDLE}: protocol ip prio 1 u32 match ip protocol 6 0xff "
-                     f"match u16 0x0000 0xff80 at 2 flowid {ACK_CLASSID}")
+        filters.append(f"filter add dev {dev} parent {ROOT_HANDLE}: protocol ip prio {1 + shift} u32 match ip protocol 6 0xff "
+                       f"match u16 0x0000 0xff80 at 2 flowid {ACK_CLASSID}")
     for p in range(NUM_PRIORITIES):
-        lines.append(
-            f"filter add dev {dev} parent {ROOT_HANDLE}: protocol ip prio {p + 2} u32 match ip tos {tos_for_priority(p):#04x} 0xfc "
+        filters.append(
+            f"filter add dev {dev} parent {ROOT_HANDLE}: protocol ip prio {p + 2 + shift} u32 match ip tos {tos_for_priority(p):#04x} 0xfc "
             f"flowid {leaf_classid(p)}"
         )
+    return lines + _nic_subtree_commands(spec) + filters
+
+
+def _nic_prefs(spec: HtbSpec) -> int:
+    """Filter preferences taken by the NIC subtrees' filters (they are tried first); the plain filters follow."""
+    return len(spec.nic_classes) * (NUM_PRIORITIES + 1)
+
+
+def _nic_subtree_commands(spec: HtbSpec) -> list[str]:
+    """The ``class``/``qdisc``/``filter`` lines of ``spec``'s NIC subtrees (see :func:`htb_tree_commands`)."""
+    dev, lines = spec.dev, []
+    for k, (addr, nic_mbit) in enumerate(spec.nic_classes):
+        nic = HtbSpec(dev, nic_mbit, spec.floor_fraction, spec.queue_packets, spec.mtu, spec.ack_fraction)
+        rate, floor, burst = nic.rate_kbit, nic.floor_kbit, nic.burst_bytes
+        top = nic_classid(k)
+        lines.append(f"class add dev {dev} parent {ROOT_HANDLE}:{PARENT_MINOR:x} classid {top} htb rate {rate}kbit ceil {rate}kbit "
+                     f"burst {burst} cburst {burst} quantum {spec.mtu}")
+        for p in range(NUM_PRIORITIES):
+            cid = nic_classid(k, p)
+            lines.append(f"class add dev {dev} parent {top} classid {cid} htb rate {floor}kbit ceil {rate}kbit burst {burst} "
+                         f"cburst {burst} prio {p} quantum {spec.mtu}")
+            lines.append(f"qdisc add dev {dev} parent {cid} handle {cid.split(':')[1]}: pfifo limit {spec.queue_packets}")
+        base = 1 + k * (NUM_PRIORITIES + 1)
+        match = f"match ip {spec.nic_match} {addr}/32"
+        if spec.ack_fraction > 0:
+            ack = nic_ack_classid(k)
+            lines.append(f"class add dev {dev} parent {top} classid {ack} htb rate {nic.ack_kbit}kbit ceil {rate}kbit burst {burst} "
+                         f"cburst {burst} prio 0 quantum {spec.mtu}")
+            lines.append(f"qdisc add dev {dev} parent {ack} handle {ack.split(':')[1]}: pfifo limit {spec.queue_packets}")
+            lines.append(f"filter add dev {dev} parent {ROOT_HANDLE}: protocol ip prio {base} u32 {match} match ip protocol 6 0xff "
+                         f"match u16 0x0000 0xff80 at 2 flowid {ack}")
+        for p in range(NUM_PRIORITIES):
+            lines.append(f"filter add dev {dev} parent {ROOT_HANDLE}: protocol ip prio {base + 1 + p} u32 {match} "
+                         f"match ip tos {tos_for_priority(p):#04x} 0xfc flowid {nic_classid(k, p)}")
     return lines
 
 
@@ -363,18 +459,54 @@ def check_htb_tree(spec: HtbSpec, qdisc_text: str, class_text: str, filter_text:
             problems.append(f"{dev}: control leaf {ACK_CLASSID} missing or wrong (expected prio 0, rate {spec.ack_kbit} kbit, a pfifo)")
         if not any(f.flowid == ACK_CLASSID and all(m in f.matches for m in ACK_MATCHES) for f in filters):
             problems.append(f"{dev}: no u32 filter sending pure TCP ACKs to {ACK_CLASSID}")
+    for k, (addr, nic_mbit) in enumerate(spec.nic_classes):
+        nic = HtbSpec(dev, nic_mbit, spec.floor_fraction, spec.queue_packets, spec.mtu, spec.ack_fraction)
+        nic_bps, nic_floor = nic.rate_kbit * 1e3, nic.floor_kbit * 1e3
+        top = classes.get(nic_classid(k))
+        if top is None or top.parent != f"{ROOT_HANDLE}:{PARENT_MINOR:x}" or not (close(top.rate_bps, nic_bps) and close(top.ceil_bps, nic_bps)):
+            problems.append(f"{dev}: NIC class {nic_classid(k)} ({addr}) missing or wrong (expected rate = ceil = {nic_bps:.0f} bit/s "
+                            f"under {ROOT_HANDLE}:{PARENT_MINOR:x})")
+            continue
+        addr_key = _address_key(addr, spec.nic_match)
+        for p in range(NUM_PRIORITIES):
+            cid = nic_classid(k, p)
+            c = classes.get(cid)
+            if c is None or c.parent != nic_classid(k) or c.prio != p or not close(c.ceil_bps, nic_bps) or not close(c.rate_bps, nic_floor) \
+                    or cid not in pfifo_parents:
+                problems.append(f"{dev}: NIC leaf {cid} ({addr}, priority {p}) missing or wrong (expected prio {p}, rate {nic_floor:.0f}, "
+                                f"ceil {nic_bps:.0f} bit/s, a pfifo, under {nic_classid(k)})")
+            want = (tos_for_priority(p) << 16, 0x00FC0000, 0)
+            if not any(f.flowid == cid and want in f.matches and addr_key in f.matches for f in filters):
+                problems.append(f"{dev}: no u32 filter sending {spec.nic_match} {addr} with TOS {tos_for_priority(p):#04x} to {cid}")
+        if spec.ack_fraction > 0:
+            ack = nic_ack_classid(k)
+            c = classes.get(ack)
+            if c is None or c.parent != nic_classid(k) or c.prio != 0 or ack not in pfifo_parents:
+                problems.append(f"{dev}: NIC control leaf {ack} ({addr}) missing or wrong")
+            if not any(f.flowid == ack and addr_key in f.matches and all(m in f.matches for m in ACK_MATCHES) for f in filters):
+                problems.append(f"{dev}: no u32 filter sending pure TCP ACKs of {addr} to {ack}")
     return problems
+
+
+def _address_key(addr: str, which: str) -> tuple[int, int, int]:
+    """The u32 key ``(value, mask, offset)`` of ``match ip src|dst ADDR/32`` as ``tc filter show`` prints it."""
+    value = int.from_bytes(bytes(int(x) for x in addr.split(".")), "big")
+    return (value, 0xFFFFFFFF, 12 if which == "src" else 16)
 
 
 def class_counters(class_text: str) -> dict[int, dict[str, Any]]:
     """Per-priority sent bytes/packets/drops from ``tc -s class show`` of one interface."""
     classes = parse_tc_classes(class_text)
-    out = {}
-    for p in range(NUM_PRIORITIES):
-        c = classes.get(leaf_classid(p))
-        if c is not None:
-            out[p] = {"sent_bytes": c.sent_bytes, "sent_packets": c.sent_packets, "dropped": c.dropped}
-    return out
+    out: dict[int, dict[str, Any]] = {}
+    for cid, c in classes.items():  # the plain leaves and those of NIC subtrees (1:13 and 1:213 both serve priority 3)
+        p = _leaf_priority(cid)
+        if p is None:
+            continue
+        row = out.setdefault(p, {"sent_bytes": 0, "sent_packets": 0, "dropped": 0})
+        row["sent_bytes"] += c.sent_bytes
+        row["sent_packets"] += c.sent_packets
+        row["dropped"] += c.dropped
+    return dict(sorted(out.items()))
 
 
 # -- a batch's expected state, compared with what the kernel holds ------------------------------------------
@@ -399,6 +531,10 @@ class TreeState:
 def _u32_keys(match: str) -> list[tuple[int, int, int]]:
     """u32 keys (32-bit aligned value, mask, offset) of the ``match ...`` clauses of a filter line, as the kernel stores them."""
     keys = []
+    for m in re.finditer(r"match ip (src|dst) (\d+\.\d+\.\d+\.\d+)/(\d+)", match):
+        bits = int(m.group(3))
+        mask = (0xFFFFFFFF << (32 - bits)) & 0xFFFFFFFF
+        keys.append((int.from_bytes(bytes(int(x) for x in m.group(2).split(".")), "big") & mask, mask, 12 if m.group(1) == "src" else 16))
     for m in re.finditer(r"match (ip (tos|protocol) (\S+) (\S+)|u(8|16|32) (\S+) (\S+) at (\d+))", match):
         if m.group(2):
             value, mask = int(m.group(3), 0), int(m.group(4), 0)

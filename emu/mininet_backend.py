@@ -10,8 +10,9 @@ in a controller that lives in this process:
   concurrent point-to-point flows (step *s+1* starts when every flow of step
   *s* has arrived); a ``p2p`` phase is one step;
 - a flow between GPUs of different servers is a real TCP connection from the
-  source server's agent to the destination's, over the interface that
-  :func:`emu.net.route_flow` picks, marked with the DSCP of the phase's
+  source server's agent to the destination's, over the interface and
+  addresses that :func:`emu.net.flow_endpoints` picks (the NICs of the
+  simulator's route under the job's ``routing``), marked with the DSCP of the phase's
   priority (``IP_TOS``) and paced with ``SO_MAX_PACING_RATE`` when the phase
   has a ``rate_cap``; its end is the receiver's stamp of the last byte;
 - a flow between GPUs of one server is *modelled*, not emulated: a timer of
@@ -46,7 +47,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,9 +59,9 @@ from topology import Topology
 from topology.errors import InputError
 
 from .htb import NUM_PRIORITIES, tos_for_priority
-from .net import WIRE_OVERHEAD, CpuMonitor, EmulatedNetwork, EmulationError, FidelityError, NetworkPlan, plan_network, route_flow
+from .net import WIRE_OVERHEAD, CpuMonitor, EmulatedNetwork, EmulationError, FidelityError, NetworkPlan, flow_endpoints, plan_network
 from .results import FlowRecord, JobResult, PhaseRecord, RunResult
-from .sim import phase_flows
+from .sim import SimConfig, phase_flows
 from .workload import ComputePhase, Job, Workload
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,8 @@ DEFAULT_CPU_LIMIT = 0.95
 #: scheduled promptly (a starved receiver stalls its TCP flow); raising their priority keeps the emulation faithful while
 #: other work shares the machine. Root may lower niceness; the driver's own niceness is restored after the run.
 EMULATION_NICE = -10
+#: Routing of jobs without their own ``routing``: the simulator's default, so both backends use the same NICs.
+DEFAULT_ROUTING = SimConfig().routing
 
 
 # -- control plane ----------------------------------------------------------------------------------------
@@ -206,9 +209,11 @@ class _Executor:
     """Walks the phase graphs of all jobs in real (dilated) time, driving the agents."""
 
     def __init__(self, topo: Topology, workload: Workload, plan: NetworkPlan, agents: AgentSet, *, timeout_s: float, byte_scale: float = 1.0,
-                 monitor: FidelityMonitor | None = None):
+                 monitor: FidelityMonitor | None = None, progress: Callable[[int, int], None] | None = None):
         self.topo, self.workload, self.plan, self.agents = topo, workload, plan, agents
         self.monitor = monitor
+        self.progress = progress  # hears (phase instances done, total) whenever the count changes
+        self.t0: float | None = None  # monotonic start of the workload, once it started
         # Emulated bytes are nbytes / byte_scale at rate / time_scale, so emulated time is workload time * K with
         # K = time_scale / byte_scale: compute phases, modelled flows and the conversion back all use K.
         self.byte_scale = byte_scale
@@ -278,16 +283,16 @@ class _Executor:
             flow = _Flow(next(self.ids), job.name, run.iteration, phase.name, run.step, src, dst, nbytes, prio)
             self.flows[flow.id] = flow
             run.pending.add(flow.id)
-            route = route_flow(self.plan, self.topo, src, dst)
+            route = flow_endpoints(self.plan, self.topo, src, dst, job.routing or DEFAULT_ROUTING)
             if route is None or nbytes <= 0:
                 flow.emulated = False
                 flow.start = now
                 seconds = 0.0 if nbytes <= 0 else self._intra_seconds(src, dst, nbytes)
                 self.timers.append((now + seconds * self.K, "flow", flow))
                 continue
-            tx, rx = route
+            tx, src_ip, _rx, dst_ip = route
             order = {"type": "send", "flow": flow.id, "nbytes": max(1, int(round(nbytes / self.byte_scale))), "tos": tos_for_priority(prio),
-                     "src_ip": tx.ip, "dst_ip": rx.ip, "port": self.agents.port}
+                     "src_ip": src_ip, "dst_ip": dst_ip, "port": self.agents.port}
             if cap:
                 order["pacing_bytes_per_s"] = int(cap * 1e9 / self.plan.time_scale * WIRE_OVERHEAD)
             self.agents.controller.send(tx.host, order)
@@ -309,10 +314,12 @@ class _Executor:
         jobs = list(self.workload.jobs)
         self._deps = {j.name: j.dependencies() for j in jobs}
         self._phase_index = {j.name: j.phase_index() for j in jobs}
-        t0 = time.monotonic()
+        self.t0 = t0 = time.monotonic()
         deadline = t0 + self.timeout_s
         total = sum(j.iterations * len(j.phases) for j in jobs)
-        finished = 0
+        finished = reported = 0
+        if self.progress is not None:
+            self.progress(0, total)
         while True:
             now = time.monotonic()
             # start every phase instance whose dependencies are met
@@ -330,6 +337,9 @@ class _Executor:
                                 self._start_phase(run, now, self._ready_time(job, i, p, t0))
                                 progress = True
             finished = sum(r.done for r in self.runs.values())
+            if self.progress is not None and finished != reported:
+                reported = finished
+                self.progress(finished, total)
             if finished == total:
                 return t0, time.monotonic()
             failure = self.monitor.failure if self.monitor is not None else None
@@ -363,6 +373,12 @@ class _Executor:
                     self._flow_done(payload, due_t, now)
 
     def result(self, t0: float) -> RunResult:
+        """The measured result, in workload seconds; of a run that stopped early, what had finished.
+
+        A job keeps its leading iterations whose every phase finished (an
+        iteration's time needs the previous end), the phases that finished and
+        the flows with both stamps (sent and arrived), nothing that was still running.
+        """
         K = self.K
 
         def w(t: float) -> float:
@@ -373,13 +389,15 @@ class _Executor:
         for job in self.workload.jobs:
             ends = []
             for i in range(job.iterations):
-                runs = [self.runs[(job.name, i, p)] for p in range(len(job.phases))]
-                ends.append(max(w(r.end) for r in runs))
-                for r in runs:
+                runs = [self.runs.get((job.name, i, p)) for p in range(len(job.phases))]
+                done = [r for r in runs if r is not None and r.done]
+                for r in done:
                     phases.append(PhaseRecord(job.name, i, job.phases[r.index].name, job.phases[r.index].kind, w(r.start), w(r.end)))
+                if len(done) == len(runs) and len(ends) == i:
+                    ends.append(max(w(r.end) for r in done))
             jobs[job.name] = JobResult(job.name, job.arrival, job.arrival + job.start_offset, ends)
         flows = [FlowRecord(f.job, f.iteration, f.phase, f.step, f.src, f.dst, f.nbytes, w(f.start), w(f.end))
-                 for f in sorted(self.flows.values(), key=lambda f: f.id)]
+                 for f in sorted(self.flows.values(), key=lambda f: f.id) if not (math.isnan(f.start) or math.isnan(f.end))]
         return RunResult("mininet", self.workload.name, self.topo.name, jobs, phases, flows, None, K)
 
     def expected_class_bytes(self) -> dict[int, float]:
@@ -546,7 +564,8 @@ def _niceness(value: int) -> Iterator[None]:
 def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_dir: str | os.PathLike[str] | None = None,
                 nic_mode: str = "per-leaf", byte_scale: float = 1.0, calibrate_seconds: float = 1.0, calibration_tolerance: float = 0.10,
                 cpu_limit: float = DEFAULT_CPU_LIMIT, probe_dscp: bool = True, timeout_s: float = 600.0, prefix: str | None = None,
-                raise_on_fidelity: bool = True, monitor_s: float = 1.0) -> RunResult:
+                raise_on_fidelity: bool = True, monitor_s: float = 1.0, progress: Callable[[int, int], None] | None = None,
+                result_file: str = "result-mininet.json", meta: dict[str, Any] | None = None) -> RunResult:
     """Run ``workload`` on an emulated ``topo`` scaled by ``time_scale`` (K) and return the measured :class:`RunResult`.
 
     Needs root and Mininet (raises :class:`~emu.net.EmulationError` otherwise);
@@ -567,14 +586,25 @@ def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_di
     modelled flows are stretched by K/M. The result's ``time_scale`` is K/M.
     It keeps rates, hence queueing and fair sharing, exact, but shortens each
     flow in packets, so TCP slow start weighs M times more.
+
+    The result is kept whatever happens once the workload started: with
+    ``out_dir``, ``fidelity.json`` and ``result_file`` are written at the end
+    of the run, and also when the run stops early (Ctrl-C, SIGTERM, a
+    fidelity check that can no longer pass, an agent error, the timeout) —
+    then the result holds the iterations that finished, ``meta["partial"]``
+    is true and ``meta["verdict"]`` says why it stopped — before the
+    exception goes on. ``meta`` is merged into the result's ``meta`` (the CLI
+    records its byte-scale choice there); ``progress`` hears ``(phase
+    instances done, total)`` while the workload runs (e.g.
+    :func:`emu.sweep.eta_progress`). ``result.meta["verdict"]`` is
+    :func:`fidelity_verdict` of the report.
     """
     if not byte_scale >= 1:
         raise InputError(f"byte_scale must be >= 1, got {byte_scale!r}", where="byte_scale")
     workload.validate(topo)
     if not workload.jobs:
         raise InputError("the workload has no jobs", where="jobs")
-    hosts = sorted({topo.host_of(g) for g in workload.gpus()}, key=topo.hosts().index)
-    plan = plan_network(topo, time_scale=time_scale, nic_mode=nic_mode, hosts=hosts if len(hosts) > 1 else None, prefix=prefix)
+    plan = plan_network(topo, time_scale=time_scale, nic_mode=nic_mode, hosts=workload_hosts(topo, workload), prefix=prefix)
     out = Path(out_dir) if out_dir is not None else None
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -582,6 +612,7 @@ def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_di
     failures: list[str] = []
     t_wall = time.monotonic()
     with EmulatedNetwork(plan) as net:
+        fidelity["lock_wait_s"] = net.lock_wait_s  # waiting for another emulation to finish: part of wall_s, not of this run's work
         fidelity["htb_before"] = net.verify_htb()  # a broken tree is fatal before anything runs
         fidelity["calibration_before"] = net.calibrate(seconds=calibrate_seconds, tolerance=calibration_tolerance, raise_on_error=False)
         with AgentSet(net) as agents:
@@ -593,16 +624,22 @@ def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_di
                     failures += fidelity["dscp"]["problems"]
             counters_before = net.class_counters()
             net.set_phase("workload")
+            executor = _Executor(topo, workload, plan, agents, timeout_s=timeout_s, byte_scale=byte_scale, progress=progress)
+            cpu = CpuMonitor()
             try:
-                with CpuMonitor() as cpu, FidelityMonitor(net, monitor_s) as monitor, _niceness(EMULATION_NICE):
-                    executor = _Executor(topo, workload, plan, agents, timeout_s=timeout_s, byte_scale=byte_scale, monitor=monitor)
+                with cpu, FidelityMonitor(net, monitor_s) as monitor, _niceness(EMULATION_NICE):
+                    executor.monitor = monitor
                     t0, t1 = executor.run()
-            except FidelityError as exc:
-                if out is not None:  # the report of a run stopped early: what passed before, and why it stopped
-                    from topology.io import atomic_write_text
-
-                    fidelity.update(exc.report)
-                    atomic_write_text(out / "fidelity.json", json.dumps(fidelity, indent=1, default=str) + "\n")
+            except BaseException as exc:  # Ctrl-C, SIGTERM, stopped early, an agent error, the timeout: keep what finished
+                if isinstance(exc, FidelityError):
+                    fidelity.update(exc.report)  # what passed before, and why it stopped
+                else:
+                    reason = "interrupted (Ctrl-C or SIGTERM)" if isinstance(exc, KeyboardInterrupt) else f"{type(exc).__name__}: {exc}"[:2000]
+                    fidelity.update(ok=False, stopped_early=reason, problems=[f"the run stopped early: {reason}"])
+                fidelity["cpu"] = cpu.report()
+                fidelity["wall_s"] = time.monotonic() - t_wall
+                if out is not None:
+                    _keep(out, result_file, fidelity, executor, plan, meta, partial=True)
                 raise
             net.set_phase("checks")
             fidelity["monitor_checks"] = monitor.checks
@@ -628,17 +665,60 @@ def run_mininet(topo: Topology, workload: Workload, *, time_scale: float, out_di
     fidelity["run_wall_s"] = t1 - t0
     fidelity["ok"] = not failures
     fidelity["problems"] = failures
-    result = executor.result(t0)
-    result.meta = {"fidelity": fidelity, "plan": plan.to_dict(), "emulated_flows": sum(f.emulated for f in executor.flows.values()),
+    result = _keep(out, result_file, fidelity, executor, plan, meta, partial=False)
+    if failures and raise_on_fidelity:
+        raise FidelityError("emulation fidelity check failed: " + "; ".join(failures), fidelity)
+    return result
+
+
+def workload_hosts(topo: Topology, workload: Workload) -> list[str] | None:
+    """The servers an emulation of ``workload`` builds (those holding its GPUs), or None for all when it uses one server."""
+    hosts = sorted({topo.host_of(g) for g in workload.gpus()}, key=topo.hosts().index)
+    return hosts if len(hosts) > 1 else None
+
+
+def _keep(out: Path | None, result_file: str, fidelity: dict[str, Any], executor: _Executor, plan: NetworkPlan, meta: dict[str, Any] | None,
+          *, partial: bool) -> RunResult:
+    """The result of ``executor`` so far, with its fidelity report and verdict; written to ``out`` (with ``fidelity.json``) when given."""
+    result = executor.result(executor.t0 if executor.t0 is not None else time.monotonic())
+    result.meta = {**(meta or {}), "fidelity": fidelity, "verdict": fidelity_verdict(fidelity), "partial": partial, "plan": plan.to_dict(),
+                   "emulated_flows": sum(f.emulated for f in executor.flows.values()),
                    "modelled_flows": sum(not f.emulated for f in executor.flows.values())}
     if out is not None:
         from topology.io import atomic_write_text
 
         atomic_write_text(out / "fidelity.json", json.dumps(fidelity, indent=1, default=str) + "\n")
-        result.write(out / "result-mininet.json")
-    if failures and raise_on_fidelity:
-        raise FidelityError("emulation fidelity check failed: " + "; ".join(failures), fidelity)
+        result.write(out / result_file)
     return result
+
+
+def fidelity_verdict(fidelity: dict[str, Any]) -> dict[str, Any]:
+    """A fidelity report (``result.meta["fidelity"]``) in brief: ``ok``, the checks that ``failed``, and the figures behind them.
+
+    ``failed`` names checks: ``stopped`` (the run did not finish),
+    ``cpu`` (busy on average above ``cpu_limit``), ``calibration_before`` /
+    ``calibration_after`` (the iperf3 flow off its rate), ``dscp``,
+    ``class_bytes``, ``htb_after``.
+
+    >>> v = fidelity_verdict({"ok": False, "cpu_limit": 0.95, "cpu": {"busy_mean": 0.97}, "calibration_before": {"ok": True, "error": -0.02},
+    ...                       "problems": ["CPU busy 97% on average during the run (limit 95%): the emulator was saturated"]})
+    >>> v["ok"], v["failed"], v["cpu_busy_mean"], v["calibration_error_before"]
+    (False, ['cpu'], 0.97, -0.02)
+    """
+    def part(key: str) -> dict[str, Any]:
+        value = fidelity.get(key)
+        return value if isinstance(value, dict) else {}
+
+    busy = part("cpu").get("busy_mean")
+    limit = fidelity.get("cpu_limit", DEFAULT_CPU_LIMIT)
+    failed = ["stopped"] if fidelity.get("stopped_early") else []
+    if busy is not None and busy > limit:
+        failed.append("cpu")
+    failed += [key for key in ("calibration_before", "calibration_after", "dscp", "class_bytes", "htb_after") if part(key).get("ok") is False]
+    return {"ok": bool(fidelity.get("ok")) and not failed, "failed": failed, "problems": list(fidelity.get("problems", [])),
+            "stopped_early": fidelity.get("stopped_early"), "cpu_busy_mean": busy, "cpu_busy_p90": part("cpu").get("busy_p90"), "cpu_limit": limit,
+            "calibration_error_before": part("calibration_before").get("error"), "calibration_error_after": part("calibration_after").get("error"),
+            "drops": fidelity.get("drops"), "wall_s": fidelity.get("wall_s"), "lock_wait_s": fidelity.get("lock_wait_s")}
 
 
 # -- torch.distributed jobs -------------------------------------------------------------------------------

@@ -20,11 +20,14 @@ NIC modes
     on rail-optimized fabrics), so every pair of emulated servers must share a
     leaf; otherwise :class:`EmulationError` says which pair does not.
     ``"aggregate"``: a server gets ONE interface at the sum of its NIC rates on
-    a single bridge that stands for the whole fabric. It is cheap (one veth
-    per server) and exact when a server's traffic is spread evenly over its
-    NICs (ring collectives over all rails), but optimistic when traffic
-    concentrates on fewer NICs than the server has (one flow may then use the
-    whole aggregate), and it does not emulate per-rail contention.
+    a single bridge that stands for the whole fabric, with one address per NIC
+    (``10.<k+1>.x.y``) and, on both of its egress ports, an HTB subtree per
+    NIC at that NIC's rate that the NIC's address selects
+    (:func:`emu.htb.htb_tree_commands` ``nic_classes``). Flows are sent between
+    the addresses of the NICs the simulator routes them through
+    (:func:`flow_endpoints`), so per-NIC rates and contention are emulated
+    with one veth per server. (Before the subtrees, one flow could use the
+    whole aggregate: 8x its NIC's rate on a DGX.)
     Neither mode emulates spine oversubscription.
 
 What cannot be emulated here
@@ -125,6 +128,11 @@ class EmuInterface:
     rate_down_mbit: float  # payload rate switch -> host
     nics: tuple[str, ...]  # topology NICs this interface stands for
     leaf: str | None  # topology leaf (None in aggregate mode)
+    # aggregate mode: one address and one payload rate (Mbit/s, scaled) per NIC of ``nics``; the interface's HTB trees limit
+    # the traffic from/to each address to its NIC's rate (emu.htb NIC subtrees)
+    nic_ips: tuple[str, ...] = ()
+    nic_rates_mbit: tuple[float, ...] = ()
+    nic_rates_down_mbit: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -170,9 +178,12 @@ class NetworkPlan:
         factor = WIRE_OVERHEAD if self.payload_rates else 1.0
         out: list[tuple[str | None, HtbSpec]] = []
         for i in self.interfaces:
-            out.append((i.host, HtbSpec(i.dev, i.rate_mbit * factor, self.floor_fraction, self.queue_packets, ack_fraction=self.ack_fraction)))
+            up = tuple((ip, r * factor) for ip, r in zip(i.nic_ips, i.nic_rates_mbit, strict=True))
+            down = tuple((ip, r * factor) for ip, r in zip(i.nic_ips, i.nic_rates_down_mbit, strict=True))
+            out.append((i.host, HtbSpec(i.dev, i.rate_mbit * factor, self.floor_fraction, self.queue_packets, ack_fraction=self.ack_fraction,
+                                        nic_classes=up, nic_match="src")))
             out.append((None, HtbSpec(i.switch_dev, i.rate_down_mbit * factor, self.floor_fraction, self.queue_packets,
-                                      ack_fraction=self.ack_fraction)))
+                                      ack_fraction=self.ack_fraction, nic_classes=down, nic_match="dst")))
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -308,10 +319,16 @@ def plan_network(topo: Topology, *, time_scale: float, nic_mode: str = "per-leaf
             rate_up, rate_down = scaled_rate_mbit(up, time_scale), scaled_rate_mbit(down, time_scale)
             check_rate(rate_up, f"{h} (all NICs)", up)
             check_rate(rate_down, f"fabric -> {h}", down)
+            if len(nics) > 254:
+                raise EmulationError(f"server {h} has {len(nics)} NICs; aggregate mode gives each an address 10.<k>.x.y, at most 254")
+            nic_up = [sum(up_bw[(n, leaf)] for leaf in attach[h] if n in attach[h][leaf]) for n in nics]
+            nic_down = [sum(down_bw.get((n, leaf), up_bw[(n, leaf)]) for leaf in attach[h] if n in attach[h][leaf]) for n in nics]
             interfaces.append(EmuInterface(
                 host=name_of[h], topo_host=h, dev=f"{name_of[h]}-eth0", switch=s, switch_dev=f"{s}-eth{i + 1}",
                 ip=f"10.0.{(i + 1) // 256}.{(i + 1) % 256}", prefix=16, rate_mbit=rate_up, rate_down_mbit=rate_down,
-                nics=tuple(nics), leaf=None,
+                nics=tuple(nics), leaf=None, nic_ips=tuple(f"10.{k + 1}.{(i + 1) // 256}.{(i + 1) % 256}" for k in range(len(nics))),
+                nic_rates_mbit=tuple(scaled_rate_mbit(b, time_scale) for b in nic_up),
+                nic_rates_down_mbit=tuple(scaled_rate_mbit(b, time_scale) for b in nic_down),
             ))
     longest = max([i.dev for i in interfaces] + [i.switch_dev for i in interfaces], key=len)
     if len(longest) > 15:
@@ -351,6 +368,66 @@ def route_flow(plan: NetworkPlan, topo: Topology, src_gpu: str, dst_gpu: str) ->
         if leaf in leaves_a and leaf in leaves_b:
             return leaves_a[leaf], leaves_b[leaf]
     raise EmulationError(f"no shared leaf between {a} and {b}")
+
+
+def route_nics(topo: Topology, src_gpu: str, dst_gpu: str, policy: str) -> tuple[str | None, str | None]:
+    """The NIC a flow leaves its server through and the NIC it enters the other through, on the simulator's route.
+
+    :func:`topology.routing.flow_paths` under ``policy`` (an ECMP split differs
+    only above the NICs, so the first path's NICs are every path's).
+    """
+    from topology.routing import flow_paths
+
+    paths = flow_paths(topo, src_gpu, dst_gpu, policy)
+    if not paths:
+        return None, None
+    nodes = [paths[0][1][0][0]] + [v for _u, v, _k in paths[0][1]]
+    nics = [n for n in nodes if topo.graph.nodes[n].get("kind") == NodeKind.NIC]
+    return (nics[0], nics[-1]) if nics else (None, None)
+
+
+def flow_endpoints(plan: NetworkPlan, topo: Topology, src_gpu: str, dst_gpu: str,
+                   policy: str = "ecmp") -> tuple[EmuInterface, str, EmuInterface, str] | None:
+    """``(sender interface, source address, receiver interface, destination address)`` of a GPU-to-GPU flow; None inside a server.
+
+    The flow uses the NICs the simulator routes it through (:func:`topology.routing.flow_paths`
+    under ``policy``, the job's ``routing``). Aggregate mode sends it from the
+    address of its egress NIC to the address of its ingress NIC, so that each
+    NIC's HTB subtree limits it to that NIC's rate, as the simulator does.
+    Per-leaf mode sends it over the leaf of its egress NIC when the
+    destination is cabled to it, else over the leaf of its ingress NIC (the
+    two differ only for flows the simulator sends across a spine, which is
+    not emulated), else as :func:`route_flow`.
+
+    >>> from topology import default_cluster
+    >>> t = default_cluster()
+    >>> agg = plan_network(t, time_scale=8000, nic_mode="aggregate", prefix="nw")
+    >>> tx, src_ip, rx, dst_ip = flow_endpoints(agg, t, "node0/gpu1", "node3/gpu6")
+    >>> tx.dev, src_ip, rx.dev, dst_ip      # NIC 1 of node0 to NIC 6 of node3, as the simulator routes it
+    ('nwh0-eth0', '10.2.0.1', 'nwh3-eth0', '10.7.0.4')
+    >>> leaf = plan_network(t, time_scale=1000, prefix="nw")
+    >>> [i.leaf for i in flow_endpoints(leaf, t, "node0/gpu1", "node3/gpu6", "rail")[::2]]   # rail: the destination's rail
+    ['su0/leaf6', 'su0/leaf6']
+    """
+    a, b = topo.host_of(src_gpu), topo.host_of(dst_gpu)
+    if a == b:
+        return None
+    out_nic, in_nic = route_nics(topo, src_gpu, dst_gpu, policy)
+    ha, hb = plan.emu_host(a), plan.emu_host(b)
+    if plan.nic_mode == "aggregate":
+        tx, rx = plan.interfaces_of(ha)[0], plan.interfaces_of(hb)[0]
+        src_ip = tx.nic_ips[tx.nics.index(out_nic)] if out_nic in tx.nics else tx.ip
+        dst_ip = rx.nic_ips[rx.nics.index(in_nic)] if in_nic in rx.nics else rx.ip
+        return tx, src_ip, rx, dst_ip
+    leaves_a = {i.leaf: i for i in plan.interfaces_of(ha)}
+    leaves_b = {i.leaf: i for i in plan.interfaces_of(hb)}
+    leaf_of = {n: i.leaf for i in plan.interfaces for n in i.nics}
+    for leaf in (leaf_of.get(out_nic), leaf_of.get(in_nic)):
+        if leaf in leaves_a and leaf in leaves_b:
+            return leaves_a[leaf], leaves_a[leaf].ip, leaves_b[leaf], leaves_b[leaf].ip
+    route = route_flow(plan, topo, src_gpu, dst_gpu)
+    assert route is not None
+    return route[0], route[0].ip, route[1], route[1].ip
 
 
 # -- Mininet ----------------------------------------------------------------------------------------------
@@ -515,7 +592,7 @@ class EmulatedNetwork:
         try:
             fcntl.flock(self._lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            log.info("waiting for another netweave emulation to finish (%s)", LOCK_PATH)
+            log.warning("waiting for another netweave emulation to finish (it holds %s)", LOCK_PATH)
             fcntl.flock(self._lock_file, fcntl.LOCK_EX)
         self.lock_wait_s = time.monotonic() - t_lock
         from .runs import EmuRun, reap_dead_runs
@@ -544,11 +621,42 @@ class EmulatedNetwork:
                         params1={"ip": f"{i.ip}/{i.prefix}"})
         net.build()
         net.start()
+        for i in self.plan.interfaces:  # aggregate mode: one address per NIC, each shaped at its NIC's rate
+            if i.nic_ips:
+                self.host_cmd(i.host, "; ".join(f"ip addr add {ip}/{i.prefix} dev {i.dev}" for ip in i.nic_ips))
+        self._resolve_neighbours()
         if self.disable_gso:
             # One MTU packet per skb: HTB is non-preemptive per skb, and 64 kB GSO bursts would blur priorities.
             for i in self.plan.interfaces:
                 self.host_cmd(i.host, f"ip link set dev {i.dev} gso_max_segs 1")
         self.apply_htb()
+
+    def _resolve_neighbours(self) -> None:
+        """Permanent ARP entries for every address a host can reach on each of its links.
+
+        A fabric's addresses are resolved before training starts; without this
+        the first flow between every pair of addresses waits for ARP, which made
+        the first iteration of a run up to 50 % slower on a loaded machine.
+        """
+        macs: dict[str, str] = {}
+        for host in self.plan.hosts:
+            devs = [i.dev for i in self.plan.interfaces_of(host)]
+            out = self.host_cmd(host, "; ".join(f"echo {d} $(cat /sys/class/net/{d}/address)" for d in devs))
+            for line in out.splitlines():
+                words = line.split()
+                if len(words) == 2 and words[0] in devs:
+                    macs[words[0]] = words[1]
+        for host in self.plan.hosts:
+            cmds = []
+            for mine in self.plan.interfaces_of(host):
+                for other in self.plan.interfaces:
+                    if other.host != host and other.switch == mine.switch and other.dev in macs:
+                        cmds += [f"ip neigh replace {ip} lladdr {macs[other.dev]} dev {mine.dev} nud permanent"
+                                 for ip in (other.ip, *other.nic_ips)]
+            if cmds:  # a script file: a shell line of the host's terminal holds at most 4095 characters
+                script = self.workdir / f"neigh-{host}.sh"
+                script.write_text("\n".join(cmds) + "\n")
+                self.host_cmd(host, f"sh {script}")
 
     def stop(self) -> None:
         self._stopping = True  # a SIGTERM from now on must not cut the clean-up short
@@ -609,7 +717,8 @@ class EmulatedNetwork:
         by_ns: dict[str | None, list[str]] = {}
         for where, spec in self.plan.htb_specs():
             by_ns.setdefault(where, []).extend(htb_tree_commands(spec.dev, spec.rate_mbit, floor_fraction=spec.floor_fraction,
-                                                                 queue_packets=spec.queue_packets, ack_fraction=spec.ack_fraction))
+                                                                 queue_packets=spec.queue_packets, ack_fraction=spec.ack_fraction,
+                                                                 nic_classes=spec.nic_classes, nic_match=spec.nic_match))
         for where, lines in by_ns.items():
             self._batch(where, lines)
 

@@ -93,8 +93,9 @@ class JobResult:
         return float(np.mean(times)) if times else math.nan
 
     def to_dict(self) -> dict[str, Any]:
+        done = bool(self.iteration_ends)  # a run stopped before a job's first iteration ended has no finish (null, not NaN)
         return {"name": self.name, "arrival": self.arrival, "release": self.release, "iteration_ends": list(self.iteration_ends),
-                "finish": self.finish, "jct": self.jct, "iteration_times": self.iteration_times()}
+                "finish": self.finish if done else None, "jct": self.jct if done else None, "iteration_times": self.iteration_times()}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> JobResult:
@@ -284,10 +285,11 @@ def compare_results(reference: RunResult, other: RunResult) -> dict[str, Any]:
 def format_comparison(cmp: dict[str, Any]) -> str:
     """The agreement table as text."""
     ref, oth = cmp["reference"], cmp["other"]
-    lines = [f"{'job':<16} {ref + ' iter (s)':>16} {oth + ' iter (s)':>16} {'error %':>9} {'iter MAPE %':>12} {'JCT err %':>10}"]
-    for r in cmp["rows"]:
-        lines.append(f"{r['job']:<16} {r[f'{ref}_iteration_s']:>16.6g} {r[f'{oth}_iteration_s']:>16.6g} {r['error_pct']:>9.2f}"
-                     f" {r['iteration_mape_pct']:>12.2f} {r['jct_error_pct']:>10.2f}")
+    from topology.clitools import render_table
+
+    rows = [(r["job"], f"{r[f'{ref}_iteration_s']:.6g}", f"{r[f'{oth}_iteration_s']:.6g}", f"{r['error_pct']:.2f}", f"{r['iteration_mape_pct']:.2f}",
+             f"{r['jct_error_pct']:.2f}") for r in cmp["rows"]]
+    lines = [render_table(["job", f"{ref} iteration s>", f"{oth} iteration s>", "error %>", "iteration MAPE %>", "JCT error %>"], rows)]
     lines.append(f"MAPE of mean iteration time over jobs: {cmp['mape']:.2f}%   (JCT: {cmp['jct_mape']:.2f}%)")
     return "\n".join(lines)
 

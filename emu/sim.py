@@ -186,6 +186,7 @@ class _StepTemplate:
     solve_cap: np.ndarray = field(default_factory=lambda: np.zeros(0))
     own_sub: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))  # (sub-flow, link) of those links
     own_link: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))
+    util_links: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.intp))  # link_arr as the utilisation recorder numbers them
 
 
 def _build_step(net: _Network, flows: list[tuple[str, str, float]], policy: str, *, prio: int, cap_gbs: float | None,
@@ -347,13 +348,10 @@ class Simulator:
         self.groups: dict[int, _Group] = {}
         self.by_template: dict[int, dict[int, _Group]] = {}  # template uid -> its groups in flight (templates with shared links)
         self.in_flight = 0  # bit set over template uids: the keys of by_template
-        self._present = np.zeros(len(self.net.edges), dtype=bool)
-        self._local_of = np.zeros(len(self.net.edges), dtype=np.intp)
         self.dirty: set[int] = set()  # groups whose rates must be recomputed
         self.next_gid = 0
         self.phases: list[PhaseRecord] = []
         self.flows: list[FlowRecord] = []
-        self.util = _UtilRecorder(len(self.net.edges), config.util_bins if config.track_links != "none" else 0)
         self.events = 0
         self.recomputes = 0
         self.max_component = 0
@@ -364,6 +362,9 @@ class Simulator:
         self.cache_hits = 0
         self.jobs = [self._job_state(j) for j in workload.jobs]
         self._prepare()
+        # utilisation is recorded for the links some step uses only (a fraction of a big cluster's links): its snapshots
+        # copy every recorded link, and a sim of 16k GPUs has 274k links
+        self.util = _UtilRecorder(len(self.used_links), config.util_bins if config.track_links != "none" else 0)
 
     def _prepare(self) -> None:
         """Route every communication phase once, and find the links that two phases may use at the same time.
@@ -384,9 +385,13 @@ class Simulator:
                     per_phase.append(np.unique(np.concatenate(list(distinct.values()))))
         users = np.bincount(np.concatenate(per_phase), minlength=len(self.net.edges)) if per_phase else np.zeros(len(self.net.edges), dtype=np.intp)
         is_shared = users > 1
+        self.used_links = np.flatnonzero(users)  # global ids of the links some step uses; the recorder numbers them 0, 1, ...
+        self._util_of = np.full(len(self.net.edges), -1, dtype=np.intp)
+        self._util_of[self.used_links] = np.arange(len(self.used_links))
         link_users: dict[int, int] = {}  # shared link -> bit set of the templates using it
         for tpl in self.step_cache.values():
             tpl.shared = tuple(tpl.link_arr[is_shared[tpl.link_arr]].tolist())
+            tpl.util_links = self._util_of[tpl.link_arr]
             for link in tpl.shared:
                 link_users[link] = link_users.get(link, 0) | (1 << tpl.uid)
             self._reduce(tpl, is_shared)
@@ -564,7 +569,7 @@ class Simulator:
                 by_template = self.by_template
                 for uid in _bits(tpl.adjacent & self.in_flight):
                     self.dirty.update(by_template[uid])
-            self.util.set_load(tpl.link_arr, np.zeros(len(tpl.link_arr)), t)
+            self.util.set_load(tpl.util_links, np.zeros(len(tpl.util_links)), t)
             g.version += 1
             end = self._record_flows(g.run, tpl, g.start, g.flow_end)
             if end > t:
@@ -669,13 +674,9 @@ class Simulator:
             weight = np.concatenate([g.tpl.sub_weight for g in comp])
             cap = np.concatenate([g.tpl.solve_cap for g in comp])
             prio = np.concatenate([g.tpl.sub_prio for g in comp])
-        # local link numbers without sorting: mark the links used, number them, look the entries up
-        present = self._present
-        present[entry_link] = True
-        uniq = np.flatnonzero(present)
-        present[uniq] = False
-        self._local_of[uniq] = np.arange(len(uniq))
-        local = self._local_of[entry_link]
+        # local link numbers: a sort of the component's entries (not a scan of every link of the network, which made
+        # each solve O(links) and the run quadratic in the cluster's size)
+        uniq, local = np.unique(entry_link, return_inverse=True)
         capacity = self.net.capacity[uniq]
         if self.cfg.solver == "numpy":
             rates = maxmin_rates_coo(entry_sub, local, len(alive), capacity, weight=weight, cap=cap, prio=prio, alive=alive,
@@ -684,7 +685,7 @@ class Simulator:
             rates = self._reference_rates(entry_sub, local, capacity, alive, weight, cap, prio)
         load = np.bincount(local, weights=rates[entry_sub], minlength=len(uniq))
         # the single-user links carry their sub-flow's rate
-        links = np.concatenate([uniq, own_link])
+        links = self._util_of[np.concatenate([uniq, own_link])]  # as the recorder numbers them
         load = np.concatenate([load, rates[own_sub]])
         bounds = np.cumsum([0, *sizes])
         with np.errstate(divide="ignore"):
@@ -747,12 +748,13 @@ class Simulator:
         links = None
         if self.cfg.track_links != "none" and end > 0:
             edges, nbytes = self.util.series(end)
-            keep = nbytes.sum(axis=1) > 0
+            keep = nbytes.sum(axis=1) > 0  # per recorded link
             if self.cfg.track_links == "network":
-                keep &= np.array([k == "network" for k in self.net.kinds], dtype=bool)
-            idx = np.flatnonzero(keep)
+                keep &= np.array([self.net.kinds[i] == "network" for i in self.used_links.tolist()], dtype=bool)
+            rec = np.flatnonzero(keep)
+            idx = self.used_links[rec].tolist()  # global link ids, ascending
             widths = np.diff(edges)
-            util = nbytes[idx] / (self.net.capacity[idx, None] * np.maximum(widths[None, :], 1e-300))
+            util = nbytes[rec] / (self.net.capacity[idx, None] * np.maximum(widths[None, :], 1e-300))
             names = []
             for i in idx:
                 u, v, k = self.net.edges[i]

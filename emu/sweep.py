@@ -36,11 +36,11 @@ import json
 import math
 import os
 import socket
-import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any, Protocol
 
+from topology.clitools import eta_progress
 from topology.errors import InputError
 from topology.model import Topology
 
@@ -61,40 +61,6 @@ class Executor(Protocol):
     def map(self, fn: Callable[[Any], Any], items: Iterable[Any], progress: ProgressFn | None = None) -> list[Any]:
         """``[fn(x) for x in items]``, in order, however the engine runs them; ``progress`` hears of each finished item."""
         ...
-
-
-def eta_progress(label: str, *, every_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
-                 write: Callable[[str], None] | None = None) -> ProgressFn:
-    """A ``progress`` callback that prints ``label: 3/8 done, 4.1 s elapsed, ETA 6.8 s`` on stderr.
-
-    The ETA assumes the items left take as long on average as those done.
-    Lines come at most every ``every_s`` seconds, and always for the last item.
-
-    >>> lines, now = [], iter([0.0, 3.0, 6.0]).__next__
-    >>> tick = eta_progress("sweep", every_s=0, clock=now, write=lines.append)
-    >>> tick(0, 4); tick(1, 4); tick(2, 4)
-    >>> lines
-    ['sweep: 0/4 done', 'sweep: 1/4 done, 3.0 s elapsed, ETA 9.0 s', 'sweep: 2/4 done, 6.0 s elapsed, ETA 6.0 s']
-    """
-    if write is None:
-        from topology.clitools import progress as write
-    state = {"start": None, "last": -math.inf}
-
-    def tick(done: int, total: int) -> None:
-        now = clock()
-        if state["start"] is None:
-            state["start"] = now
-        if done < total and now - state["last"] < every_s:
-            return
-        state["last"] = now
-        elapsed = now - state["start"]
-        if done == 0:
-            write(f"{label}: 0/{total} done")
-        else:
-            eta = elapsed / done * (total - done)
-            write(f"{label}: {done}/{total} done, {elapsed:.1f} s elapsed" + (f", ETA {eta:.1f} s" if done < total else ""))
-
-    return tick
 
 
 class LocalExecutor:
@@ -350,12 +316,12 @@ def format_sweep(table: dict[str, Any]) -> str:
     """The sweep as a text table: one line per point."""
     axes = list(table["axes"])
     jobs = list(table["rows"][0]["jobs"]) if table["rows"] else []
-    head = " ".join(f"{a:>22}" for a in axes) + f" {'mean JCT (ms)':>14} {'makespan (ms)':>14}  " + " ".join(f"{j[:12]:>12}" for j in jobs)
-    lines = [head + ("  <- mean iteration (ms)" if jobs else "")]
-    for r in table["rows"]:
-        cells = " ".join(f"{r['point'][a]!s:>22}" for a in axes)
-        its = " ".join(f"{r['jobs'][j]['mean_iteration_s'] * 1e3:>12.4f}" for j in jobs)
-        lines.append(f"{cells} {r['mean_jct_s'] * 1e3:>14.4f} {r['makespan_s'] * 1e3:>14.4f}  {its}")
+    from topology.clitools import render_table
+
+    columns = [f"{a}>" for a in axes] + ["mean JCT ms>", "makespan ms>"] + [f"{j} iteration ms>" for j in jobs]
+    rows = [[str(r["point"][a]) for a in axes] + [f"{r['mean_jct_s'] * 1e3:.4f}", f"{r['makespan_s'] * 1e3:.4f}"]
+            + [f"{r['jobs'][j]['mean_iteration_s'] * 1e3:.4f}" for j in jobs] for r in table["rows"]]
+    lines = [render_table(columns, rows)]
     lines.append(f"best: {table['best']['point']} (mean JCT {table['best']['mean_jct_s'] * 1e3:.4f} ms) on the {table['executor']} executor")
     return "\n".join(lines)
 

@@ -57,9 +57,11 @@ from typing import Any
 
 import yaml
 
+from topology.collectives import ALGORITHMS as OP_ALGORITHMS  # the algorithms of each op (direct: all-to-all at once)
 from topology.errors import InputError
 from topology.inputs import check_name, check_node_id, loads_json, loads_yaml, read_text
 from topology.limits import MAX_BANDWIDTH_GBS, MAX_BYTES, MAX_ITERATIONS, MAX_JOB_GPUS, MAX_JOBS, MAX_PHASE_RUNS, MAX_SECONDS
+from topology.schema import load_schema, validate
 from topology.units import parse_duration, parse_rate, parse_size
 
 FORMAT_NAME = "netweave-workload"
@@ -67,7 +69,7 @@ FORMAT_VERSION = 1
 PRIORITY_CLASSES = 8  # 0 (most urgent) .. 7
 DEFAULT_PRIORITY = 0
 COLLECTIVE_OPS = ("all_reduce", "reduce_scatter", "all_gather", "all_to_all", "broadcast", "send_recv")
-ALGORITHMS = ("ring", "tree", "hierarchical")
+ALGORITHMS = ("ring", "tree", "hierarchical", "direct")
 ROUTING_POLICIES = ("shortest", "ecmp", "rail")
 
 
@@ -221,6 +223,40 @@ class Job:
         return job
 
     @staticmethod
+    def mixture_of_experts(
+        name: str,
+        gpus: list[str] | tuple[str, ...],
+        *,
+        compute_s: float,
+        expert_s: float,
+        nbytes: float,
+        iterations: int = 1,
+        algorithm: str = "direct",
+        priority: int = DEFAULT_PRIORITY,
+        start_offset: float = 0.0,
+        routing: str | None = None,
+    ) -> Job:
+        """Expert parallelism (a mixture-of-experts layer): compute, all-to-all dispatch, expert compute, all-to-all combine.
+
+        Each all-to-all moves ``nbytes`` per GPU (``nbytes / n`` to every GPU of
+        the group, its own share included), all at once with ``algorithm="direct"``
+        (NCCL's all-to-all) or in ``n - 1`` shifted steps with ``"ring"``.
+
+        >>> j = Job.mixture_of_experts("moe", ["h/gpu0", "h/gpu1"], compute_s=0.1, expert_s=0.1, nbytes=1e9)
+        >>> [(p.name, p.kind) for p in j.phases]
+        [('compute', 'compute'), ('dispatch', 'collective'), ('experts', 'compute'), ('combine', 'collective')]
+        """
+        phases = (
+            ComputePhase("compute", float(compute_s)),
+            CollectivePhase("dispatch", "all_to_all", float(nbytes), algorithm=algorithm, after=("compute",)),
+            ComputePhase("experts", float(expert_s), after=("dispatch",)),
+            CollectivePhase("combine", "all_to_all", float(nbytes), algorithm=algorithm, after=("experts",)),
+        )
+        job = Job(name, tuple(gpus), phases, iterations=iterations, start_offset=start_offset, priority=priority, routing=routing)
+        validate_job(job, f"job {name!r}")
+        return job
+
+    @staticmethod
     def pipeline_parallel(
         name: str,
         stages: list[list[str]] | tuple[tuple[str, ...], ...],
@@ -370,8 +406,8 @@ def validate_job(job: Job, where: str, source: str | None = None) -> None:
         elif isinstance(p, CollectivePhase):
             if p.op not in COLLECTIVE_OPS:
                 raise _err(f"expected one of {', '.join(COLLECTIVE_OPS)}, got {p.op!r}", f"{pw}.op", source)
-            if p.algorithm not in ALGORITHMS:
-                raise _err(f"expected one of {', '.join(ALGORITHMS)}, got {p.algorithm!r}", f"{pw}.algorithm", source)
+            if p.algorithm not in OP_ALGORITHMS.get(p.op, ALGORITHMS):
+                raise _err(f"{p.op} runs with {', '.join(OP_ALGORITHMS.get(p.op, ALGORITHMS))}, got {p.algorithm!r}", f"{pw}.algorithm", source)
             _check_number(p.nbytes, f"{pw}.bytes", source, positive=True, maximum=MAX_BYTES)
             if p.group is not None:
                 if len(p.group) < 1:
@@ -572,7 +608,12 @@ class _Reader:
 
 
 def workload_from_dict(data: Any, *, source: str | None = None) -> Workload:
-    """Build a :class:`Workload` from its plain-data form, naming the field of any error."""
+    """Build a :class:`Workload` from its plain-data form, naming the field of any error.
+
+    The structure is checked against ``emu/schemas/workload.schema.json`` first; the checks below build the objects
+    and add what a schema cannot say (phase references, cycles, GPUs of the job).
+    """
+    validate(data, load_schema("emu", "workload"), source=source, error=WorkloadError)
     r = _Reader(source)
     data = r.obj(data, "(top level)")
     if data.get("format", FORMAT_NAME) != FORMAT_NAME:
@@ -642,8 +683,8 @@ def _phase_from_dict(r: _Reader, raw: Any, where: str) -> Phase:
         if op not in COLLECTIVE_OPS:
             raise _err(f"expected one of {', '.join(COLLECTIVE_OPS)}, got {op!r}", f"{where}.op", r.source)
         algorithm = d.get("algorithm", "ring")
-        if algorithm not in ALGORITHMS:
-            raise _err(f"expected one of {', '.join(ALGORITHMS)}, got {algorithm!r}", f"{where}.algorithm", r.source)
+        if algorithm not in OP_ALGORITHMS[op]:
+            raise _err(f"{op} runs with {', '.join(OP_ALGORITHMS[op])}, got {algorithm!r}", f"{where}.algorithm", r.source)
         group = r.strings(d["group"], f"{where}.group") if d.get("group") is not None else None
         nbytes = r.size(r.req(d, "bytes", where), f"{where}.bytes")
         return CollectivePhase(name, op, nbytes, algorithm, group, after, after_previous, priority, rate_cap)
@@ -731,6 +772,7 @@ def example_workload(topo: Any = None) -> Workload:
 __all__ = [
     "ALGORITHMS",
     "COLLECTIVE_OPS",
+    "OP_ALGORITHMS",
     "DEFAULT_PRIORITY",
     "FORMAT_NAME",
     "FORMAT_VERSION",

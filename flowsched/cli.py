@@ -29,9 +29,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = fsub.add_parser("plan", help="cross-job flow plan for a workload on a topology")
     p.add_argument("--workload", required=True, help="workload file (YAML or JSON, see docs/workload.md)")
     p.add_argument("--topology", required=True, help="topology file")
-    p.add_argument("--policy", choices=POLICIES, default="sincronia")
+    p.add_argument("--policy", choices=POLICIES, default="sincronia",
+                   help="cross-job order: Sincronia, Parrot, Geryon (per-tensor bands) or fair sharing (default sincronia)")
     p.add_argument("--epoch", type=int, default=1, help="plan generation number (default 1)")
-    p.add_argument("--classes", type=int, default=8, help="priority classes to use (1..8)")
+    p.add_argument("--classes", type=int, default=8, help="priority classes to use, 1..8 (default 8)")
     add_output(p, "--out", required=True, help="flow plan file (.json)")
     add_output(p, "--nccl-plan", default=None, metavar="DIR", help="also write each host's NCCL plugin plan file into DIR", directory=True)
     add_json_flag(p)
@@ -39,7 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = fsub.add_parser("apply", help="install (or print) a host's HTB tree and DSCP filters")
     p.add_argument("plan", help="flow plan file")
-    p.add_argument("--host", required=True)
+    p.add_argument("--host", required=True, help="the host of the plan whose HTB tree and filters to install")
     p.add_argument("--dev", default="eth0", help="egress interface (default eth0)")
     p.add_argument("--rate-mbit", action=flag_action(parse_rate, unit="Mbit/s"), default=None,
                    help="link rate in Mbit/s, or with a unit (100Mbit, 10Gb/s) (default: the plan's link_rate of the host)")
@@ -56,14 +57,15 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="all-reduce goodput in GB/s, or with a unit (100Gb/s), to store in the profile (default 10)")
     p.add_argument("--overhead-us", action=flag_action(parse_duration, unit="us"), default=10.0,
                    help="cost of one collective launch in microseconds, or with a unit (default 10)")
-    p.add_argument("--iterations", type=int, default=5)
-    add_output(p, "--out", required=True)
+    p.add_argument("--iterations", type=int, default=5, help="timed backward passes; the profile is their median (default 5)")
+    add_output(p, "--out", required=True, help="gradient profile file to write (JSON)")
     add_json_flag(p)
     p.set_defaults(func=cmd_profile)
 
     p = fsub.add_parser("schedule", help="in-job gradient schedule and its modelled iteration time vs the lower bound")
     p.add_argument("--profile", required=True, help="gradient profile JSON (netweave flow profile)")
-    p.add_argument("--policy", choices=("ddp", "prophet", "bytescheduler"), default="prophet")
+    p.add_argument("--policy", choices=("ddp", "prophet", "bytescheduler"), default="prophet",
+                   help="DDP's buckets, Prophet's blocks or ByteScheduler's partitions and credit (default prophet)")
     p.add_argument("--bandwidth", action=flag_action(parse_rate), default=None,
                    help="override the profile's bandwidth (GB/s, or with a unit: 100Gb/s)")
     add_output(p, "--out", default=None, help="write the plan (JSON)")
@@ -80,8 +82,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
     p = fsub.add_parser("agent", help="run one host's agent")
-    p.add_argument("--config", required=True)
-    p.add_argument("--host", required=True)
+    p.add_argument("--config", required=True, help="control-plane configuration (see docs/flowsched.md)")
+    p.add_argument("--host", required=True, help="this agent's host: its entry in the configuration and the plan")
     p.add_argument("--dry-run", action="store_true", help="record tc batches instead of running them")
     p.add_argument("--duration", action=flag_action(parse_duration), default=None, help="stop after this many seconds, or e.g. 5min")
     p.add_argument("--until-applied", action="store_true",
@@ -108,11 +110,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_json_flag(q)
     q.set_defaults(func=cmd_nccl_env)
     q = nsub.add_parser("check-plan", help="parse a plugin plan file and print it normalised")
-    q.add_argument("path")
+    q.add_argument("path", help="plugin plan file (netweave-plan 1)")
     add_json_flag(q)
     q.set_defaults(func=cmd_nccl_check_plan)
     q = nsub.add_parser("ring", help="print the events of a profiler ring")
-    q.add_argument("path")
+    q.add_argument("path", help="profiler ring file (NETWEAVE_PROF_RING of the process, %%p replaced by its pid)")
     add_json_flag(q)
     q.set_defaults(func=cmd_nccl_ring)
     q = nsub.add_parser("loopback", help="load the net plugin as NCCL does and move messages over lo, showing the sockets' marks")

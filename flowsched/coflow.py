@@ -73,13 +73,13 @@ class Coflow:
         return out
 
 
-def _capacity(capacity: float | Mapping[Port, float], port: Port) -> float:
-    if isinstance(capacity, Mapping):
-        return capacity[port]
-    return float(capacity)
+def _capacity(capacity_Bps: float | Mapping[Port, float], port: Port) -> float:
+    if isinstance(capacity_Bps, Mapping):
+        return capacity_Bps[port]
+    return float(capacity_Bps)
 
 
-def _demands(coflows: Sequence[Coflow], capacity: float | Mapping[Port, float]) -> tuple[list[Port], np.ndarray]:
+def _demands(coflows: Sequence[Coflow], capacity_Bps: float | Mapping[Port, float]) -> tuple[list[Port], np.ndarray]:
     """Processing times d[c, p] = bytes of coflow c on port p / capacity of p."""
     ports: dict[Port, int] = {}
     per = [c.port_bytes() for c in coflows]
@@ -89,11 +89,11 @@ def _demands(coflows: Sequence[Coflow], capacity: float | Mapping[Port, float]) 
     d = np.zeros((len(coflows), len(ports)))
     for i, pb in enumerate(per):
         for p, b in pb.items():
-            d[i, ports[p]] = b / _capacity(capacity, p)
+            d[i, ports[p]] = b / _capacity(capacity_Bps, p)
     return list(ports), d
 
 
-def sincronia_order(coflows: Sequence[Coflow], capacity: float | Mapping[Port, float]) -> list[Hashable]:
+def sincronia_order(coflows: Sequence[Coflow], capacity_Bps: float | Mapping[Port, float]) -> list[Hashable]:
     """Sincronia's BSSI ordering: names of ``coflows``, highest priority first.
 
     Repeatedly (1) find the most loaded port among unscheduled coflows
@@ -104,12 +104,12 @@ def sincronia_order(coflows: Sequence[Coflow], capacity: float | Mapping[Port, f
     the last place, so equal coflows keep their input order.
 
     >>> a = Coflow("a", [Flow("h0", "h1", 3.0)]); b = Coflow("b", [Flow("h0", "h2", 1.0)])
-    >>> sincronia_order([a, b], capacity=1.0)  # shortest on the shared port first
+    >>> sincronia_order([a, b], capacity_Bps=1.0)  # shortest on the shared port first
     ['b', 'a']
     """
     if not coflows:
         return []
-    _, d = _demands(coflows, capacity)
+    _, d = _demands(coflows, capacity_Bps)
     weights = np.array([c.weight for c in coflows], dtype=float)
     if np.any(weights <= 0):
         raise InputError("coflow weights must be positive")
@@ -135,7 +135,7 @@ def sincronia_order(coflows: Sequence[Coflow], capacity: float | Mapping[Port, f
 
 
 def priority_cct(
-    coflows: Sequence[Coflow], order: Sequence[Hashable], capacity: float | Mapping[Port, float]
+    coflows: Sequence[Coflow], order: Sequence[Hashable], capacity_Bps: float | Mapping[Port, float]
 ) -> dict[Hashable, float]:
     """Coflow completion times under strict priority in ``order`` (all released at 0).
 
@@ -144,7 +144,7 @@ def priority_cct(
     order-preserving, as priority queues behave). Returns ``{name: CCT}``.
 
     >>> a = Coflow("a", [Flow("h0", "h1", 2.0)]); b = Coflow("b", [Flow("h0", "h1", 1.0)])
-    >>> priority_cct([a, b], ["b", "a"], capacity=1.0)
+    >>> priority_cct([a, b], ["b", "a"], capacity_Bps=1.0)
     {'b': 1.0, 'a': 3.0}
     """
     by_name = {c.name: c for c in coflows}
@@ -161,7 +161,7 @@ def priority_cct(
         for i in active:
             _, s, t, _ = flows[i]
             po, pi = ("out", s), ("in", t)
-            r = min(residual.setdefault(po, _capacity(capacity, po)), residual.setdefault(pi, _capacity(capacity, pi)))
+            r = min(residual.setdefault(po, _capacity(capacity_Bps, po)), residual.setdefault(pi, _capacity(capacity_Bps, pi)))
             rate[i] = r
             residual[po] -= r
             residual[pi] -= r
@@ -181,7 +181,7 @@ def weighted_cct(coflows: Sequence[Coflow], cct: Mapping[Hashable, float]) -> fl
     return sum(c.weight * cct[c.name] for c in coflows)
 
 
-def cct_lower_bound(coflows: Sequence[Coflow], capacity: float | Mapping[Port, float]) -> float:
+def cct_lower_bound(coflows: Sequence[Coflow], capacity_Bps: float | Mapping[Port, float]) -> float:
     """A lower bound on the total weighted CCT of any schedule (all released at 0).
 
     The larger of (a) every coflow alone: sum of weight x its bottleneck time,
@@ -189,7 +189,7 @@ def cct_lower_bound(coflows: Sequence[Coflow], capacity: float | Mapping[Port, f
     of the coflows' loads on that port (Smith's rule), which no schedule can beat
     because a coflow finishes no earlier than its last byte on that port.
     """
-    _, d = _demands(coflows, capacity)
+    _, d = _demands(coflows, capacity_Bps)
     w = np.array([c.weight for c in coflows], dtype=float)
     alone = float(np.sum(w * d.max(axis=1))) if len(coflows) else 0.0
     best_port = 0.0
@@ -205,13 +205,13 @@ def cct_lower_bound(coflows: Sequence[Coflow], capacity: float | Mapping[Port, f
     return max(alone, best_port)
 
 
-def brute_force_order(coflows: Sequence[Coflow], capacity: float | Mapping[Port, float]) -> tuple[list[Hashable], float]:
+def brute_force_order(coflows: Sequence[Coflow], capacity_Bps: float | Mapping[Port, float]) -> tuple[list[Hashable], float]:
     """The order with the least total weighted CCT under :func:`priority_cct` (exhaustive; n <= 8)."""
     if len(coflows) > 8:
         raise InputError(f"brute force over {len(coflows)}! orders is too slow; at most 8 coflows")
     best, best_cost = None, math.inf
     for perm in itertools.permutations([c.name for c in coflows]):
-        cost = weighted_cct(coflows, priority_cct(coflows, perm, capacity))
+        cost = weighted_cct(coflows, priority_cct(coflows, perm, capacity_Bps))
         if cost < best_cost - 1e-12:
             best, best_cost = list(perm), cost
     return best or [], best_cost
@@ -234,7 +234,7 @@ class ParrotAllocation:
 def parrot_rates(
     coflows: Sequence[Coflow],
     remaining_time: Mapping[Hashable, float],
-    capacity: float | Mapping[Port, float],
+    capacity_Bps: float | Mapping[Port, float],
     *,
     floor: float = 0.05,
 ) -> ParrotAllocation:
@@ -255,7 +255,7 @@ def parrot_rates(
     formula and the floor's form are our reconstruction from its abstract.
 
     >>> a = Coflow("a", [Flow("h0", "h1", 1.0)]); b = Coflow("b", [Flow("h0", "h2", 1.0)])
-    >>> alloc = parrot_rates([a, b], {"a": 10.0, "b": 1.0}, capacity=1.0, floor=0.1)
+    >>> alloc = parrot_rates([a, b], {"a": 10.0, "b": 1.0}, capacity_Bps=1.0, floor=0.1)
     >>> round(alloc.rates["b"], 3), round(alloc.rates["a"], 3)
     (0.9, 0.1)
     """
@@ -263,7 +263,7 @@ def parrot_rates(
         return ParrotAllocation({}, {}, None, 0.0)
     if not 0 <= floor * len(coflows) <= 1:
         raise InputError(f"floor={floor} is infeasible for {len(coflows)} jobs (need floor x jobs <= 1)")
-    ports, d = _demands(coflows, capacity)  # d[j, p]: seconds of port p per unit of coflow j
+    ports, d = _demands(coflows, capacity_Bps)  # d[j, p]: seconds of port p per unit of coflow j
     names = [c.name for c in coflows]
     m = len(names)
     est = np.array([remaining_time[n] for n in names], dtype=float)

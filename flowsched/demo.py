@@ -25,6 +25,7 @@ from typing import Any
 from emu.net import plan_network
 from emu.workload import Job, Workload
 from topology import Topology
+from topology.clitools import render_table
 from topology.collectives import alpha_beta
 
 from .coflow import cct_lower_bound, priority_cct, weighted_cct
@@ -118,11 +119,9 @@ def demo(topo: Topology, out: pathlib.Path) -> tuple[dict, str]:
                         "policies": {n: {key: v for key, v in d.items() if key != "plan"} for n, d in plans.items()}}
     lines.append(f"  in-job: {profile.layers}-layer MLP, {profile.total_bytes / 1e6:.1f} MB of gradients, compute "
                  f"{profile.compute_time * 1e3:.2f} ms on this CPU; network = 2-server all-reduce slowed {k:.3g}x")
-    for n in IN_JOB_POLICIES:
-        d = plans[n]
-        lines.append(f"    {n:<14} {d['iteration_s'] * 1e3:7.2f} ms/iteration  ({d['iteration_s'] / bound:.3f} x lower bound, "
-                     f"{d['launches']} launches)")
-    lines.append(f"    {'lower bound':<14} {bound * 1e3:7.2f} ms")
+    rows = [(n, f"{plans[n]['iteration_s'] * 1e3:.2f}", f"{plans[n]['iteration_s'] / bound:.3f}", plans[n]["launches"]) for n in IN_JOB_POLICIES]
+    rows.append(("lower bound", f"{bound * 1e3:.2f}", "1.000", ""))
+    lines.append(render_table(["policy", "ms/iteration>", "x lower bound>", "launches>"], rows, indent=4))
 
     w = contending_workload(topo)
     egress, ingress = host_capacities(topo)

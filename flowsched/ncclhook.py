@@ -678,19 +678,12 @@ def run_commands(cmds: Iterable[Sequence[str]], *, netns: str | None = None) -> 
 
 
 def htb_class_bytes(dev: str, *, netns: str | None = None) -> dict[str, int]:
-    """Bytes sent per HTB class (``tc -s class show``), e.g. ``{"1:11": 123456, ...}``."""
+    """Bytes sent per HTB class (``tc -s class show``, read by :func:`emu.htb.parse_tc_classes`), e.g. ``{"1:11": 123456, ...}``."""
+    from emu.htb import parse_tc_classes
+
     cmd = (["ip", "netns", "exec", netns] if netns else []) + ["tc", "-s", "class", "show", "dev", dev]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    result: dict[str, int] = {}
-    current = None
-    for line in out.splitlines():
-        parts = line.split()
-        if parts[:2] == ["class", "htb"]:
-            current = parts[2]
-        elif parts[:1] == ["Sent"] and current is not None:
-            result[current] = int(parts[1])
-            current = None
-    return result
+    return {cid: c.sent_bytes for cid, c in parse_tc_classes(out).items()}
 
 
 class NetnsPair:

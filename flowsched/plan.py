@@ -71,6 +71,7 @@ from topology.collectives import collective_flows
 from topology.errors import InputError
 from topology.inputs import check_name, check_number, loads_json, read_text
 from topology.io import atomic_write_text
+from topology.schema import load_schema, validate
 from topology.units import parse_rate
 
 from . import ncclhook
@@ -274,7 +275,12 @@ def _parse_comm(comm: Any, where: str, source: str | None) -> tuple[str, int]:
 
 
 def plan_from_dict(data: Any, *, source: str | None = None) -> FlowPlan:
-    """Parse and validate the JSON object of a plan file; errors name the field."""
+    """Parse and validate the JSON object of a plan file; errors name the field.
+
+    The structure is checked against ``flowsched/schemas/flow-plan.schema.json`` first, then what a schema cannot say
+    (one rule per selector, DSCPs and classes one to one) by :func:`validate_plan`.
+    """
+    validate(data, load_schema("flowsched", "flow-plan"), source=source, error=FlowPlanError)
     if not isinstance(data, dict):
         raise _err("expected a JSON object", "(top level)", source)
     if data.get("format") != FORMAT:

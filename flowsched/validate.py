@@ -345,13 +345,13 @@ def random_coflows(n: int, hosts: int, *, seed: int | random.Random = 0, max_wid
     return out
 
 
-def sebf_order(coflows: Sequence[Coflow], capacity: float | dict[Port, float]) -> list[Hashable]:
+def sebf_order(coflows: Sequence[Coflow], capacity_Bps: float | dict[Port, float]) -> list[Hashable]:
     """Varys' Smallest-Effective-Bottleneck-First order (static: every coflow's bottleneck time alone, ascending).
 
     A baseline for :func:`~flowsched.coflow.sincronia_order`; ties keep the input order.
     """
     def gamma(c: Coflow) -> float:
-        return max((b / (capacity[p] if isinstance(capacity, dict) else capacity) for p, b in c.port_bytes().items()), default=0.0)
+        return max((b / (capacity_Bps[p] if isinstance(capacity_Bps, dict) else capacity_Bps) for p, b in c.port_bytes().items()), default=0.0)
 
     return [c.name for c in sorted(coflows, key=gamma)]
 

@@ -18,7 +18,7 @@ from topology.errors import InputError
 
 # (module, attribute) pairs; a package whose CLI is not written yet is skipped.
 _COMMAND_MODULES = ["topology.cli", "placement.cli", "pipesched.cli", "flowsched.cli", "emu.cli", "netweave.bench", "netweave.launch_cli",
-                    "netweave.demo"]
+                    "netweave.schema_cli", "netweave.demo"]
 
 
 def build_parser() -> argparse.ArgumentParser:

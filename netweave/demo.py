@@ -131,6 +131,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="run the whole stack end to end on the embedded default cluster")
     add_output(p, "--out", default="netweave-demo", help="directory for the demo's files (default netweave-demo)", directory=True)
-    p.add_argument("--only", action=CommaList, metavar="SECTION[,...]", help="run only these sections (repeatable, or a comma list)")
+    p.add_argument("--only", action=CommaList, metavar="SECTION[,...]",
+                   help="run only these sections (repeatable, or a comma list): " + ", ".join(k for k, _, _ in SECTIONS))
     p.add_argument("--json", action="store_true", help="print the demo's report as JSON")
     p.set_defaults(func=cmd_demo)

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", required=True, help="jobs file (YAML or JSON; see docs/launch.md)")
     p.add_argument("--out", required=True, help="output directory: one sub-directory per job")
     p.add_argument("--policy", default="hived+cassini", choices=["hived+cassini", "hived", "first-fit"], help="placement policy")
-    p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"])
+    p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"], help="routing of collectives (default rail)")
     p.add_argument("--candidates", type=int, default=4, help="buddy candidates CASSINI ranks per job (default 4)")
     p.add_argument("--transport", choices=["ib", "roce", "tcp"], default=None,
                    help="the fabric's transport (default: the topology's fabric; ConnectX NICs are InfiniBand)")

@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import add_json_flag, add_output, emit, progress
+from topology.clitools import add_json_flag, add_output, emit, progress, render_table
 from topology.errors import InputError
 from topology.units import parse_size
 
@@ -38,7 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="with a factory: wall time, or the thread's CPU time")
     p.add_argument("--dim", type=int, default=128, help="model width of --mlp (default 128)")
     p.add_argument("--microbatch", type=int, default=32, help="rows per micro-batch for --mlp (default 32)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, default=1, help="torch threads while measuring (default 1)")
     add_output(p, "--out", help="write the profile JSON here")
     add_json_flag(p)
     p.set_defaults(func=cmd_profile)
@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         if name == "simulate":
             p.add_argument("--spans", help="layer spans per stage, e.g. 0:5,5:9,9:14 (default: equal layer counts)")
         if name == "export":
-            p.add_argument("--format", choices=["compute_only", "compute_comms"], default="compute_only")
+            p.add_argument("--format", choices=["compute_only", "compute_comms"], default="compute_only",
+                           help="torch's CSV: compute actions only (torch adds the sends and receives) or with them (default compute_only)")
             add_output(p, "--out", required=True, help="output directory (schedule.csv, stages.json, plan.json)", directory=True)
         else:
             add_output(p, "--out", help="write the plan/simulation JSON here")
@@ -63,14 +64,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.set_defaults(func=func)
 
     p = psub.add_parser("run", help="plan, run with real gloo processes on this CPU, compare with the prediction and a uniform split")
-    p.add_argument("--mlp", default="128,128,128,128,128,128,128,128,1024,1024,1024,1024", help="hidden widths of the MLP chain")
-    p.add_argument("--dim", type=int, default=128)
-    p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--microbatches", type=int, default=8)
-    p.add_argument("--stages", type=int, default=4)
-    p.add_argument("--schedule", default="auto", choices=["auto", "1f1b", "zbh1", "gpipe", "interleaved"])
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--mlp", default="128,128,128,128,128,128,128,128,1024,1024,1024,1024", help="hidden widths of the MLP chain (comma-separated)")
+    p.add_argument("--dim", type=int, default=128, help="the chain's input and output width (default 128)")
+    p.add_argument("--batch", type=int, default=256, help="rows per iteration, split into the micro-batches (default 256)")
+    p.add_argument("--microbatches", type=int, default=8, help="micro-batches per iteration (default 8)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages = processes (default 4)")
+    p.add_argument("--schedule", default="auto", choices=["auto", "1f1b", "zbh1", "gpipe", "interleaved"],
+                   help="our plan's schedule family (default auto); the baseline is always uniform + Schedule1F1B")
+    p.add_argument("--iterations", type=int, default=3, help="timed iterations per run, after one warm-up (default 3)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank process (default 1)")
     p.add_argument("--no-baseline", action="store_true", help="skip the uniform torch Schedule1F1B run")
     p.add_argument("--rounds", type=int, default=1, help="rounds of (ours, uniform) runs, alternating which goes first (default 1)")
     p.add_argument("--predict-from", default="replay", choices=list(SOURCE_LABELS),
@@ -98,12 +100,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topology", help="topology file (default: the built-in 4 x DGX H100 cluster)")
     p.add_argument("--gpus", help="comma-separated GPUs in pipeline order (default: the first --stages GPUs)")
     p.add_argument("--stages", type=int, required=True, help="pipeline depth (devices)")
-    p.add_argument("--microbatches", type=int, required=True)
+    p.add_argument("--microbatches", type=int, required=True, help="micro-batches per iteration")
     p.add_argument("--memory", help="memory per device, e.g. 80GiB (default: each GPU's memory)")
     p.add_argument("--schedule", default="auto", help="auto, gpipe, 1f1b, zbh1, interleaved, interleaved_zb, looped_bfs, zbv, dualpipev, "
                                                       "chimera (default auto: the fastest that torch can run)")
     p.add_argument("--chunks", type=int, default=2, help="virtual stages per device for interleaved, interleaved_zb, looped_bfs (default 2)")
-    p.add_argument("--recompute", default="none,selective,full", help="recomputation options the planner may use")
+    p.add_argument("--recompute", default="none,selective,full",
+                   help="recomputation options the planner may choose from, comma-separated (default none,selective,full)")
     p.add_argument("--replicate", type=int, default=1, help="allow PipeDream stage replication up to this many devices")
 
 
@@ -209,13 +212,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
         prof = profile_mlp(widths, args.dim, args.microbatch, threads=args.threads)
     if args.out:
         atomic_write_text(args.out, dumps_profile(prof))
+    mib = 2**20
+    rows = [(lay.name, f"{lay.fwd_s * 1e3:.4g}", f"{lay.bwd_input_s * 1e3:.4g}", f"{lay.bwd_weight_s * 1e3:.4g}", f"{lay.output_bytes / mib:.3g}",
+             f"{lay.param_bytes / mib:.4g}", "/".join(f"{lay.saved_bytes[k] / mib:.4g}" for k in ("none", "selective", "full")))
+            for lay in prof.layers]
     lines = [f"profile {prof.name} ({prof.source}, micro-batch {prof.microbatch_size}): {len(prof.layers)} layers",
-             f"{'layer':<12} {'F ms':>9} {'I ms':>9} {'W ms':>9} {'out MiB':>9} {'param MiB':>10} {'act none/sel/full MiB':>24}"]
-    for lay in prof.layers:
-        sv = lay.saved_bytes
-        lines.append(f"{lay.name:<12} {lay.fwd_s * 1e3:>9.4g} {lay.bwd_input_s * 1e3:>9.4g} {lay.bwd_weight_s * 1e3:>9.4g} "
-                     f"{lay.output_bytes / 2**20:>9.3g} {lay.param_bytes / 2**20:>10.4g} "
-                     f"{sv['none'] / 2**20:>8.4g}/{sv['selective'] / 2**20:.4g}/{sv['full'] / 2**20:.4g}")
+             render_table(["layer", "F ms>", "I ms>", "W ms>", "out MiB>", "param MiB>", "act none/sel/full MiB>"], rows)]
     for group in prof.reference.get("tied", []):
         lines.append(f"tied: {' = '.join(group['params'])} ({group['bytes'] / 2**20:.4g} MiB) held by layers "
                      f"{', '.join(str(k) for k in group['layers'])}, counted in each")

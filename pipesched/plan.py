@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from topology.clitools import render_table
+
 from .devices import Device, LinkModel, devices_from_topology
 from .export import TORCH_CLASSES, exportable
 from .partition import (
@@ -104,11 +106,9 @@ class Plan:
         lines = [f"pipeline plan for {self.profile_name}: schedule {self.family}"
                  + (f" (v={self.chunks})" if self.family in LOOPED else "")
                  + f", {len(self.partition.stages)} stages on {len(self.devices)} devices, {self.schedule.microbatches} micro-batches"]
-        lines.append(f"{'stage':>5} {'layers':>11} {'device':<16} {'recompute':<9} {'t/mb ' + unit:>11} {'in-flight':>9} {'mem GiB':>8}")
-        for k, st in enumerate(self.partition.stages):
-            dev = ",".join(self.devices[d].name for d in st.devices)
-            lines.append(f"{k:>5} {st.layers[0]:>5}-{st.layers[1] - 1:<5} {dev:<16} {st.recompute:<9} {st.time_s * scale:>11.4g} "
-                         f"{st.in_flight:>9} {st.memory_bytes / 2**30:>8.2f}")
+        rows = [(k, f"{st.layers[0]}-{st.layers[1] - 1}", ",".join(self.devices[d].name for d in st.devices), st.recompute,
+                 f"{st.time_s * scale:.4g}", st.in_flight, f"{st.memory_bytes / 2**30:.2f}") for k, st in enumerate(self.partition.stages)]
+        lines.append(render_table(["stage>", "layers>", "device", "recompute", f"t/mb {unit}>", "in-flight>", "mem GiB>"], rows))
         lines.append(f"predicted iteration {self.sim.makespan * scale:.4g} {unit}, bubble {self.sim.bubble_fraction:.1%}, "
                      f"peak memory {bytes_text(max(self.sim.peak_memory))}")
         lines.append(f"lower bound ({self.family}, this partition) {self.bound['bound_s'] * scale:.4g} {unit}: gap {self.gap:.1%}; "

@@ -41,6 +41,7 @@ from typing import Any
 from topology.errors import InputError
 from topology.inputs import check_number, loads_json, loads_yaml, read_text
 from topology.limits import MAX_BANDWIDTH_GBS, MAX_BYTES, MAX_LAYERS, MAX_SECONDS, MAX_TFLOPS
+from topology.schema import load_schema, validate
 
 RECOMPUTE_OPTIONS = ("none", "selective", "full")
 PROFILE_FORMAT = "netweave-pipe-profile"
@@ -276,7 +277,11 @@ _CONFIG_BOUNDS = {"layers": (1, MAX_LAYERS), "tflops": (1e-3, MAX_TFLOPS), "hbm_
 
 
 def config_from_dict(data: Any, *, source: str | None = None) -> GPTConfig:
-    """Validate a model configuration (from YAML or JSON); unknown or mistyped fields are named."""
+    """Validate a model configuration (from YAML or JSON); unknown or mistyped fields are named.
+
+    The structure is checked against ``pipesched/schemas/model-config.schema.json`` first.
+    """
+    validate(data, load_schema("pipesched", "model-config"), source=source, error=ProfileError)
     if not isinstance(data, dict):
         raise ProfileError("expected a mapping of model fields", source=source)
     if "model" in data and isinstance(data["model"], dict):

@@ -70,6 +70,7 @@ class RunResult:
     replay_cpu_medians: dict[str, float] = field(default_factory=dict)   # "stage kind" -> median CPU time in the replays between steps
     device: str = "cpu"
     device_peak_bytes: list[int] = field(default_factory=list)   # per rank, GPU runs: peak allocated memory during the memory step
+    traces: list[list[dict[str, Any]]] = field(default_factory=list)   # per rank, with trace=True: every timed step (run_pipeline)
 
     @property
     def median_s(self) -> float:
@@ -83,7 +84,7 @@ class RunResult:
                 "rank_main_cpu_s": self.rank_main_cpu_s, "rank_wait_s": self.rank_wait_s, "foreign_cores": self.foreign_cores,
                 "pre_profiles": self.pre_profiles, "interleaved_profiles": self.interleaved_profiles,
                 "interleaved_totals_s": self.interleaved_totals_s, "replay_cpu_medians": self.replay_cpu_medians,
-                "device": self.device, "device_peak_bytes": self.device_peak_bytes}
+                "device": self.device, "device_peak_bytes": self.device_peak_bytes, "traces": self.traces}
 
 
 def machine_busy_s() -> float:
@@ -166,6 +167,23 @@ def _rss(field_name: str) -> int:
     return 0
 
 
+def half_round_trip_s(dist, buf: Any, rank: int, sync: Any = None) -> float:
+    """One ping-pong of ``buf`` between ranks 0 and 1 (rank 0 sends first); half its wall time, the clock read after
+    ``sync`` (a GPU's synchronisation) on both sides."""
+    if sync:
+        sync()
+    t0 = time.perf_counter()
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    else:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+    if sync:
+        sync()
+    return (time.perf_counter() - t0) / 2
+
+
 def _ping_pong(torch, dist, rank: int, world: int, device: Any = "cpu", sync: Any = None) -> tuple[float, float]:
     """Latency and bandwidth between ranks 0 and 1 from round trips at two message sizes (``sync`` waits for a GPU)."""
     if world < 2:
@@ -175,20 +193,7 @@ def _ping_pong(torch, dist, rank: int, world: int, device: Any = "cpu", sync: An
     times = {}
     for nbytes, rounds in ((4, 30), (4 << 20, 10)):
         buf = torch.zeros(max(1, nbytes // 4), device=device)
-        samples = []
-        for _ in range(rounds):
-            if sync:
-                sync()
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(buf, 1)
-                dist.recv(buf, 1)
-            else:
-                dist.recv(buf, 0)
-                dist.send(buf, 0)
-            if sync:
-                sync()
-            samples.append((time.perf_counter() - t0) / 2)
+        samples = [half_round_trip_s(dist, buf, rank, sync) for _ in range(rounds)]
         times[nbytes] = statistics.median(samples[1:])
     small, large = times[4], times[4 << 20]
     bandwidth = (4 << 20) / max(large - small, 1e-9)
@@ -223,14 +228,14 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         spans = job["spans"]
         stage_rank = job["stage_rank"]
         num_stages = len(spans)
-        records: list[tuple[int, str, int, float, float, float]] = []
+        records: list[list[Any]] = []     # [stage, kind, mb, start, end, cpu, CUDA events or None] per action
         stages = []
         for sid in range(num_stages):
             if stage_rank[sid] != rank:
                 continue
             i, j = spans[sid]
             stage = PipelineStage(torch.nn.Sequential(*layers[i:j]), sid, num_stages, dev)
-            _instrument(stage, sid, records, stream_sync)
+            _instrument(stage, sid, records, stream_sync, torch.cuda.Event if cuda else None)
             stages.append(stage)
         waited = _time_message_waits(ts)
         loss_fn = torch.nn.functional.mse_loss
@@ -245,8 +250,9 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         dist.barrier()
         latency, bandwidth = _ping_pong(torch, dist, rank, world, dev, sync)
         gen = torch.Generator().manual_seed(1)
-        x = torch.randn(job["batch"], job["dim"], generator=gen).to(dev)
-        y = torch.randn(job["batch"], job["dim"], generator=gen).to(dev)
+        shape = tuple(job.get("input_shape") or (job["dim"],))
+        x = torch.randn(job["batch"], *shape, generator=gen).to(dev)
+        y = torch.randn(job["batch"], *shape, generator=gen).to(dev)
         pre_profile = None
         if job.get("pre_profile"):
             opts = job["pre_profile"]
@@ -262,6 +268,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=1e-3)
         durations, cpu_s, main_cpu_s, wait_s, losses = [], [], [], [], []
         last_records: list[tuple[int, str, int, float, float, float]] = []
+        trace: list[dict[str, Any]] = []   # every timed step: its start (perf_counter, one clock for all ranks) and actions
         per_action: dict[str, list[float]] = {}
         per_action_cpu: dict[str, list[float]] = {}
         window: dict[str, float] = {}
@@ -287,13 +294,18 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
             t1, c1, m1 = time.perf_counter(), time.process_time(), time.thread_time()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            for rec in records:   # the step is synchronised: every action's CUDA events have completed
+                rec[6] = rec[6][0].elapsed_time(rec[6][1]) / 1e3 if rec[6] is not None else None
             if it >= job["warmup"]:
+                if job.get("trace"):
+                    trace.append({"t0": t0, "t1": t1, "wait_s": waited[0],
+                                  "actions": [[s, k, mb, a - t0, b - t0, c, g] for s, k, mb, a, b, c, g in records]})
                 durations.append(t1 - t0)
                 cpu_s.append(c1 - c0)       # all of the rank's threads (gloo's included) during the step
                 main_cpu_s.append(m1 - m0)  # the schedule's own thread: actions, the runtime's loop, posting and waiting
                 wait_s.append(waited[0])
-                last_records = [(s, k, mb, a - t0, b - t0, c) for s, k, mb, a, b, c in records]
-                for s, k, _, a, b, c in records:
+                last_records = [(s, k, mb, a - t0, b - t0, c) for s, k, mb, a, b, c, _ in records]
+                for s, k, _, a, b, c, _ in records:
                     per_action.setdefault(f"{s} {k}", []).append(b - a)
                     per_action_cpu.setdefault(f"{s} {k}", []).append(c)
                 if step_losses:
@@ -324,7 +336,7 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         queue.put({"rank": rank, "durations": durations, "cpu_s": cpu_s, "main_cpu_s": main_cpu_s, "wait_s": wait_s, "actions": last_records,
                    "per_action": per_action, "per_action_cpu": per_action_cpu, "window": window, "peak_saved": counter.peak,
                    "rss_growth": rss_growth, "latency": latency, "bandwidth": bandwidth, "losses": losses, "pre_profile": pre_profile,
-                   "interleaved": inter, "device_peak": device_peak, "replayed": replayed})
+                   "interleaved": inter, "device_peak": device_peak, "replayed": replayed, "trace": trace})
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:   # report, do not hang the parent
@@ -428,7 +440,9 @@ def _time_message_waits(ts) -> list[float]:
     return waited
 
 
-def _instrument(stage, sid: int, records: list, sync: Any = None) -> None:
+def _instrument(stage, sid: int, records: list, sync: Any = None, event: Any = None) -> None:
+    """Time the stage's F, B/I and W calls into ``records``; with ``event`` (``torch.cuda.Event``) also a CUDA event
+    pair on the compute stream around each (elapsed time filled in by the caller once the step has synchronised)."""
     forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
     cpu = time.thread_time
@@ -439,22 +453,35 @@ def _instrument(stage, sid: int, records: list, sync: Any = None) -> None:
             sync()
             return time.perf_counter()
 
-    def fwd(chunk_id, *args, **kwargs):
+    def begin():
+        if event is None:
+            return clock(), cpu(), None
         t, c = clock(), cpu()
+        ev = (event(enable_timing=True), event(enable_timing=True))
+        ev[0].record()
+        return t, c, ev
+
+    def end(kind: str, chunk_id: int, t: float, c: float, ev) -> None:
+        if ev is not None:
+            ev[1].record()
+        records.append([sid, kind, chunk_id, t, clock(), cpu() - c, ev])
+
+    def fwd(chunk_id, *args, **kwargs):
+        t, c, ev = begin()
         out = forward(chunk_id, *args, **kwargs)
-        records.append((sid, "F", chunk_id, t, clock(), cpu() - c))
+        end("F", chunk_id, t, c, ev)
         return out
 
     def bwd(chunk_id, loss=None, full_backward=True, last_backward=False):
-        t, c = clock(), cpu()
+        t, c, ev = begin()
         out = backward(chunk_id, loss=loss, full_backward=full_backward, last_backward=last_backward)
-        records.append((sid, "B" if full_backward else "I", chunk_id, t, clock(), cpu() - c))
+        end("B" if full_backward else "I", chunk_id, t, c, ev)
         return out
 
     def wgt(chunk_id, last_backward=False):
-        t, c = clock(), cpu()
+        t, c, ev = begin()
         out = weight(chunk_id, last_backward=last_backward)
-        records.append((sid, "W", chunk_id, t, clock(), cpu() - c))
+        end("W", chunk_id, t, c, ev)
         return out
 
     stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk = fwd, bwd, wgt
@@ -494,7 +521,8 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
                  model: str = "pipesched.models:mlp_chain", model_kwargs: dict[str, Any] | None = None, csv_text: str | None = None,
                  builtin: str | None = None, iterations: int = 3, warmup: int = 1, threads: int = 1, timeout_s: float = 300,
                  pre_profile: dict[str, int] | None = None, interleave_profile: dict[str, int] | None = None,
-                 interleave_replay: dict[int, list[Action]] | None = None, device: str = "cpu") -> RunResult:
+                 interleave_replay: dict[int, list[Action]] | None = None, device: str = "cpu", input_shape: tuple[int, ...] | None = None,
+                 trace: bool = False) -> RunResult:
     """Run a pipeline in ``max(stage_rank) + 1`` processes (gloo on the CPU, or NCCL on GPU 0 with ``device="cuda"``)
     and measure it (see the module docstring).
 
@@ -511,6 +539,10 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
     timed step (after the profile pass, if any), run its own compute actions of one step in that order, without
     messages, all ranks at once between barriers and outside the step's timing (:func:`_replay`):
     ``RunResult.replay_cpu_medians`` holds the median CPU time per "stage kind".
+    ``input_shape`` is one sample's shape (default ``(dim,)``; ``(seq, dim)`` for a transformer chain). With ``trace``
+    every timed step of every rank is kept (``RunResult.traces``): the step's start and end on ``time.perf_counter``
+    (one clock for all processes of this machine), its message-wait time, and per action its start, end and CPU time
+    and, on a GPU, the elapsed time of a CUDA event pair recorded on the compute stream around it.
     """
     import torch.multiprocessing as mp
 
@@ -537,6 +569,7 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
                "model": model, "model_kwargs": dict(model_kwargs or {}), "csv": csv_path, "builtin": builtin, "iterations": iterations,
                "warmup": warmup, "threads": threads, "pre_profile": dict(pre_profile) if pre_profile else None,
                "interleave_profile": dict(interleave_profile) if interleave_profile else None, "device": device,
+               "input_shape": list(input_shape) if input_shape else None, "trace": trace,
                "interleave_replay": ({str(r): [[a.stage, a.kind, a.mb] for a in acts] for r, acts in interleave_replay.items()}
                                      if interleave_replay else None)}
         ctx = mp.get_context("spawn")
@@ -564,7 +597,8 @@ def run_pipeline(spans: list[tuple[int, int]], stage_rank: list[int], *, microba
                      interleaved_profiles=[results[r]["interleaved"]["median"] for r in range(world) if results[r]["interleaved"]],
                      interleaved_totals_s=[results[r]["interleaved"]["totals"] for r in range(world) if results[r]["interleaved"]],
                      replay_cpu_medians={k: statistics.median(v) for r in range(world) for k, v in results[r]["replayed"].items()},
-                     device=device, device_peak_bytes=[results[r]["device_peak"] for r in range(world)] if device == "cuda" else [])
+                     device=device, device_peak_bytes=[results[r]["device_peak"] for r in range(world)] if device == "cuda" else [],
+                     traces=[results[r]["trace"] for r in range(world)] if trace else [])
 
 
 def measured_timeline(run: RunResult, ranks: int):

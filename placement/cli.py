@@ -23,7 +23,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from topology.clitools import CommaList, add_json_flag, add_output, emit, progress
+from topology.clitools import CommaList, add_json_flag, add_output, emit, eta_progress, progress, render_table
 from topology.errors import InputError
 from topology.inputs import check_number
 from topology.io import atomic_write_text
@@ -40,7 +40,8 @@ def _topology(arg: str):
 def _plan_args(p: argparse.ArgumentParser, required: bool) -> None:
     p.add_argument("--topology", required=required, help="topology file, or 'default'")
     p.add_argument("--jobs", required=required, help="jobs file (YAML or JSON; see docs/placement.md)")
-    p.add_argument("--policy", default="hived+cassini", choices=["hived+cassini", "hived", "first-fit"])
+    p.add_argument("--policy", default="hived+cassini", choices=["hived+cassini", "hived", "first-fit"],
+                   help="HiveD cells with CASSINI ranking and time shifts, HiveD alone, or first-fit (default hived+cassini)")
     p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"], help="routing of collectives (default rail)")
     p.add_argument("--candidates", type=int, default=4, help="buddy candidates CASSINI ranks per job (default 4)")
     p.add_argument("--script", default="train.py",
@@ -65,20 +66,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = psub.add_parser("release", help="free jobs held in a planner state file (place plan --state)")
     p.add_argument("jobs", nargs="+", metavar="JOB", help="job names to free")
-    p.add_argument("--topology", required=True)
+    p.add_argument("--topology", required=True, help="topology file, or 'default'")
     add_output(p, "--state", required=True, help="planner state file")
     add_json_flag(p)
     p.set_defaults(func=cmd_release)
 
     p = psub.add_parser("cells", help="the HiveD cell hierarchy derived from a topology")
-    p.add_argument("--topology", required=True)
+    p.add_argument("--topology", required=True, help="topology file, or 'default'")
     p.add_argument("--no-forge", action="store_true", help="do not add forged binary levels")
     add_json_flag(p)
     p.set_defaults(func=cmd_cells)
 
     p = psub.add_parser("check", help="check the virtual-cluster quotas of a jobs file against the topology (HiveD safety)")
-    p.add_argument("--topology", required=True)
-    p.add_argument("--jobs", required=True)
+    p.add_argument("--topology", required=True, help="topology file, or 'default'")
+    p.add_argument("--jobs", required=True, help="jobs file (YAML or JSON; see docs/placement.md)")
     p.add_argument("--fail", action=CommaList, default=[], metavar="GPU|HOST[,...]", help="mark hardware bad before checking (repeatable)")
     add_json_flag(p)
     p.set_defaults(func=cmd_check)
@@ -88,19 +89,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--synthetic", type=int, metavar="N", help="N seeded synthetic jobs")
     src.add_argument("--philly", metavar="FILE", help="a Philly cluster_job_log (JSON)")
     src.add_argument("--pai", metavar="FILE", help="an Alibaba PAI pai_task_table (CSV)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="random seed of the synthetic trace and of the model mix drawn for Philly/PAI (default 0)")
     p.add_argument("--limit", type=int, default=None, help="keep the first N jobs")
     p.add_argument("--arrival-rate", type=float, default=1 / 60, help="synthetic: jobs per second (default 1/60)")
-    p.add_argument("--network-heavy", type=float, default=0.0, help="synthetic: share of jobs with 4x gradients")
-    add_output(p, "--out", required=True)
+    p.add_argument("--network-heavy", type=float, default=0.0, help="synthetic: share of jobs with 4x gradients, 0..1 (default 0)")
+    add_output(p, "--out", required=True, help="trace file to write (netweave CSV)")
     add_json_flag(p)
     p.set_defaults(func=cmd_trace)
 
     p = psub.add_parser("replay", help="replay a trace under placement policies; JCT, queueing, fragmentation, link overload")
-    p.add_argument("--topology", required=True)
+    p.add_argument("--topology", required=True, help="topology file, or 'default'")
     p.add_argument("--trace", required=True, help="trace file (netweave CSV/JSON)")
     p.add_argument("--policy", default="fifo,hived,hived+cassini", help="comma-separated: fifo, las, hived, hived+cassini")
-    p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"])
+    p.add_argument("--routing", default="rail", choices=["rail", "ecmp", "shortest"], help="routing of collectives (default rail)")
     add_output(p, "--out", default=None, help="write per-policy metrics and per-job times (JSON)")
     add_output(p, "--plot", default=None, help="write a JCT distribution plot (PNG)")
     p.add_argument("--fluid-radius", type=int, default=None, metavar="R",
@@ -180,9 +181,9 @@ def cmd_cells(args: argparse.Namespace) -> int:
     lines = []
     for chain, d in data.items():
         lines.append(f"chain {chain}: {d['gpus']} GPUs")
-        for lv in reversed(d["levels"]):
-            tag = " (forged)" if lv["forged"] else (" (node level)" if lv["node_level"] else "")
-            lines.append(f"  {lv['name']:<12} {lv['size']:>6} GPUs  x{lv['cells']:<5} fan-out {lv['fanout']}{tag}")
+        rows = [(lv["name"], lv["size"], lv["cells"], lv["fanout"], "forged" if lv["forged"] else ("node level" if lv["node_level"] else ""))
+                for lv in reversed(d["levels"])]
+        lines.append(render_table(["level", "GPUs per cell>", "cells>", "fan-out>", "note"], rows, indent=2))
     emit(args, data, "\n".join(lines))
     return 0
 
@@ -260,7 +261,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
             raise InputError(f"unknown policy {p!r}; expected one of {', '.join(POLICIES)}", where="--policy")
     if args.fluid_radius is not None and args.fluid_radius < 1:
         raise InputError(f"expected a radius >= 1, got {args.fluid_radius}", where="--fluid-radius")
-    from emu.sweep import RayExecutor, eta_progress, get_executor
+    from emu.sweep import RayExecutor, get_executor
 
     from .replay_set import replay_many
 
@@ -279,12 +280,9 @@ def cmd_replay(args: argparse.Namespace) -> int:
         atomic_write_text(args.out, json.dumps({**data, "per_job": {p: r.jobs for p, r in results.items()}}, indent=1, default=str) + "\n")
     if args.plot:
         plot_jct(results, args.plot, title=f"{len(trace)} jobs on {topo.name}")
-    lines = [f"{'policy':<15}{'avg JCT s':>12}{'p99 JCT s':>12}{'avg queue s':>13}{'frag':>7}{'util':>7}{'overload link-s':>17}"]
-    for p, r in results.items():
-        m = r.metrics
-        lines.append(f"{p:<15}{_f(m['avg_jct_s']):>12}{_f(m['p99_jct_s']):>12}{_f(m['avg_queue_s']):>13}{m['fragmentation']:>7.3f}"
-                     f"{m['gpu_utilisation']:>7.3f}{m['overloaded_link_s']:>17.1f}")
-    emit(args, data, "\n".join(lines))
+    rows = [(p, _f(m["avg_jct_s"]), _f(m["p99_jct_s"]), _f(m["avg_queue_s"]), f"{m['fragmentation']:.3f}", f"{m['gpu_utilisation']:.3f}",
+             f"{m['overloaded_link_s']:.1f}") for p, m in ((p, r.metrics) for p, r in results.items())]
+    emit(args, data, render_table(["policy", "avg JCT s>", "p99 JCT s>", "avg queue s>", "frag>", "util>", "overload link-s>"], rows))
     return 0
 
 

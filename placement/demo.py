@@ -12,6 +12,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from topology.clitools import render_table
 from topology.io import atomic_write_text
 from topology.model import Topology
 
@@ -58,8 +59,8 @@ def demo(topo: Topology, out: pathlib.Path) -> tuple[dict[str, Any], str]:
               "files": sorted(str(p.relative_to(out)) for p in out.glob("*") if p.is_file())}
     lines = [plan_text(plan), "", "with the buddy allocator's first choice only, jobs share links and CASSINI time-shifts them:",
              plan_text(forced), "  iteration time per job (emu.fluid job-level model): solo / all started together / with the shifts"]
-    for n, e in effect.items():
-        lines.append(f"    {n:<8} {e['solo_ms']:7.1f} ms / {e['unshifted_ms']:7.1f} ms / {e['shifted_ms']:7.1f} ms")
+    effect_rows = [(n, f"{e['solo_ms']:.1f}", f"{e['unshifted_ms']:.1f}", f"{e['shifted_ms']:.1f}") for n, e in effect.items()]
+    lines.append(render_table(["job", "solo ms>", "together ms>", "shifted ms>"], effect_rows, indent=4))
     deficits = [d for c in failure["chains"].values() for d in c["deficits"]]
     lines.append(f"  after failing {report['failure_check']['failed']}: guarantees {'hold' if failure['ok'] else 'DEGRADED'}"
                  + "".join(f"; level {d['level']} short of {d['missing']} cell(s)" for d in deficits))
@@ -67,11 +68,9 @@ def demo(topo: Topology, out: pathlib.Path) -> tuple[dict[str, Any], str]:
 
     lines.append(f"  trace replay of {len(trace)} synthetic jobs (emu.fluid slowdowns, {fluid_engine().split(' ')[0]} event loop); "
                  "JCT CDF in replay_jct.png:")
-    lines.append(f"    {'policy':<15}{'avg JCT s':>11}{'p99 JCT s':>11}{'avg queue s':>13}{'frag':>7}{'overloaded link-s':>19}")
-    for p, r in replays.items():
-        m = r.metrics
-        lines.append(f"    {p:<15}{m['avg_jct_s']:>11.0f}{m['p99_jct_s']:>11.0f}{m['avg_queue_s']:>13.0f}{m['fragmentation']:>7.3f}"
-                     f"{m['overloaded_link_s']:>19.1f}")
+    rows = [(p, f"{m['avg_jct_s']:.0f}", f"{m['p99_jct_s']:.0f}", f"{m['avg_queue_s']:.0f}", f"{m['fragmentation']:.3f}",
+             f"{m['overloaded_link_s']:.1f}") for p, m in ((p, r.metrics) for p, r in replays.items())]
+    lines.append(render_table(["policy", "avg JCT s>", "p99 JCT s>", "avg queue s>", "frag>", "overloaded link-s>"], rows, indent=4))
     return report, "\n".join(lines)
 
 

@@ -1287,23 +1287,31 @@ class HivedScheduler:
         """Up to ``limit`` distinct placements the allocator would accept (dry runs; nothing changes).
 
         Each alternative excludes the first cells of the previous ones; commit one
-        with ``allocate(..., plan=result.plan)``.
+        with ``allocate(..., plan=result.plan)``. A search that lands on GPUs already
+        listed (a gang's later pieces can return to the cell just excluded as its
+        first) excludes that first cell too and goes on, for at most ``2 * limit``
+        searches in all.
         """
         out, exclude, seen = [], set(), set()
-        for _ in range(limit):
+        for _ in range(2 * limit):
             res = self.allocate(job, gpus, vc=vc, priority=priority, chain=chain, exclude=exclude, dry=True)
             if not res.ok:
                 if not out:
                     out.append(res)
                 break
+            first = (res.cells[0], res.plan[0][4] if vc is not None else None)
+            if first[0] in exclude and (vc is None or first[1] in exclude):
+                break  # the allocator ignored the exclusion: nothing new to find
+            exclude.add(first[0])
+            if vc is not None:
+                exclude.add(first[1])  # the preassigned cell it bound: try another one next
             key = frozenset(res.gpus)
             if key in seen:
-                break
+                continue
             seen.add(key)
             out.append(res)
-            exclude.add(res.cells[0])
-            if vc is not None:
-                exclude.add(res.plan[0][4])  # the preassigned cell it bound: try another one next
+            if len(out) >= limit:
+                break
         return out
 
     # -- bad hardware ---------------------------------------------------------------------

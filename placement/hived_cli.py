@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from topology.clitools import add_json_flag, emit
+from topology.clitools import add_json_flag, add_output, emit, render_table
 from topology.errors import InputError
 
 
@@ -21,7 +21,7 @@ def register_hived(psub: argparse._SubParsersAction) -> None:
     p = psub.add_parser("import-hived", help="read HiveD's configuration (physicalCluster, virtualClusters): cells, quotas, safety check")
     p.add_argument("config", help="HiveD configuration file (hivedscheduler.yaml)")
     p.add_argument("--topology", default=None, help="netweave topology whose GPUs the file's cells name (default: the file's hosts alone)")
-    p.add_argument("--out", default=None, help="write the configuration back (the same data, canonical YAML)")
+    add_output(p, "--out", default=None, help="write the configuration back (the same data, canonical YAML)")
     add_json_flag(p)
     p.set_defaults(func=cmd_import_hived)
 
@@ -29,7 +29,7 @@ def register_hived(psub: argparse._SubParsersAction) -> None:
     p.add_argument("--topology", required=True, help="topology file, or 'default'")
     p.add_argument("--jobs", default=None, help="jobs file whose virtual_clusters become virtualClusters")
     p.add_argument("--no-forge", action="store_true", help="do not add forged binary levels")
-    p.add_argument("--out", required=True)
+    add_output(p, "--out", required=True, help="HiveD configuration file to write (hivedscheduler.yaml)")
     add_json_flag(p)
     p.set_defaults(func=cmd_export_hived)
 
@@ -50,9 +50,8 @@ def cmd_import_hived(args: argparse.Namespace) -> int:
     lines = []
     for chain, d in data["chains"].items():
         lines.append(f"chain {chain}: {d['gpus']} GPUs, {len(cfg.trees()[chain].tops)} top-level cell(s)")
-        for lv in reversed(d["levels"]):
-            tag = " (node level)" if lv["node_level"] else ""
-            lines.append(f"  {lv['name']:<24} {lv['size']:>6} GPUs  x{lv['cells']:<5} fan-out {lv['fanout']}{tag}")
+        rows = [(lv["name"], lv["size"], lv["cells"], lv["fanout"], "node level" if lv["node_level"] else "") for lv in reversed(d["levels"])]
+        lines.append(render_table(["level", "GPUs per cell>", "cells>", "fan-out>", "note"], rows, indent=2))
     for vc, chains in data["virtual_clusters"].items():
         quota = ", ".join(f"{chain}: {', '.join(f'{t} x{n}' for t, n in q.items())}" for chain, q in chains.items()) or "no quota"
         pins = ", ".join(a for _, a in cfg.pinned_cells().get(vc, []))
@@ -66,7 +65,7 @@ def cmd_export_hived(args: argparse.Namespace) -> int:
     from .cells import cell_hierarchy
     from .cli import _topology
     from .hived import HivedScheduler
-    from .hived_config import config_from_trees, dumps_hived_config, write_hived_config
+    from .hived_config import config_from_trees, write_hived_config
     from .planner import load_jobs
 
     topo = _topology(args.topology)
@@ -80,5 +79,6 @@ def cmd_export_hived(args: argparse.Namespace) -> int:
                          "export-hived writes full cells only: use a topology whose top-level cells are full", where="--topology")
     data = config_from_trees(trees, quotas)
     write_hived_config(data, args.out)
-    emit(args, data, dumps_hived_config(data).rstrip())
+    vc_names = ", ".join(quotas) or "none"
+    emit(args, data, f"wrote {args.out}: {len(trees)} chain(s) of cells, virtual clusters: {vc_names}")  # the file holds the YAML
     return 0

@@ -46,6 +46,7 @@ import yaml
 from topology.errors import InputError
 from topology.io import atomic_write_text
 from topology.model import NodeKind, Topology
+from topology.schema import load_schema, validate
 
 from .cells import Cell, CellTree, Level
 
@@ -321,6 +322,7 @@ def loads_hived_config(text: str, *, source: str | None = None) -> HivedConfig:
         line = getattr(getattr(exc, "problem_mark", None), "line", None)
         raise InputError(f"invalid YAML ({getattr(exc, 'problem', None) or exc})", source=source,
                          where=None if line is None else line + 1) from None
+    validate(data, load_schema("placement", "hived-config"), source=source)  # the structure; the cell trees are checked as they are built
     return HivedConfig(data, source)
 
 

@@ -41,6 +41,7 @@ from topology.errors import InputError
 from topology.inputs import check_name, check_number, loads_yaml, read_text
 from topology.limits import MAX_BYTES, MAX_ITERATIONS, MAX_JOB_GPUS, MAX_JOBS, MAX_SECONDS
 from topology.model import Topology
+from topology.schema import load_schema, validate
 
 from .cassini import rank_candidates, time_shifts
 from .hived import HivedScheduler
@@ -79,6 +80,7 @@ def load_jobs_file(path: str | Path) -> JobsFile:
 
 def loads_jobs_file(text: str, *, source: str | None = None) -> JobsFile:
     data = loads_yaml(text, source=source)  # YAML is a superset of JSON
+    validate(data, load_schema("placement", "jobs"), source=source)  # the structure; the cross-checks follow
     if isinstance(data, list):
         data = {"jobs": data}
     if not isinstance(data, Mapping):

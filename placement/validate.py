@@ -55,6 +55,7 @@ from typing import Any
 
 from emu.results import RunResult
 from emu.workload import Job, Workload
+from topology.clitools import render_table
 from topology.errors import InputError
 from topology.model import LinkKind, NodeKind, Topology
 
@@ -385,11 +386,14 @@ def format_report(report: Mapping[str, Any]) -> str:
     """The report as a few lines of text: per setting and backend, mean iteration times and gains."""
     lines = [f"scenario {report['scenario']['name']}: shared links {', '.join(report['scenario']['shared_links'])}, "
              f"CASSINI shifts {', '.join(f'{j} {s * 1e3:.2f} ms' for j, s in report['cassini']['shifts_s'].items())}"]
+    jobs = sorted({j for cases in report["cases"].values() for case in cases.values() for j in case["mean_iteration_s"]})
+    rows = []
     for name, cases in report["cases"].items():
         for backend, case in cases.items():
             g = report["gains"].get(name, {}).get(backend, {}).get("gain")
-            its = "  ".join(f"{j} {v * 1e3:7.2f} ms" for j, v in case["mean_iteration_s"].items())
-            lines.append(f"  {name:<14} {backend:<8} {its}" + (f"  gain {g:.3f}" if g is not None else ""))
+            its = case["mean_iteration_s"]
+            rows.append([name, backend] + [f"{its[j] * 1e3:.2f}" if j in its else "" for j in jobs] + [f"{g:.3f}" if g is not None else ""])
+    lines.append(render_table(["case", "backend"] + [f"{j} ms>" for j in jobs] + ["gain>"], rows, indent=2))
     for name, a in (report.get("agreement") or {}).items():
         lines.append(f"  {name}: sim {a['gain_sim']:.3f} vs mininet {a['gain_emu']:.3f} ({a['relative_difference']:.1%}; "
                      f"{'agree' if a['agrees'] else 'DISAGREE'})")

@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -110,3 +111,13 @@ def test_show_stage_weights_cover_every_stage():
             topo = build_cluster(2)
         describe(topo, stages)
     assert stages.done == sum(SHOW_STAGES.values())
+
+
+def test_builder_quantities_take_units(tmp_path, capsys):
+    """``--node-set nic_gbps=50GB/s`` goes through topology.units: the same NIC as ``nic_gbps=400``; a bad value is one line."""
+    a, b = str(tmp_path / "a.json"), str(tmp_path / "b.json")
+    assert run(capsys, "topo", "build", "rail-optimized", "--nodes", "2", "--node-set", "nic_gbps=50GB/s", "--out", a)[0] == 0
+    assert run(capsys, "topo", "build", "rail-optimized", "--nodes", "2", "--node-set", "nic_gbps=400", "--out", b)[0] == 0
+    assert json.loads(Path(a).read_text()) == json.loads(Path(b).read_text())
+    code, out, err = run(capsys, "topo", "build", "rail-optimized", "--nodes", "2", "--node-set", "nic_gbps=fast", "--out", a)
+    assert code == 2 and err.count("\n") == 1 and "--node-set nic_gbps: expected a rate in Gb/s" in err

@@ -71,7 +71,7 @@ def test_bssi_ratio_is_close_in_practice():
 def test_priority_cct_exact_two_coflows_sharing_a_port():
     a = Coflow("a", [Flow("h0", "h1", 4.0)])
     b = Coflow("b", [Flow("h0", "h2", 2.0), Flow("h3", "h2", 2.0)])
-    cct = priority_cct([a, b], ["b", "a"], capacity={("out", "h0"): 2.0, ("in", "h1"): 2.0, ("in", "h2"): 2.0, ("out", "h3"): 2.0})
+    cct = priority_cct([a, b], ["b", "a"], capacity_Bps={("out", "h0"): 2.0, ("in", "h1"): 2.0, ("in", "h2"): 2.0, ("out", "h3"): 2.0})
     # b's two flows share b's ingress port h2 (2 B/s): greedy gives h0->h2 all of it first (1 s), then h3->h2 (1 s);
     # a gets h0's egress after 1 s: 4 B at 2 B/s -> finishes at 3 s.
     assert cct == {"b": pytest.approx(2.0), "a": pytest.approx(3.0)}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -111,9 +112,10 @@ def test_gpu_paths_refuse_clearly_without_a_gpu():
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="CUDA GPU"):
             gpu_validation([8, 8], dim=4, batch=4, microbatches=2, stages=2)
-        res = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "bench_pipesched_gpu.py")],
-                             capture_output=True, text=True, timeout=120)
-        assert res.returncode == 2 and "no CUDA GPU" in res.stderr
+        raw = Path(tempfile.mkdtemp(prefix="pipesched-gpu-")) / "raw.json"
+        res = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "bench" / "bench_pipesched_gpu.py"), "--collect",
+                              str(raw)], capture_output=True, text=True, timeout=120)
+        assert res.returncode == 2 and "no CUDA GPU" in res.stderr and not raw.exists()
         from netweave.cli import main
 
         assert main(["pipe", "run", "--device", "cuda"]) == 2

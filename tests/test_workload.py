@@ -122,7 +122,7 @@ def test_errors_name_file_and_field():
     _bad(lambda d: d["jobs"][1].__setitem__("name", "mixed"), "jobs[1].name: job name 'mixed' is used twice")
     _bad(lambda d: d["jobs"][0].__setitem__("iterations", 0), "jobs[0].iterations: expected a positive integer")
     _bad(lambda d: d["jobs"][0].__setitem__("rate_cap", 0), "jobs[0].rate_cap: expected a positive number")
-    _bad(lambda d: d["jobs"][0].__setitem__("colour", "red"), "jobs[0]: unknown field 'colour'")
+    _bad(lambda d: d["jobs"][0].__setitem__("colour", "red"), "jobs[0].colour: unknown field 'colour'")
     _bad(lambda d: d["jobs"][0]["phases"][2]["transfers"][1].pop("dst"), "jobs[0].phases[2].transfers[1].dst: missing required field")
     _bad(lambda d: d.__setitem__("version", 2), "version: unsupported version 2")
     _bad(lambda d: d["jobs"][0]["phases"][0].__setitem__("after", ["bwd"]), "form a cycle: fwd -> bwd")
@@ -211,7 +211,7 @@ def test_the_documented_example_loads_and_round_trips():
     from pathlib import Path
 
     text = (Path(__file__).resolve().parent.parent / "docs" / "workload.md").read_text()
-    block = text.split("```yaml\n", 1)[1].split("```", 1)[0]
+    block = text.split("cat > w.yaml <<'YAML'\n", 1)[1].split("\nYAML\n", 1)[0]  # the guide writes it with a heredoc
     w = loads_workload(block, source="docs/workload.md")
     w.validate(default_cluster())
     b = w.job("dp-b")

@@ -7,7 +7,7 @@ import os
 import warnings
 from typing import Any
 
-from .clitools import CommaSettings, Stages, add_json_flag, add_output, check_options, emit, progress
+from .clitools import CommaSettings, Stages, add_json_flag, add_output, check_options, emit, progress, render_table
 from .errors import TopologyError
 from .inputs import check_number
 from .limits import MAX_HOSTS, MAX_TOPOLOGY_NODES
@@ -33,13 +33,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_build)
 
     p = tsub.add_parser("import", help="convert nvidia-smi / NCCL XML / Slurm files to netweave JSON")
-    p.add_argument("file")
-    p.add_argument("--format", choices=["nvidia-smi", "nccl-xml", "slurm", "json"], default=None)
-    add_output(p, "--out", required=True)
+    p.add_argument("file", help="the file to import: an nvidia-smi topo -m dump, NCCL topology XML, a Slurm topology.conf or JSON")
+    p.add_argument("--format", choices=["nvidia-smi", "nccl-xml", "slurm", "json"], default=None,
+                   help="the file's format (default: guessed from its name and content)")
+    add_output(p, "--out", required=True, help="output file (netweave JSON)")
     p.add_argument("--host", default=None, help="host name for the imported server (nvidia-smi, nccl-xml)")
     p.add_argument("--node", default=None, help="slurm: populate every Slurm node with a full server of this kind (e.g. dgx-h100)")
-    p.add_argument("--gpu-model", default=None, help="nvidia-smi: GPU model (e.g. H100-SXM5-80GB); guessed from NV# otherwise")
-    p.add_argument("--pcie-gen", type=int, default=None, help="nvidia-smi: PCIe generation of the x16 links")
+    p.add_argument("--gpu-model", default=None,
+                   help="nvidia-smi: GPU model (e.g. H100-SXM5-80GB); default: the dump's nvidia-smi -L lines, "
+                        "else guessed from NV# (NV18 H100, NV12 A100), else H100 with a note")
+    p.add_argument("--pcie-gen", type=int, default=None,
+                   help="nvidia-smi: PCIe generation of the x16 links (default by GPU model: 5 for H100/B200, 4 for A100/L40S)")
     p.add_argument("--nic-gbps", action=flag_action(parse_rate, unit="Gb/s"), default=None,
                    help="nvidia-smi, slurm: NIC line rate in Gb/s, or with a unit (400Gb/s, 50GB/s) (default 400)")
     p.add_argument("--nccl-model", action="store_true", help="nvidia-smi: use NCCL's bandwidth figures")
@@ -47,48 +51,72 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_import)
 
     p = tsub.add_parser("show", help="summary: devices, links by type, bisection, GPU bandwidth classes")
-    p.add_argument("file")
+    p.add_argument("file", help="topology file: netweave JSON, or any format topo import reads (guessed)")
     add_json_flag(p)
     p.set_defaults(func=cmd_show)
 
     p = tsub.add_parser("path", help="the path between two GPUs, its NCCL path class and bottleneck bandwidth")
-    p.add_argument("file")
-    p.add_argument("gpu_a")
-    p.add_argument("gpu_b")
+    p.add_argument("file", help="topology file: netweave JSON, or any format topo import reads (guessed)")
+    p.add_argument("gpu_a", help="a GPU id (node0/gpu3) or global GPU number (11 or gpu11)")
+    p.add_argument("gpu_b", help="the other GPU, the same way")
     add_json_flag(p)
     p.set_defaults(func=cmd_path)
 
     p = tsub.add_parser("draw", help="draw the topology: PNG, SVG or PDF by the extension of --out")
-    p.add_argument("file")
+    p.add_argument("file", help="topology file: netweave JSON, or any format topo import reads (guessed)")
     add_output(p, "--out", required=True, help="picture file: .png, .svg or .pdf")
     add_json_flag(p)
     p.set_defaults(func=cmd_draw)
 
     p = tsub.add_parser("export", help="write NCCL topology XML, Slurm topology.conf or JSON")
-    p.add_argument("file")
-    p.add_argument("--format", choices=["nccl-xml", "slurm", "json"], required=True)
+    p.add_argument("file", help="topology file: netweave JSON, or any format topo import reads (guessed)")
+    p.add_argument("--format", choices=["nccl-xml", "slurm", "json"], required=True, help="the format to write")
     p.add_argument("--host", default=None, help="nccl-xml: which server to write (NCCL reads one file per host)")
     add_output(p, "--out", default=None, help="output file (default: stdout)")
     add_json_flag(p)
     p.set_defaults(func=cmd_export)
 
 
+#: A builder option whose name ends in a unit suffix is read with the one quantity parser in that unit, so
+#: ``--set nic_gbps=50GB/s`` is 400 and ``--set latency_us=2ms`` is 2000 (a bare number is already in that unit).
+_UNIT_SUFFIXES: dict[str, tuple[str, str]] = {"_gbps": ("rate", "Gb/s"), "_bw": ("rate", "GB/s"), "_us": ("duration", "us"),
+                                              "_ms": ("duration", "ms"), "_bytes": ("size", "B")}
+
+
 def _parse_sets(items: list[str], flag: str = "--set") -> dict[str, Any]:
+    """``KEY=VALUE`` builder options: quantities through :mod:`topology.units`, other numbers, booleans, strings.
+
+    >>> _parse_sets(["nic_gbps=50GB/s", "latency_us=2ms", "oversubscription=2", "rails=true", "model=H200"])
+    {'nic_gbps': 400.0, 'latency_us': 2000.0, 'oversubscription': 2, 'rails': True, 'model': 'H200'}
+    >>> _parse_sets(["nic_gbps=fast"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    topology.errors.TopologyError: --set nic_gbps: expected a rate...
+    """
+    from .units import parse_duration, parse_rate, parse_size
+
+    parsers = {"rate": parse_rate, "duration": parse_duration, "size": parse_size}
     out: dict[str, Any] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise TopologyError(f"{flag} {item!r}: expected KEY=VALUE")
+        name = key.replace("-", "_")
+        suffix = next((s for s in _UNIT_SUFFIXES if name.endswith(s)), None)
+        if suffix is not None:
+            kind, unit = _UNIT_SUFFIXES[suffix]
+            out[name] = parsers[kind](value, unit=unit, where=f"{flag} {key}", positive=False, error=TopologyError)
+            continue
         for cast in (int, float):
             try:
                 number = cast(value)
             except ValueError:
                 continue
             check_number(number, what=f"a value <= {MAX_TOPOLOGY_NODES}", where=f"{flag} {key}", maximum=MAX_TOPOLOGY_NODES, error=TopologyError)
-            out[key.replace("-", "_")] = number
+            out[name] = number
             break
         else:
-            out[key.replace("-", "_")] = {"true": True, "false": False}.get(value.lower(), value)
+            out[name] = {"true": True, "false": False}.get(value.lower(), value)
     return out
 
 
@@ -203,16 +231,16 @@ def format_description(info: dict[str, Any]) -> str:
     lines.append("  devices: " + ", ".join(f"{n} {k}" for k, n in info["nodes"].items()))
     if info["switch_tiers"]:
         lines.append("  network switches: " + ", ".join(f"{n} {t}" for t, n in info["switch_tiers"].items()))
-    lines.append("  links (per direction):")
-    for kind, entry in info["links"].items():
-        lines.append(f"    {kind:<8} {entry['directed_links'] // 2:>7} duplex links, {entry['total_bw_gbs'] / 2:>12,.1f} GB/s in total")
+    lines.append("  links:")
+    link_rows = [(kind, f"{e['directed_links'] // 2:,}", f"{e['total_bw_gbs'] / 2:,.1f}") for kind, e in info["links"].items()]
+    lines.append(render_table(["kind", "duplex links>", "GB/s in total, per direction>"], link_rows, indent=4))
     if "bisection" in info:
         b = info["bisection"]
         lines.append(f"  bisection bandwidth: {b['bw']:,.1f} GB/s per direction ({b['cut']})")
     if "gpu_bandwidth_classes" in info:
         lines.append("  GPU-to-GPU bandwidth classes:")
-        for c in info["gpu_bandwidth_classes"]:
-            lines.append(f"    {c['path_type']:<4} {c['bw']:>8.1f} GB/s  {c['pairs']:>9} ordered pairs")
+        lines.append(render_table(["path", "GB/s>", "ordered pairs>"], [(c["path_type"], f"{c['bw']:.1f}", f"{c['pairs']:,}")
+                                                                     for c in info["gpu_bandwidth_classes"]], indent=4))
     return "\n".join(lines)
 
 

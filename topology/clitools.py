@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 
@@ -44,6 +47,76 @@ def emit(args: argparse.Namespace, data: Any, text: str) -> None:
 def progress(message: str) -> None:
     """A progress line on stderr (stdout stays clean for --json)."""
     print(message, file=sys.stderr, flush=True)
+
+
+def render_table(columns: Sequence[str], rows: Iterable[Sequence[Any]], *, title: str | None = None, indent: int = 0,
+                 terminal: bool | None = None) -> str:
+    """A text table of ``rows`` under ``columns`` (rich), for a command's human output.
+
+    A column whose name ends in ``>`` is right-aligned (the ``>`` is dropped): numbers. Cells are printed with
+    ``str``, so callers format numbers themselves. On a terminal (``terminal=None`` asks whether stdout is one)
+    the header is bold and underlined by a rule; otherwise the table is plain text without colour codes or
+    box characters, stable for scripts, ``grep`` and tests: columns two spaces apart, no trailing blanks.
+
+    >>> print(render_table(["policy", "avg JCT s>"], [["fifo", "4,136"], ["hived+cassini", "1,208"]], terminal=False))
+    policy         avg JCT s
+    fifo               4,136
+    hived+cassini      1,208
+    """
+    import io
+
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    if terminal is None:
+        terminal = sys.stdout.isatty()
+    table = Table(title=title, box=box.SIMPLE_HEAD if terminal else None, show_edge=False, pad_edge=False, padding=(0, 2, 0, 0),
+                  header_style="bold" if terminal else "", title_justify="left", title_style="")
+    for name in columns:
+        right = name.endswith(">")
+        table.add_column(name[:-1] if right else name, justify="right" if right else "left", no_wrap=True)
+    for row in rows:
+        table.add_row(*(str(c) for c in row))
+    buffer = io.StringIO()
+    Console(file=buffer, width=100_000, force_terminal=terminal, no_color=not terminal, highlight=False, emoji=False,
+            markup=False).print(table)
+    pad = " " * indent
+    return "\n".join(pad + line.rstrip() for line in buffer.getvalue().splitlines() if line.strip())
+
+
+def eta_progress(label: str, *, every_s: float = 2.0, clock: Callable[[], float] = time.monotonic,
+                 write: Callable[[str], None] | None = None) -> Callable[[int, int], None]:
+    """A ``progress`` callback that prints ``label: 3/8 done, 4.1 s elapsed, ETA 6.8 s`` on stderr.
+
+    The ETA assumes the items left take as long on average as those done.
+    Lines come at most every ``every_s`` seconds, and always for the last item.
+
+    >>> lines, now = [], iter([0.0, 3.0, 6.0]).__next__
+    >>> tick = eta_progress("sweep", every_s=0, clock=now, write=lines.append)
+    >>> tick(0, 4); tick(1, 4); tick(2, 4)
+    >>> lines
+    ['sweep: 0/4 done', 'sweep: 1/4 done, 3.0 s elapsed, ETA 9.0 s', 'sweep: 2/4 done, 6.0 s elapsed, ETA 6.0 s']
+    """
+    if write is None:
+        write = progress
+    state = {"start": None, "last": -math.inf}
+
+    def tick(done: int, total: int) -> None:
+        now = clock()
+        if state["start"] is None:
+            state["start"] = now
+        if done < total and now - state["last"] < every_s:
+            return
+        state["last"] = now
+        elapsed = now - state["start"]
+        if done == 0:
+            write(f"{label}: 0/{total} done")
+        else:
+            eta = elapsed / done * (total - done)
+            write(f"{label}: {done}/{total} done, {elapsed:.1f} s elapsed" + (f", ETA {eta:.1f} s" if done < total else ""))
+
+    return tick
 
 
 class Stages:

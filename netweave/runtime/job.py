@@ -16,6 +16,7 @@ from .phase import PhaseClock, grid_start
 from .pipeline import PipelineRun, build_pipeline, build_traced_pipeline
 
 PLAN_ENV = "NETWEAVE_JOB_PLAN"
+_INIT_ROUTE: list[tuple[Any, str | None]] = [(None, None)]   # (process group init() created, its traffic route)
 
 
 class Job:
@@ -204,6 +205,13 @@ def init(plan: str | os.PathLike[str] | jp.JobPlan | None = None, *, device: Any
                 route = "NCCL_IB_TC" if "NCCL_IB_TC" in os.environ else None
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s),
                                 pg_options=options, device_id=device if backend == "nccl" else None)
-    elif dist.get_backend() != backend:
-        backend = dist.get_backend()
+        _INIT_ROUTE[0] = (dist.group.WORLD, route)
+    else:
+        if dist.get_backend() != backend:
+            backend = dist.get_backend()
+        # a later init() in the same process (another plan, the same process group): the class reached the communicator
+        # when the first init() created it (found by the GPU check: three plans in one process, the later two said None)
+        group, first_route = _INIT_ROUTE[0]
+        if group is dist.group.WORLD:
+            route = first_route
     return Job(job_plan, source=source, rank=rank, local_rank=local_rank, device=device, backend=backend, traffic_route=route)

@@ -183,7 +183,7 @@ def loads(text: str, *, source: str = "<plan>") -> JobPlan:
         raise PlanFormatError(f"expected {FORMAT!r}, got {fmt!r} (is this a netweave launch bundle's plan.json?)", source=source,
                               where="format")
     version = obj.get("version")
-    if version != VERSION:
+    if version != VERSION or isinstance(version, bool):
         raise PlanFormatError(f"this runtime reads version {VERSION}, the file is version {version}; re-run `netweave launch`",
                               source=source, where="version")
     r.known(obj, "", {"format", "version", "job", "world_size", "ranks", "hosts", "rendezvous", "parallelism", "start_offset_s",
@@ -193,13 +193,8 @@ def loads(text: str, *, source: str = "<plan>") -> JobPlan:
     plan = JobPlan(
         job=r.string(obj.get("job"), "job"),
         world_size=r.int(obj.get("world_size"), "world_size", 1),
-        ranks=[Rank(r.int(x.get("rank"), f"ranks[{i}].rank", 0), r.string(x.get("host"), f"ranks[{i}].host"),
-                    r.int(x.get("local_rank"), f"ranks[{i}].local_rank", 0), r.string(x.get("device"), f"ranks[{i}].device", pattern=None))
-               for i, x in enumerate(r.objs(obj.get("ranks"), "ranks"))],
-        hosts=[Host(r.string(x.get("host"), f"hosts[{i}].host"), r.int(x.get("node_rank"), f"hosts[{i}].node_rank", 0),
-                    r.int(x.get("nproc"), f"hosts[{i}].nproc", 1),
-                    r.string(x.get("cuda_visible_devices"), f"hosts[{i}].cuda_visible_devices", pattern=re.compile(r"[0-9]+(,[0-9]+)*")))
-               for i, x in enumerate(r.objs(obj.get("hosts"), "hosts"))],
+        ranks=[_rank(r, x, f"ranks[{i}]") for i, x in enumerate(r.objs(obj.get("ranks"), "ranks"))],
+        hosts=[_host(r, x, f"hosts[{i}]") for i, x in enumerate(r.objs(obj.get("hosts"), "hosts"))],
         rendezvous=_rendezvous(r, obj.get("rendezvous")),
         parallelism=Parallelism(*(r.int(par.get(k, 1), f"parallelism.{k}", 1) for k in ("dp", "tp", "pp"))),
         start_offset_s=r.num(obj.get("start_offset_s", 0.0), "start_offset_s", 0.0),
@@ -260,6 +255,19 @@ def _check(p: JobPlan, source: str) -> None:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _rank(r: _Reader, x: dict[str, Any], where: str) -> Rank:
+    r.known(x, where, {"rank", "host", "local_rank", "device"})
+    return Rank(r.int(x.get("rank"), f"{where}.rank", 0), r.string(x.get("host"), f"{where}.host"),
+                r.int(x.get("local_rank"), f"{where}.local_rank", 0), r.string(x.get("device"), f"{where}.device", pattern=None))
+
+
+def _host(r: _Reader, x: dict[str, Any], where: str) -> Host:
+    r.known(x, where, {"host", "node_rank", "nproc", "cuda_visible_devices"})
+    return Host(r.string(x.get("host"), f"{where}.host"), r.int(x.get("node_rank"), f"{where}.node_rank", 0),
+                r.int(x.get("nproc"), f"{where}.nproc", 1),
+                r.string(x.get("cuda_visible_devices"), f"{where}.cuda_visible_devices", pattern=re.compile(r"[0-9]+(,[0-9]+)*")))
 
 
 def _rendezvous(r: _Reader, x: Any) -> Rendezvous:

@@ -1,0 +1,183 @@
+"""Benchmark: do the planners' candidate rankings hold in real runs? Kendall's tau between predicted and measured order.
+
+1. Placement (:func:`placement.ranking.run_ranking`): the contended mix of
+   :func:`placement.ranking.contended_mix` (10 two-GPU servers on 5 leaves, a
+   running data-parallel job per leaf), the planner's candidates for a new
+   2-GPU job ranked by CASSINI's score, each candidate's whole mix run in
+   Mininet (real TCP, HTB-shaped 100 Mbit/s links, K = 1000, bytes / 100) and
+   in the flow-level simulator; tau of the planner's score, CASSINI's
+   iteration estimate and the simulator against the new job's measured
+   iteration time (Mininet, median of ``--repeats``), and of the simulated
+   against the measured mean over all jobs.
+2. Pipeline (:func:`pipesched.ranking.schedule_ranking`): a tail-heavy MLP
+   (12 blocks, the last 4 eight times wider) on 4 gloo ranks, the planner's
+   schedule candidates (1F1B, ZB-H1, GPipe, interleaved 1F1B, each partitioned
+   for its family) and the uniform split with torch's Schedule1F1B, predicted
+   before any run and then each run ``--rounds`` times; tau of the predicted
+   against the measured median step.
+
+Predicted values within 2 % count as one tie class (``emu.ranking``). Needs root
+and Mininet for part 1 (without, the placement rows are the simulator's only).
+Run: ``sudo .venv/bin/python bench/bench_emu_ranking.py [--quick] [--only placement|pipeline]``;
+``--quick`` should take about 5 minutes on a quiet 2-core machine (an estimate from the parts' run counts: on the
+loaded machine, load average 10-20, placement with 3 repeats took 25 minutes and the quick pipeline part 21).
+``--render`` writes the .md again from the stored .json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._common import RESULTS, machine, markdown_table, write_results  # noqa: E402
+
+GOAL_TAU = 0.8
+
+
+def summary_row(experiment: str, predicted_by: str, measured: str, agreement: dict) -> dict:
+    tau = agreement["tau"]
+    return {"experiment": experiment, "predicted_by": predicted_by, "measured": measured, "n": agreement["n"], "tau": tau,
+            "tau_untied": agreement["tau_untied"], "concordant": agreement["concordant"], "discordant": agreement["discordant"],
+            "tied_predicted": agreement["tied_predicted"], "goal_met": bool(not math.isnan(tau) and tau >= GOAL_TAU)}
+
+
+def bench_placement(quick: bool, repeats: int) -> tuple[list[dict], list[dict], dict]:
+    from placement.ranking import contended_mix, run_ranking
+
+    emulate = os.geteuid() == 0
+    mix = contended_mix(leaves=5, iterations=6 if quick else 8, warmup=2)
+    t0 = time.perf_counter()
+    # CPU check off: /proc/stat counts every process on this shared machine; the busy fraction is reported per row
+    rep = run_ranking(mix, candidates=6, repeats=repeats if emulate else 1, emulate=emulate, mininet_options={"cpu_limit": 1.01})
+    wall = time.perf_counter() - t0
+    cands = []
+    for c in rep["candidates"]:
+        row = {"rank": c["rank"], "gpus": " ".join(c["gpus"]), "shift_ms": c["shift_s"] * 1e3, "compat": c["compat"],
+               "planner_cost_ms": c["planner_cost"] * 1e3, "cassini_iter_ms": c["cassini_iter_s"] * 1e3, "sim_iter_ms": c["sim_iter_s"] * 1e3}
+        if emulate:
+            row |= {"emu_iter_ms": c["emu_iter_s"] * 1e3, "emu_runs_ms": ", ".join(f"{x * 1e3:.1f}" for x in c["emu_iter_runs_s"]),
+                    "emu_spread": c["emu_iter_spread"],
+                    "emu/sim": c["emu_iter_s"] / c["sim_iter_s"], "sim_mix_ms": c["sim_mix_mean_s"] * 1e3, "emu_mix_ms": c["emu_mix_mean_s"] * 1e3,
+                    "cpu_busy_max": c["cpu_busy_max"], "fidelity_ok": c["fidelity_ok"]}
+        cands.append(row)
+    target = "new job's iteration, Mininet" if emulate else "new job's iteration, simulator (no root: no Mininet)"
+    names = {"planner_cost": "planner (CASSINI score)", "cassini_iter_s": "CASSINI iteration estimate", "sim_iter_s": "flow-level simulator",
+             "sim_mix_mean_s": "simulator, mean of all jobs"}
+    exp = f"placement, contended mix, {len(cands)} candidates"
+    rows = []
+    for key, a in rep["agreement"].items():
+        pred, meas = key.split(" vs ")
+        if pred == meas:
+            continue
+        rows.append(summary_row(exp, names[pred], "mean of all jobs, Mininet" if pred == "sim_mix_mean_s" else target, a))
+    extra = {"mix": rep["mix"], "candidates": rep["candidates"], "agreement": rep["agreement"], "wall_s": wall,
+             "pairs_within_noise": rep.get("pairs_within_noise", [])}
+    return rows, cands, extra
+
+
+def bench_pipeline(quick: bool, rounds: int) -> tuple[list[dict], list[dict], dict]:
+    from bench.bench_pipesched import wait_for_quiet
+    from pipesched.models import tail_heavy_widths
+    from pipesched.ranking import schedule_ranking
+
+    foreign, waited = wait_for_quiet(0.15, 30.0 if quick else 120.0)   # other users' load before the runs (cores), and how long we waited
+    t0 = time.perf_counter()
+    rep = schedule_ranking(tail_heavy_widths(12, 384, 3072), dim=384, batch=384, microbatches=8, stages=4, rounds=rounds,
+                           iterations=3 if quick else 5, warmup=1)
+    wall = time.perf_counter() - t0
+    cands = [{"candidate": c["name"], "spans": c["spans"], "recompute": c["recompute"], "in_flight": c["in_flight"],
+              "predicted_ms": c["predicted_s"] * 1e3, "own_core_ms": c.get("predicted_own_core_s", math.nan) * 1e3,
+              "measured_ms": c["measured_s"] * 1e3,
+              "runs_ms": ", ".join(f"{x * 1e3:.0f}" for x in c["runs_s"]), "spread": c["spread"], "error": c["error"],
+              "foreign_cores_max": c["foreign_cores_max"]} for c in rep["candidates"]]
+    rows = [summary_row(f"pipeline, 4 gloo ranks, {len(cands)} candidates", "planner (simulated step)",
+                        f"median step, median of {rounds} rounds", rep["agreement"])]
+    if "own_core" in rep["agreement"]:
+        rows.append(summary_row(rows[0]["experiment"], "diagnostic: a core per rank (own_core_ms)", rows[0]["measured"],
+                                rep["agreement"]["own_core"]))
+    extra = {k: rep[k] for k in ("model", "candidates", "agreement", "noise")} | {"setup": rep["setup"], "wall_s": wall,
+                                                                               "foreign_cores_before": foreign, "quiet_wait_s": waited}
+    return rows, cands, extra
+
+
+def section_notes(name: str, ex: dict) -> str:
+    """The candidate table of one section, from its stored results."""
+    if name == "placement":
+        head = f"## Placement candidates ({ex['date']}, {ex['wall_s']:.0f} s)\n\n{markdown_table(ex['table'])}\n"
+        if "pairs_within_noise" not in ex:   # results of a run before the spread was reported
+            return head
+        noisy = ex["pairs_within_noise"]
+        return (f"{head}{len(noisy)} pair(s) of candidates (by rank) measured closer than their spread over runs (`emu_spread`, within "
+                f"the machine's noise): {', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.\n")
+    noisy = ex["noise"]["pairs_within_spread"]
+    return (f"## Pipeline candidates ({ex['date']}, {ex['wall_s']:.0f} s; other users' load before the runs {ex['foreign_cores_before']:.2f} "
+            f"cores)\n\n{markdown_table(ex['table'])}\nMedian spread over rounds {ex['noise']['median_spread']:.1%}; {len(noisy)} pair(s) "
+            f"measured closer than their spread (within the machine's noise): {', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one Mininet run per candidate, two pipeline rounds of 3 steps")
+    parser.add_argument("--only", choices=("placement", "pipeline"), help="run one part; the other part's rows are kept from the last results")
+    parser.add_argument("--repeats", type=int, default=3, help="Mininet runs per placement candidate (median); default 3, 1 with --quick")
+    parser.add_argument("--rounds", type=int, default=3, help="runs per pipeline candidate (median); default 3, 2 with --quick")
+    parser.add_argument("--render", action="store_true", help="measure nothing: write the .md again from the stored .json")
+    args = parser.parse_args()
+    repeats = 1 if args.quick else args.repeats
+    rounds = 2 if args.quick else args.rounds
+    root = os.geteuid() == 0
+    name = "emu_ranking" if root or args.only == "pipeline" else "emu_ranking_sim"
+    sections: dict[str, tuple[list[dict], dict]] = {}
+    if args.only is not None or args.render:   # keep the other part of the last results (every part with --render)
+        try:
+            old = json.loads((RESULTS / f"{name}.json").read_text())
+        except (OSError, ValueError):
+            old = {}
+        for part in ("placement", "pipeline"):
+            if (part != args.only or args.render) and part in old:
+                sections[part] = ([r for r in old["rows"] if r["experiment"].startswith(part)], old[part])
+    if args.render:
+        write(name, sections)
+        return
+    today = machine()["date"]
+    if args.only in (None, "placement"):
+        r, cands, ex = bench_placement(args.quick, repeats)
+        sections["placement"] = (r, ex | {"table": cands, "date": today, "quick": args.quick})
+    if args.only in (None, "pipeline"):
+        r, cands, ex = bench_pipeline(args.quick, rounds)
+        sections["pipeline"] = (r, ex | {"table": cands, "date": today, "quick": args.quick})
+    write(name, sections)
+
+
+def write(name: str, sections: dict[str, tuple[list[dict], dict]]) -> None:
+    """Write ``<name>.json`` and ``.md`` from the parts' summary rows and stored results."""
+    rows = [row for part in ("placement", "pipeline") if part in sections for row in sections[part][0]]
+    extra = {part: sections[part][1] for part in ("placement", "pipeline") if part in sections}
+    notes = [section_notes(part, ex) for part, ex in extra.items()]
+    notes.append(f"""
+tau: Kendall's tau-b between predicted and measured order (emu.ranking.rank_agreement); predicted values within 2 % of
+the smallest of their class count as tied (neither concordant nor discordant; tau-b's denominator leaves those pairs out on
+the predicted side); `tau_untied` is the same on the raw predicted values. Goal: tau >= {GOAL_TAU}.
+Placement: the planner's candidates (HiveD's list, ranked by CASSINI: alone iteration x (2 - compat), the new job time-shifted);
+each candidate's mix (running jobs plus the new job with its shift) runs in Mininet (`emu_runs_ms`: one value per run, repeats
+back to back over the candidates) and in the simulator; iteration times are workload milliseconds, warm-up iterations left out,
+only while all jobs run. `cpu_busy_max`: the whole machine's busy fraction (other work included; the CPU check is off).
+Wall times include waiting for other users' emulations (one Mininet network at a time on the machine).
+Pipeline: predicted = the planner's simulated step from calibrations and a CPU-time profile taken before any run;
+measured = median over rounds of each run's median step (`runs_ms`), the candidates' order reversed in odd rounds;
+`spread` = (max - min) / median over rounds; `foreign_cores_max`: cores other users' processes kept busy during a run.
+`own_core_ms` (a diagnostic, not the planner's prediction): the same plans simulated with a core per rank, i.e. with
+other users taking each rank's share from it alone instead of from a pool our ranks share.""")
+    write_results(name, rows, title="Planners' candidate ranking in real runs: Kendall's tau, predicted vs measured order",
+                  notes="\n".join(notes), extra=extra)
+
+
+if __name__ == "__main__":
+    main()
