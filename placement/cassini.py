@@ -290,10 +290,11 @@ def time_shifts(profiles: Mapping[str, CommProfile], capacity: Mapping[Edge, flo
 
 
 def _capacities(capacity: Mapping[Edge, float] | Topology, profiles: Mapping[str, CommProfile]) -> dict[Edge, float]:
+    """The capacities of the links the profiles use (not a copy of the whole fabric's: the replay asks per placement)."""
     if isinstance(capacity, Topology):
         g = capacity.graph
         return {e: float(g.edges[e]["bw"]) for p in profiles.values() for e in p.link_rates}
-    return dict(capacity)
+    return {e: capacity[e] for p in profiles.values() for e in p.link_rates if e in capacity}
 
 
 def predicted_iteration_times(profiles: Mapping[str, CommProfile], shifts: Mapping[str, float], capacity: Mapping[Edge, float] | Topology,

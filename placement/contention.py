@@ -87,6 +87,7 @@ class FluidSlowdown:
         self.model = PeriodicFluidModel(self.capacity, iterations=max(2, iterations), phase_quantum=phase_quantum, radius=radius,
                                         cache_limit=cache_limit)
         self._jobs: dict[int, tuple[CommProfile, float, PeriodicJob]] = {}
+        self._current: dict[str, PeriodicJob] = {}  # the job set of the last call, by name
 
     @property
     def calls(self) -> int:
@@ -115,7 +116,33 @@ class FluidSlowdown:
         return pj
 
     def __call__(self, jobs: Sequence[PlacedJob]) -> dict[str, float]:
-        return self.model([self.periodic_job(j) for j in jobs])
+        pjs = [self.periodic_job(j) for j in jobs]
+        self._current = {pj.name: pj for pj in pjs}
+        return self.model(pjs)
+
+    def update(self, changed: Mapping[str, PlacedJob | None]) -> dict[str, float]:
+        """The incremental form of a call: only the jobs started, stopped or re-placed since the last call.
+
+        ``changed`` maps each such job's name to its placement now (``None``:
+        it stopped), in the order of the changes (a job's last change counts);
+        the iteration times the change refreshed come back, and every other job
+        keeps its answer. The same answers as calling with the whole new set,
+        listed in the order the jobs (re)started, at a cost that grows with the
+        change instead of the number of running jobs.
+        """
+        added, removed = [], []
+        for name, placed in changed.items():
+            old = self._current.get(name)
+            new = None if placed is None else self.periodic_job(placed)
+            if new is old:
+                continue
+            if old is not None:
+                removed.append(old)
+                del self._current[name]
+            if new is not None:
+                added.append(new)
+                self._current[name] = new
+        return self.model.update(added, removed)
 
 
 class EmuSlowdown:

@@ -19,7 +19,13 @@ Policies (:data:`POLICIES`):
     by the queue their attained service (GPU-seconds) falls in (thresholds
     ``las_thresholds``), FIFO inside a queue; at every event the highest jobs
     that fit by GPU count run and the others are preempted (progress kept, no
-    restart penalty; placement first-fit, i.e. consolidation relaxed).
+    restart penalty; placement first-fit, i.e. consolidation relaxed). Queues
+    are re-evaluated at events (arrivals, completions), not at the instant a
+    job crosses a threshold. The order is kept between events (one
+    arrival-ordered list per queue, a heap of threshold-crossing times), which
+    gives exactly the schedule of sorting every job at every event
+    (``tests/test_scale.py`` checks it against that loop) at the cost of the
+    jobs walked.
 ``hived``
     HiveD buddy cell allocation (:class:`~placement.hived.HivedScheduler`): each
     job placed by the buddy allocator (guaranteed in its VC when the trace names
@@ -44,6 +50,7 @@ unified circles of the jobs sharing it).
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -155,9 +162,14 @@ class _Run:
     first_start: float | None = None
     ready: float = 0.0
     shift: float = 0.0
-    remaining: float = 0.0
+    remaining: float = 0.0  # iterations left at time ``anchor`` (progress is settled lazily, when the rate changes)
     iter_time: float = math.inf
-    attained: float = 0.0
+    served: float = 0.0  # GPU-seconds of attained service before its current run (see Replay.attained)
+    run_start: float = 0.0  # when its current (or last) run started
+    anchor: float = 0.0
+    version: int = 0  # of its entry in the replay's finish heap
+    has_entry: bool = False  # whether that entry is valid
+    started: int = 0  # the order of its last start (the order the running jobs are listed in)
     finish: float | None = None
     running: bool = False
     reason: str | None = None
@@ -190,6 +202,11 @@ class Replay:
         self.slowdown = slowdown or FluidSlowdown(topo)
         self.candidates, self.las_thresholds = candidates, tuple(las_thresholds)
         self._las_sorted = sorted(self.las_thresholds)
+        # LAS's order across events: per queue, (arrival, name) sorted; each job's queue; crossing heap (time, start, name)
+        self._las_order: list[list[tuple[float, str]]] = [[] for _ in range(len(self._las_sorted) + 1)]
+        self._las_level: dict[str, int] = {}
+        self._las_cross: list[tuple[float, int, str]] = []
+        self._las_demand = 0  # GPUs of the jobs in the order
         self.profiles = profiles or ProfileCache(topo, routing)
         self.gpus = topo.gpus()
         self.gpu_pos = {g: i for i, g in enumerate(self.gpus)}
@@ -198,8 +215,9 @@ class Replay:
         for g in self.gpus:
             self.host_size[self.host_of[g]] = self.host_size.get(self.host_of[g], 0) + 1
         self.host_idle = dict(self.host_size)
-        self.idle = [True] * len(self.gpus)
+        self.idle = np.ones(len(self.gpus), dtype=bool)
         self.n_idle = len(self.gpus)
+        self.whole_idle = len(self.gpus)  # idle GPUs on fully idle hosts
         vcs = dict(virtual_clusters or {})
         self.use_vcs = bool(vcs)
         self.sched = HivedScheduler(topo, vcs) if policy.startswith("hived") else None
@@ -219,6 +237,15 @@ class Replay:
         self._ov_jobs: dict[str, tuple[CommProfile, float]] = {}
         self._ov_users: dict[Edge, dict[str, tuple[CommProfile, float]]] = {}
         self._ov_link: dict[Edge, float] = {}
+        self._ov_load: dict[Edge, float] = {}  # per shared link: its users' demands summed as they come and go (see _over_capacity)
+        # hived+cassini: the running jobs on each link (the candidates' link-sharing neighbours without a scan of all jobs)
+        self._link_jobs: dict[Edge, dict[str, None]] | None = {} if policy == "hived+cassini" else None
+        # the event loop's incremental state: the jobs started or stopped since the last recompute (in the order of their
+        # last change), the finish heap ``(finish time, version, name)`` and the largest finish slack (see _finishing)
+        self._changed: dict[str, None] = {}
+        self._finish_heap: list[tuple[float, int, str]] = []
+        self._slack = 0.0
+        self._starts = 0
 
     # -- GPU bookkeeping ------------------------------------------------------------------------
     def _take(self, gpus: Sequence[str]) -> None:
@@ -226,29 +253,29 @@ class Replay:
             i = self.gpu_pos[g]
             assert self.idle[i], g
             self.idle[i] = False
-            self.host_idle[self.host_of[g]] -= 1
+            h = self.host_of[g]
+            if self.host_idle[h] == self.host_size[h]:
+                self.whole_idle -= self.host_size[h]
+            self.host_idle[h] -= 1
         self.n_idle -= len(gpus)
 
     def _give(self, gpus: Sequence[str]) -> None:
         for g in gpus:
             self.idle[self.gpu_pos[g]] = True
-            self.host_idle[self.host_of[g]] += 1
+            h = self.host_of[g]
+            self.host_idle[h] += 1
+            if self.host_idle[h] == self.host_size[h]:
+                self.whole_idle += self.host_size[h]
         self.n_idle += len(gpus)
 
     def fragmentation(self) -> float:
-        whole = sum(n for h, n in self.host_idle.items() if n == self.host_size[h])
-        return 0.0 if self.n_idle == 0 else 1.0 - whole / self.n_idle
+        """The share of idle GPUs outside fully idle hosts (kept up to date by _take and _give: O(1))."""
+        return 0.0 if self.n_idle == 0 else 1.0 - self.whole_idle / self.n_idle
 
     def _first_fit(self, n: int) -> list[str] | None:
         if self.n_idle < n:
             return None
-        out = []
-        for i, free in enumerate(self.idle):
-            if free:
-                out.append(self.gpus[i])
-                if len(out) == n:
-                    return out
-        return None
+        return [self.gpus[i] for i in np.flatnonzero(self.idle)[:n].tolist()]
 
     # -- starting and stopping jobs ----------------------------------------------------------------
     def _start(self, r: _Run, gpus: Sequence[str], shift: float = 0.0, profile: CommProfile | None = None) -> None:
@@ -261,15 +288,36 @@ class Replay:
             r.first_start = self.now
             r.remaining = float(r.spec.iterations)
         r.running = True
+        r.anchor = self.now
+        r.run_start = self.now
+        self._starts += 1
+        r.started = self._starts
         self.running[r.trace.name] = r
+        self._mark(r.trace.name)
         self._take(ordered)
+        if self._link_jobs is not None:
+            for e in r.profile.link_rates:
+                self._link_jobs.setdefault(e, {})[r.trace.name] = None
 
-    def _stop(self, r: _Run) -> None:
+    def _stop(self, r: _Run, free_cells: bool = True) -> None:
+        """Stop a running job (finished or preempted); ``free_cells=False`` when HiveD freed its cells already."""
+        self._settle(r)
+        r.served = self.attained(r)
         r.running = False
-        del self.running[r.trace.name]
+        r.version += 1  # its finish entry is void
+        r.has_entry = False
+        name = r.trace.name
+        del self.running[name]
+        self._mark(name)
         self._give(r.gpus)
-        if self.sched is not None and r.trace.name in self.sched.jobs:
-            self.sched.free(r.trace.name)
+        if self._link_jobs is not None:
+            for e in r.profile.link_rates:
+                users = self._link_jobs[e]
+                del users[name]
+                if not users:
+                    del self._link_jobs[e]
+        if free_cells and self.sched is not None and name in self.sched.jobs:
+            self.sched.free(name)
 
     # -- policies -------------------------------------------------------------------------------------
     def _schedule(self) -> bool:
@@ -320,33 +368,95 @@ class Replay:
         return changed
 
     def _las_queue(self, r: _Run) -> int:
-        return bisect.bisect_right(self._las_sorted, r.attained)
+        """The LAS queue a job is in now: the number of thresholds its attained service has reached."""
+        return bisect.bisect_right(self._las_sorted, self.attained(r))
+
+    def _las_add(self, r: _Run) -> None:
+        """Enter a job (arrived) into the LAS order."""
+        level = self._las_level[r.trace.name] = self._las_queue(r)
+        bisect.insort(self._las_order[level], (r.trace.arrival_s, r.trace.name))
+        self._las_demand += r.spec.gpus
+
+    def _las_remove(self, r: _Run) -> None:
+        """Take a job (finished) out of the LAS order."""
+        order = self._las_order[self._las_level.pop(r.trace.name)]
+        del order[bisect.bisect_left(order, (r.trace.arrival_s, r.trace.name))]
+        self._las_demand -= r.spec.gpus
+
+    def _las_watch(self, r: _Run) -> None:
+        """Note when a running job's attained service reaches its queue's threshold (when it moves down a queue)."""
+        level = self._las_level[r.trace.name]
+        if level < len(self._las_sorted):
+            cross = r.run_start + (self._las_sorted[level] - r.served) / r.spec.gpus
+            heapq.heappush(self._las_cross, (cross, r.started, r.trace.name))
+
+    def _las_demote(self) -> None:
+        """Move the running jobs whose attained service crossed a threshold by now to their new queue.
+
+        The heap's crossing times are computed ahead; each one near now is checked against :meth:`_las_queue` itself (the
+        queue of every job is exactly what sorting all of them at this event would give), and a crossing a rounding error
+        late stays for the next event.
+        """
+        heap, later = self._las_cross, []
+        while heap and heap[0][0] <= self.now + 1e-9 * max(1.0, abs(self.now)):
+            entry = heapq.heappop(heap)
+            r = self.jobs[entry[2]]
+            if not r.running or r.started != entry[1]:
+                continue  # stopped (or restarted: a newer entry stands for it)
+            level = self._las_queue(r)
+            name = r.trace.name
+            if level == self._las_level[name]:
+                later.append(entry)
+                continue
+            order = self._las_order[self._las_level[name]]
+            del order[bisect.bisect_left(order, (r.trace.arrival_s, name))]
+            bisect.insort(self._las_order[level], (r.trace.arrival_s, name))
+            self._las_level[name] = level
+            self._las_watch(r)
+        for entry in later:
+            heapq.heappush(heap, entry)
 
     def _schedule_las(self) -> bool:
-        cands = [*self.running.values(), *(self.jobs[n] for n in self.queue)]
-        levels = self._las_sorted
-        cands.sort(key=lambda r: (bisect.bisect_right(levels, r.attained), r.trace.arrival_s, r.trace.name))  # = _las_queue
-        budget = len(self.gpus)
-        keep = set()
-        for r in cands:
-            if r.spec.gpus <= budget:
-                keep.add(r.trace.name)
-                budget -= r.spec.gpus
+        """Discretised LAS: the jobs, by (queue, arrival, name), run while they fit by GPU count; the rest wait or are preempted.
+
+        The order is kept across events (one arrival-sorted list per queue; running jobs move down a queue when their
+        attained service crosses a threshold, found through a heap of crossing times), so an event costs the jobs it walks,
+        not a sort of all of them; when every job fits (the sum of their GPUs is at most the cluster's) nothing is walked.
+        """
+        self._las_demote()
+        jobs = self.jobs
+        if self._las_demand <= len(self.gpus):  # everyone fits: nobody is preempted, every waiting job starts
+            keep = None
+            start = sorted((jobs[n] for n in self.queue), key=lambda r: (self._las_level[r.trace.name], r.trace.arrival_s, r.trace.name))
+        else:
+            budget, keep, start = len(self.gpus), set(), []
+            for order in self._las_order:
+                for _, name in order:
+                    r = jobs[name]
+                    if r.spec.gpus <= budget:
+                        keep.add(name)
+                        budget -= r.spec.gpus
+                        if not r.running:
+                            start.append(r)
+                        if budget == 0:
+                            break
+                if budget == 0:
+                    break
         changed = False
-        for name in [n for n in self.running if n not in keep]:
-            r = self.running[name]
-            self._stop(r)
-            self.queue.append(name)
-            self.stats["preemptions"] += 1
-            changed = True
-        for r in cands:
-            if r.trace.name in keep and not r.running:
-                gpus = self._first_fit(r.spec.gpus)
-                if gpus is None:  # cannot happen: the kept set fits by count and first-fit takes any idle GPU
-                    continue
-                self.queue.remove(r.trace.name)
-                self._start(r, gpus)
+        if keep is not None and len(keep) - len(start) < len(self.running):  # some running jobs were not kept
+            for name in [n for n in self.running if n not in keep]:
+                self._stop(self.running[name])
+                self.queue.append(name)
+                self.stats["preemptions"] += 1
                 changed = True
+        for r in start:
+            gpus = self._first_fit(r.spec.gpus)
+            if gpus is None:  # cannot happen: the kept set fits by count and first-fit takes any idle GPU
+                continue
+            self.queue.remove(r.trace.name)
+            self._start(r, gpus)
+            self._las_watch(r)
+            changed = True
         return changed
 
     def _place_hived(self, r: _Run) -> bool:
@@ -368,8 +478,7 @@ class Replay:
         profs = [self.profiles.profile(r.spec, rank_order(self.topo, c.gpus)) for c in cands]
         pick, shift = 0, 0.0
         if any(p.link_rates for p in profs):
-            links = {e for p in profs for e in p.link_rates}
-            running = {n: (x.profile, x.ready) for n, x in self.running.items() if x.profile and links.intersection(x.profile.link_rates)}
+            running = self._sharing({e for p in profs for e in p.link_rates})
             ranked = rank_candidates(self.capacity, running, profs)
             pick = ranked[0].index
             phase = ranked[0].shifts.shifts.get(name, 0.0)
@@ -380,62 +489,127 @@ class Replay:
         self._start(r, res.gpus, shift, profs[pick])
         return True
 
+    def _sharing(self, links: set[Edge]) -> dict[str, tuple[CommProfile, float]]:
+        """The running jobs that use any of ``links``: ``{name: (profile, start of its first iteration)}``, in start order."""
+        names = {n for e in links for n in self._link_jobs.get(e, ())}
+        return {r.trace.name: (r.profile, r.ready) for r in sorted((self.running[n] for n in names), key=lambda r: r.started)}
+
     def _preempted(self, names: Sequence[str]) -> None:
         for n in names:  # HiveD preempted these opportunistic jobs; they go back to the queue
             r = self.running.get(n)
             if r is not None:
-                r.running = False
-                del self.running[n]
-                self._give(r.gpus)
+                self._stop(r, free_cells=False)
                 self.queue.insert(0, n)  # the oldest work of its queue: it goes first when cells free up
                 self.stats["preemptions"] += 1
 
     # -- contention ---------------------------------------------------------------------------------
-    def _recompute(self) -> None:
-        placed = [PlacedJob(r.profile, r.ready) for r in self.running.values()]
-        times = self.slowdown(placed)
-        for name, r in self.running.items():
-            r.iter_time = max(times.get(name, r.profile.period_s), 1e-12)
-        self._overload_rate = self._overload()
+    def _mark(self, name: str) -> None:
+        """Note a start or stop for the next recompute (a job's last change decides its place in the order)."""
+        self._changed.pop(name, None)
+        self._changed[name] = None
 
-    def _overload(self) -> float:
+    def attained(self, r: _Run) -> float:
+        """A job's attained service (GPU-seconds) now: its earlier runs' plus ``gpus * (now - run_start)`` while it runs."""
+        return r.served + r.spec.gpus * (self.now - r.run_start) if r.running else r.served
+
+    def remaining(self, r: _Run) -> float:
+        """A running job's iterations left now (its rate has been constant since ``anchor``)."""
+        return r.remaining - max(0.0, self.now - max(r.anchor, r.ready)) / r.iter_time
+
+    def _settle(self, r: _Run) -> None:
+        """Bring a running job's ``remaining`` up to now; called only when its rate changes or it stops, so a job's progress is
+        summed over the stretches of constant rate (the reference loop, ``tests/replay_reference.py``, does the same)."""
+        if self.now > r.anchor:
+            r.remaining = self.remaining(r)
+            r.anchor = self.now
+
+    def _set_iter_time(self, r: _Run, iter_time: float) -> None:
+        if iter_time == r.iter_time and r.has_entry:
+            return  # the same rate: its finish entry still holds
+        self._settle(r)
+        r.iter_time = iter_time
+        r.version += 1
+        r.has_entry = True
+        finish = max(r.ready, r.anchor) + r.remaining * iter_time
+        heapq.heappush(self._finish_heap, (finish, r.version, r.trace.name))
+        self._slack = max(self._slack, 1e-9 * max(1.0, r.spec.iterations) * iter_time)
+
+    def _recompute(self) -> None:
+        changed, self._changed = self._changed, {}
+        update = getattr(self.slowdown, "update", None)
+        if update is not None:  # incremental: only the started and stopped jobs, and those whose answers moved
+            running = self.running
+            times = update({n: (PlacedJob(running[n].profile, running[n].ready) if n in running else None) for n in changed})
+            for name, x in times.items():
+                r = running.get(name)
+                if r is not None:
+                    self._set_iter_time(r, max(x, 1e-12))
+            for name in changed:  # a job restarted on the same placement keeps its answer, but needs a finish entry
+                r = running.get(name)
+                if r is not None and name not in times:
+                    self._set_iter_time(r, r.iter_time if math.isfinite(r.iter_time) else max(r.profile.period_s, 1e-12))
+        else:
+            placed = [PlacedJob(r.profile, r.ready) for r in self.running.values()]
+            times = self.slowdown(placed)
+            for name, r in self.running.items():
+                self._set_iter_time(r, max(times.get(name, r.profile.period_s), 1e-12))
+        self._overload_rate = self._overload(changed)
+
+    def _overload(self, changed: Mapping[str, None]) -> float:
         """Overloaded links right now, each weighted by the share of its users' unified circle during which it is overloaded.
 
-        Incremental: only the links of jobs that started or stopped since the
-        last call are re-evaluated. A link whose users' demands sum to at most
-        its capacity is never overloaded and costs nothing.
+        Incremental: only the links of the jobs that started or stopped since
+        the last call (``changed``) are re-evaluated. A link whose users'
+        demands sum to at most its capacity is never overloaded and costs
+        nothing.
         """
-        current = {n: (r.profile, r.ready) for n, r in self.running.items() if r.profile is not None and r.profile.comm_s > 0}
+        current = {}
+        for n in changed:
+            r = self.running.get(n)
+            if r is not None and r.profile is not None and r.profile.comm_s > 0:
+                current[n] = (r.profile, r.ready)
         touched: set[Edge] = set()
-        for name, (prof, ready) in list(self._ov_jobs.items()):
+        for name in [n for n in changed if n in self._ov_jobs]:
+            prof, ready = self._ov_jobs[name]
             now = current.get(name)
             if now is not None and now[0] is prof and now[1] == ready:
                 continue
             del self._ov_jobs[name]
-            for e in prof.link_rates:
+            for e, rate in prof.link_rates.items():
                 del self._ov_users[e][name]
+                self._ov_load[e] -= rate
                 touched.add(e)
         for name, (prof, ready) in current.items():
             if name in self._ov_jobs:
                 continue
             self._ov_jobs[name] = (prof, ready)
-            for e in prof.link_rates:
+            for e, rate in prof.link_rates.items():
                 self._ov_users.setdefault(e, {})[name] = (prof, ready)
+                self._ov_load[e] = self._ov_load.get(e, 0.0) + rate
                 touched.add(e)
         for e in touched:
             users = self._ov_users.get(e)
             share = self._link_overload(e, users) if users else 0.0
             if not users:
                 self._ov_users.pop(e, None)
+                self._ov_load.pop(e, None)
             if share > 0:
                 self._ov_link[e] = share
             else:
                 self._ov_link.pop(e, None)
         return sum(self._ov_link.values())
 
+    def _over_capacity(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]], limit: float) -> bool:
+        """Whether the users' demands on ``e`` sum above ``limit``: the running sum decides unless it is within 1e-6 of the
+        limit (its rounding drifts by far less); there the demands are summed afresh, so the answer is a fresh sum's."""
+        load = self._ov_load[e]
+        if abs(load - limit) <= 1e-6 * limit:
+            load = self._ov_load[e] = sum(p.link_rates[e] for p, _ in users.values())
+        return load > limit
+
     def _link_overload(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]]) -> float:
         cap = self.capacity[e]
-        if len(users) < 2 or sum(p.link_rates[e] for p, _ in users.values()) <= cap * (1 + 1e-9):
+        if len(users) < 2 or not self._over_capacity(e, users, cap * (1 + 1e-9)):
             return 0.0
         key = (tuple(sorted((round(p.compute_s, 9), round(p.comm_s, 9), round(ready % p.period_s, 4), round(p.link_rates[e], 6))
                             for p, ready in users.values())), round(cap, 6))
@@ -451,6 +625,7 @@ class Replay:
 
     # -- the event loop -------------------------------------------------------------------------------
     def _advance(self, t: float) -> None:
+        """Move the clock to ``t``: the time integrals; running jobs progress lazily (see _settle)."""
         dt = t - self.now
         if dt > 0:
             busy = len(self.gpus) - self.n_idle
@@ -460,18 +635,45 @@ class Replay:
             if self.queue:
                 self.stats["frag_wait_integral"] += self.fragmentation() * dt
                 self.stats["wait_time"] += dt
-            for r in self.running.values():
-                active = max(0.0, t - max(self.now, r.ready))
-                r.remaining -= active / r.iter_time
-                r.attained += r.spec.gpus * dt
         self.now = t
+
+    def _next_finish(self) -> float:
+        heap = self._finish_heap
+        while heap:
+            _, version, name = heap[0]
+            r = self.jobs[name]
+            if r.running and r.version == version:
+                return max(heap[0][0], self.now)
+            heapq.heappop(heap)
+        return math.inf
+
+    def _finishing(self) -> list[str]:
+        """The running jobs done by now, in the order they run.
+
+        A job is done when at most ``1e-9 * iterations`` iterations are left,
+        i.e. its finish time is at most ``1e-9 * iterations * iter_time`` away:
+        the heap entries within the largest such slack are checked.
+        """
+        heap, out, later = self._finish_heap, [], []
+        while heap and heap[0][0] <= self.now + self._slack:
+            entry = heapq.heappop(heap)
+            r = self.jobs[entry[2]]
+            if not r.running or r.version != entry[1]:
+                continue
+            if self.remaining(r) <= 1e-9 * max(1.0, r.spec.iterations):
+                out.append(r)
+            else:
+                later.append(entry)
+        for entry in later:
+            heapq.heappush(heap, entry)
+        return [r.trace.name for r in sorted(out, key=lambda r: r.started)]
 
     def run(self) -> ReplayResult:
         wall = time.perf_counter()
         i = 0
         while i < len(self.arrivals) or self.queue or self.running:
             t_arr = self.arrivals[i].arrival_s if i < len(self.arrivals) else math.inf
-            t_fin = min((max(r.ready, self.now) + r.remaining * r.iter_time for r in self.running.values()), default=math.inf)
+            t_fin = self._next_finish()
             t_next = min(t_arr, t_fin)
             if not math.isfinite(t_next):
                 for n in self.queue:  # nothing runs and nothing arrives: these can never be placed
@@ -480,10 +682,12 @@ class Replay:
             self._advance(max(t_next, self.now))
             self.stats["events"] += 1
             changed = False
-            for name in [n for n, r in self.running.items() if r.remaining <= 1e-9 * max(1.0, r.spec.iterations)]:
+            for name in self._finishing():
                 r = self.running[name]
                 r.finish = self.now
                 self._stop(r)
+                if self.policy == "las":
+                    self._las_remove(r)
                 changed = True
             while i < len(self.arrivals) and self.arrivals[i].arrival_s <= self.now:
                 r = self.jobs[self.arrivals[i].name]
@@ -493,6 +697,8 @@ class Replay:
                     r.reason = never["message"]
                     continue
                 self.queue.append(r.trace.name)
+                if self.policy == "las":
+                    self._las_add(r)
                 changed = True
             if changed:
                 self._schedule()

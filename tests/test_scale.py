@@ -1,0 +1,199 @@
+"""The scale work (issue #24): the fast simulator and replay against references, and the benchmark runs.
+
+``tests/data/scale_golden.json`` holds the results of the code at commit 99240d3 (before the incremental component
+search of emu.sim and the lazy, incremental replay loop). The replay is checked exactly against the reference loop of
+``tests/replay_reference.py`` (whole-set scans at every event) and, to 1e-9, against the golden file: the loop before
+took each event's share off a job's remaining iterations and so rounded differently (see test_progress_is_summed_per_rate_not_per_event).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from replay_reference import ReferenceReplay
+
+import topology
+from bench.bench_scale import replay_trace, run_case, sim_workload
+from bench.bench_sim import cluster_workload
+from emu.fluid import PeriodicFluidModel, PeriodicJob
+from emu.sim import simulate
+from placement.contention import FluidSlowdown
+from placement.replay import Replay, replay
+from placement.traces import TraceJob, synthetic_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+GOLDEN = json.loads((ROOT / "tests" / "data" / "scale_golden.json").read_text())
+POLICIES = ("fifo", "las", "hived", "hived+cassini")
+
+
+def _close(a: float | None, b: float | None, rel: float = 1e-9) -> bool:
+    if a is None or b is None:
+        return a is b
+    return abs(a - b) <= rel * max(abs(a), abs(b), 1.0)
+
+
+@pytest.mark.parametrize("case", ["small", "medium"])
+def test_sim_matches_the_code_before(case):
+    if case == "small":
+        topo = topology.build_cluster(8)
+        work = cluster_workload(topo, 12, 3, seed=1, sizes=[16, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2])
+    else:
+        topo = topology.build_cluster(64)
+        work = sim_workload(topo, 31, 2)
+    res = simulate(topo, work, record_flows=False)
+    want = GOLDEN["sim"][case]
+    assert set(res.jobs) == set(want)
+    for name, ends in want.items():
+        assert res.jobs[name].iteration_ends == pytest.approx(ends, rel=1e-12, abs=0)
+
+
+@pytest.fixture(scope="module")
+def replay_case():
+    return topology.build_cluster(16), replay_trace(300, 128)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replay_matches_the_code_before(replay_case, policy):
+    topo, trace = replay_case
+    res = replay(topo, trace, policy, slowdown=FluidSlowdown(topo, radius=1))
+    want = GOLDEN["replay"][policy]
+    got = {x["name"]: (x["start_s"], x["finish_s"]) for x in res.jobs}
+    assert set(got) == set(want["jobs"])
+    for name, (start, finish) in want["jobs"].items():
+        assert _close(got[name][0], start) and _close(got[name][1], finish), (name, got[name], (start, finish))
+    for k, v in want["metrics"].items():
+        assert _close(res.metrics[k], v), (k, res.metrics[k], v)
+
+
+def _same(fast, ref) -> None:
+    """Two replays gave the same floats: every job's start, finish and reason, and every metric but the timings and cache counts."""
+    assert fast.jobs == ref.jobs
+    skip = {"wall_s", "profile_cache", "slowdown_cache"}
+    assert {k: v for k, v in fast.metrics.items() if k not in skip} == {k: v for k, v in ref.metrics.items() if k not in skip}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replay_equals_the_reference_loop(replay_case, policy):
+    """The fast loop (finish heap, lazy progress, incremental model and overload, kept LAS order) against the reference loop
+    (tests/replay_reference.py: whole-set scans and calls at every event): the same floats on 300 jobs on 128 GPUs."""
+    topo, trace = replay_case
+    fast = replay(topo, trace, policy, slowdown=FluidSlowdown(topo, radius=1), las_thresholds=(600.0, 6000.0))
+    ref = ReferenceReplay(topo, trace, policy, slowdown=FluidSlowdown(topo, radius=1), las_thresholds=(600.0, 6000.0)).run()
+    _same(fast, ref)
+    assert fast.metrics["finished"] == len(trace)
+    if policy == "las":
+        assert fast.metrics["preemptions"] > 0  # the thresholds were crossed: the kept order moved jobs between queues
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), jobs=st.integers(1, 40), rate=st.floats(0.005, 0.2), duration=st.floats(20.0, 2000.0),
+       heavy=st.floats(0.0, 1.0), radius=st.sampled_from([1, None]), policy=st.sampled_from(POLICIES),
+       thresholds=st.lists(st.floats(10.0, 20_000.0), min_size=1, max_size=3))
+def test_replay_equals_the_reference_loop_on_random_traces(seed, jobs, rate, duration, heavy, radius, policy, thresholds):
+    """Differential: random small traces (32 GPUs on 4 hosts, so jobs share NICs and leaf links), every policy, exact and
+    radius-1 fluid model, random LAS thresholds: the fast loop and the reference loop give the same floats."""
+    topo = _four_hosts()
+    trace = synthetic_trace(jobs, seed=seed, arrival_rate=rate, mean_duration_s=duration, network_heavy=heavy, max_gpus=32)
+    opts = {"las_thresholds": thresholds}
+    fast = replay(topo, trace, policy, slowdown=FluidSlowdown(topo, radius=radius), **opts)
+    ref = ReferenceReplay(topo, trace, policy, slowdown=FluidSlowdown(topo, radius=radius), **opts).run()
+    _same(fast, ref)
+
+
+def _four_hosts():
+    if "topo" not in _TOPO:
+        _TOPO["topo"] = topology.build_cluster(4)
+    return _TOPO["topo"]
+
+
+_TOPO: dict = {}
+
+
+def test_progress_is_summed_per_rate_not_per_event():
+    """A case computed by hand: jobs without gradients (period = compute time, no contention) on one host each, FIFO.
+    The long job runs 10,000 iterations of 0.1 s while 150 short jobs come and go on the other host (300 events): it ends
+    at exactly ``10_000 * 0.1`` = 1000.0, each short job at its start + 63 * 0.1. (The loop before the scale work took
+    each event's share off the remaining iterations and ended the long job at 1000.0000000000006.)"""
+    topo = topology.build_cluster(2)
+    trace, t = [TraceJob("long", 0.0, 8, 1000.0, 100.0, 0.0)], 0.5
+    for k in range(150):
+        trace.append(TraceJob(f"s{k:03d}", t, 8, 6.3, 100.0, 0.0))
+        t += 6.7 + (k % 7) * 0.013
+    res = replay(topo, trace, "fifo", slowdown=FluidSlowdown(topo, radius=1))
+    got = {x["name"]: x for x in res.jobs}
+    assert res.metrics["events"] == 302
+    assert got["long"]["finish_s"] == 10_000 * 0.1 == 1000.0
+    for job in trace[1:]:
+        row = got[job.name]
+        assert row["start_s"] == job.arrival_s  # the other host is free again 0.4 s before each arrival
+        assert row["finish_s"] == row["start_s"] + 63 * 0.1
+
+
+def test_las_by_hand():
+    """Discretised LAS computed by hand: 16 GPUs, one threshold at 800 GPU-seconds, jobs without gradients (0.1 s iterations).
+
+    a (16 GPUs, 100 s) arrives at 0 and starts; b (16 GPUs, 100 s) arrives at 10 and waits (both in queue 0, a is older).
+    a crosses 800 GPU-seconds at 50, but queues are re-evaluated at events only: at c's arrival (60; 8 GPUs, 20 s) a is in
+    queue 1 and is preempted with 600 iterations done; b (queue 0, older than c) takes the 16 GPUs. b ends at 160; c
+    (queue 0) starts, a (queue 1, 16 GPUs) does not fit beside it; c ends at 180, and a runs its last 400 iterations to 220.
+    """
+    topo = topology.build_cluster(2)
+    trace = [TraceJob("a", 0.0, 16, 100.0, 100.0, 0.0), TraceJob("b", 10.0, 16, 100.0, 100.0, 0.0), TraceJob("c", 60.0, 8, 20.0, 100.0, 0.0)]
+    runs = [cls(topo, trace, "las", slowdown=FluidSlowdown(topo), las_thresholds=(800.0,)).run() for cls in (Replay, ReferenceReplay)]
+    _same(*runs)
+    got = {x["name"]: (x["start_s"], x["finish_s"]) for x in runs[0].jobs}
+    want = {"a": (0.0, 220.0), "b": (60.0, 160.0), "c": (160.0, 180.0)}
+    assert {k: pytest.approx(v, rel=1e-12) for k, v in want.items()} == got
+    assert runs[0].metrics["preemptions"] == 1
+
+
+def test_fluid_update_equals_call():
+    """PeriodicFluidModel.update returns what changed; the rest keep the answers a whole-set call gives."""
+    links = [f"l{k}" for k in range(6)]
+    jobs = [PeriodicJob(f"j{i}", 0.02 + 0.01 * (i % 3), 0.03, {links[i % 6]: 40.0, links[(i + 1) % 6]: 30.0}, 0.005 * i) for i in range(12)]
+    cap = dict.fromkeys(links, 50.0)
+    for radius in (None, 1):
+        inc, whole = PeriodicFluidModel(cap, radius=radius), PeriodicFluidModel(cap, radius=radius)
+        answers: dict[str, float] = {}
+        live: list[PeriodicJob] = []
+        for step, j in enumerate(jobs):
+            gone = [live.pop(0)] if step % 4 == 3 else []
+            for g in gone:
+                answers.pop(g.name)
+            live.append(j)
+            answers.update(inc.update([j], gone))
+            assert answers == whole(live)
+
+
+def test_bench_cases_run():
+    """The benchmark's case runner on tiny cases (the real sizes are minutes each)."""
+    sim = run_case({"section": "sim", "gpus": 128, "jobs": 4, "policy": "", "iterations": 1})
+    assert sim["events"] > 0 and sim["peak_rss_mb"] > 0 and sim["cpu_s"] > 0 and sim["wall_s"] >= sim["run_wall_s"]
+    rep = run_case({"section": "replay", "gpus": 64, "jobs": 40, "policy": "hived", "iterations": None})
+    assert rep["finished"] == 40 and rep["events"] > 0
+
+
+def test_netweave_bench_lists_scale():
+    out = subprocess.run([sys.executable, "-m", "netweave", "bench", "--list"], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "scale" in out.stdout
+
+
+def test_bench_cli_case_and_table(tmp_path):
+    """The script's own path: one case in a child (``--case``), then the table rewritten from kept rows (``--section none``)."""
+    script = ROOT / "bench" / "bench_scale.py"
+    spec = {"section": "replay", "gpus": 64, "jobs": 30, "policy": "fifo", "iterations": None}
+    out = subprocess.run([sys.executable, str(script), "--case", json.dumps(spec)], capture_output=True, text=True, cwd=ROOT, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    small = {**row, "jobs": 15, "run_cpu_s": row["run_cpu_s"] / 2}
+    (tmp_path / "scale.json").write_text(json.dumps({"rows": [small, row]}))
+    subprocess.run([sys.executable, str(script), "--section", "none", "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, check=True)
+    rows = json.loads((tmp_path / "scale.json").read_text())["rows"]
+    assert [r["jobs"] for r in rows] == [15, 30]
+    assert rows[1]["cpu_growth"] == pytest.approx(1.0)  # twice the CPU time for twice the jobs
+    assert "| replay | 64 | 30 | fifo |" in (tmp_path / "scale.md").read_text()
