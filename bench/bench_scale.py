@@ -54,27 +54,12 @@ def sim_workload(topo, jobs: int, iterations: int, seed: int = 0):
     >>> [len(j.gpus) for j in w.jobs]
     [32, 16, 8]
     """
-    from emu.workload import Job, Workload
+    from emu.workload import Job, Workload, packed_gpu_groups
 
     rng = random.Random(seed)
-    hosts = topo.hosts()
-    free: dict[str, list[str]] = {h: [] for h in hosts}
-    for g in topo.gpus():  # one pass (topo.gpus(host) scans every node: a call per host is quadratic)
-        free[topo.host_of(g)].append(g)
     sizes = sorted((SIM_MIX[(k * 37) % len(SIM_MIX)] for k in range(jobs)), reverse=True)  # 37 is prime to 100: a spread of the mix
-    next_host, out = 0, []
-    for k, size in enumerate(sizes):
-        if size >= 8:
-            taken = hosts[next_host: next_host + size // 8]
-            next_host += size // 8
-            gpus = [g for h in taken for g in free[h]]
-            for h in taken:
-                free[h] = []
-        else:
-            h = next(h for h in hosts[next_host:] if len(free[h]) >= size)
-            gpus, free[h] = free[h][:size], free[h][size:]
-        out.append(Job.data_parallel(f"job{k:04d}", gpus, compute_s=rng.uniform(0.005, 0.05), nbytes=rng.choice([50e6, 100e6, 250e6, 1e9]),
-                                     iterations=iterations, start_offset=rng.uniform(0, 0.01)))
+    out = [Job.data_parallel(f"job{k:04d}", gpus, compute_s=rng.uniform(0.005, 0.05), nbytes=rng.choice([50e6, 100e6, 250e6, 1e9]),
+                             iterations=iterations, start_offset=rng.uniform(0, 0.01)) for k, gpus in enumerate(packed_gpu_groups(topo, sizes))]
     return Workload(f"{jobs}jobs-{iterations}it", out)
 
 

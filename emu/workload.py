@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -749,6 +750,39 @@ def write_workload(workload: Workload, path: str | os.PathLike[str], format: str
     atomic_write_text(path, dumps_workload(workload, _format_of(path, format)))
 
 
+def packed_gpu_groups(topo: Any, sizes: Sequence[int]) -> list[list[str]]:
+    """GPU groups for jobs of ``sizes`` GPUs, in order, packed as a consolidating scheduler places them.
+
+    A job of at least a host's GPUs takes ``size // per_host`` whole hosts, from the first host no earlier
+    job has used on; a smaller one takes the first GPUs left on the first host from there with room. Hosts
+    are ``topo.hosts()`` in order and are assumed to hold equally many GPUs. Raises ``StopIteration``
+    when a job does not fit.
+
+    >>> import topology
+    >>> groups = packed_gpu_groups(topology.build_cluster(2), [8, 2, 4])
+    >>> [len(g) for g in groups], groups[1]
+    ([8, 2, 4], ['node1/gpu0', 'node1/gpu1'])
+    """
+    hosts = topo.hosts()
+    free: dict[str, list[str]] = {h: [] for h in hosts}
+    for g in topo.gpus():  # one pass: topo.gpus(host) scans every node, so a call per host is quadratic
+        free[topo.host_of(g)].append(g)
+    per_host = max((len(v) for v in free.values()), default=1)
+    next_host, out = 0, []
+    for size in sizes:
+        if size >= per_host:
+            taken = hosts[next_host: next_host + size // per_host]
+            next_host += size // per_host
+            out.append([g for h in taken for g in free[h]])
+            for h in taken:
+                free[h] = []
+        else:
+            h = next(h for h in hosts[next_host:] if len(free[h]) >= size)
+            out.append(free[h][:size])
+            free[h] = free[h][size:]
+    return out
+
+
 def example_workload(topo: Any = None) -> Workload:
     """Two data-parallel jobs and a two-stage pipeline on the first two hosts of ``topo`` (default cluster ids otherwise).
 
@@ -771,6 +805,7 @@ def example_workload(topo: Any = None) -> Workload:
 
 __all__ = [
     "ALGORITHMS",
+    "packed_gpu_groups",
     "COLLECTIVE_OPS",
     "OP_ALGORITHMS",
     "DEFAULT_PRIORITY",

@@ -18,28 +18,14 @@ def scale_case():
     """256 GPUs (32 DGX H100, rail-optimised) and 24 data-parallel jobs of 2 to 32 GPUs: whole hosts for 8+, packed below,
     mixed priorities and sizes, 3 iterations, staggered starts (the shape of the scale benchmark, at a size a test can run)."""
     import topology
-    from emu.workload import Job, Workload
+    from emu.workload import Job, Workload, packed_gpu_groups
 
     topo = topology.build_cluster(32)
     rng = random.Random(7)
-    hosts = topo.hosts()
-    free = {h: [] for h in hosts}
-    for g in topo.gpus():
-        free[topo.host_of(g)].append(g)
     sizes = [32, 16, 16, 8, 8, 8, 8, 8, 4, 4, 4, 4, 2, 2, 2, 2, 2, 2, 4, 4, 2, 2, 2, 2]
-    jobs, next_host = [], 0
-    for k, size in enumerate(sizes):
-        if size >= 8:
-            taken = hosts[next_host: next_host + size // 8]
-            next_host += size // 8
-            gpus = [g for h in taken for g in free[h]]
-            for h in taken:
-                free[h] = []
-        else:
-            h = next(h for h in hosts[next_host:] if len(free[h]) >= size)
-            gpus, free[h] = free[h][:size], free[h][size:]
-        jobs.append(Job.data_parallel(f"job{k:02d}", gpus, compute_s=rng.uniform(0.002, 0.02), nbytes=rng.choice([20e6, 50e6, 100e6]),
-                                      iterations=3, start_offset=rng.uniform(0, 0.01), priority=rng.choice([0, 0, 1])))
+    jobs = [Job.data_parallel(f"job{k:02d}", gpus, compute_s=rng.uniform(0.002, 0.02), nbytes=rng.choice([20e6, 50e6, 100e6]),
+                              iterations=3, start_offset=rng.uniform(0, 0.01), priority=rng.choice([0, 0, 1]))
+            for k, gpus in enumerate(packed_gpu_groups(topo, sizes))]
     return topo, Workload("scale-case", jobs)
 
 
