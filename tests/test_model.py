@@ -54,7 +54,7 @@ def test_json_round_trip(tmp_path, cluster):
     "mutate, where",
     [
         (lambda d: d["links"][3].__setitem__("bw", "fast"), "links[3].bw"),
-        (lambda d: d["nodes"][0].__setitem__("kind", "toaster"), "nodes[0]"),
+        (lambda d: d["nodes"][0].__setitem__("kind", "toaster"), "nodes[0].kind"),  # the schema names the field
         (lambda d: d["links"][0].__setitem__("src", "nowhere"), "links[0]"),
         (lambda d: d.__setitem__("version", 99), "version"),
     ],
