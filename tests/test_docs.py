@@ -107,12 +107,9 @@ def test_guides_are_short(page):
                                       f"(at most {GUIDE_MAX_LINES}): move histories to docs/validation/")
 
 
-# Guides whose commands are not run yet, with the reason (the README has its own test, tests/test_readme.py).
-NOT_RUN = {
-}
-# Their ``>>>`` examples run all the same (they need no earlier step).
-GUIDE_STEPS = [(page, step) for page in GUIDES if page.name != "README.md" for step in page_steps(page.read_text(encoding="utf-8"))
-               if page.name not in NOT_RUN or step.kind == "doctest"]
+# Every guide's steps run, in order (the README has its own test, tests/test_readme.py); a block that cannot run
+# here says why with a marker before its fence.
+GUIDE_STEPS = [(page, step) for page in GUIDES if page.name != "README.md" for step in page_steps(page.read_text(encoding="utf-8"))]
 
 
 def _step_param(page: Path, step: Step):
@@ -120,13 +117,6 @@ def _step_param(page: Path, step: Step):
     label = step.text if step.kind != "heredoc" else f"write {step.path}"
     marks = [pytest.mark.emulation] if why and why[0] == "emulation" else []
     return pytest.param(page, step, id=f"{page.name}:L{step.line} {label[:50]}", marks=marks)
-
-
-@pytest.mark.parametrize("name", sorted(NOT_RUN))
-def test_guides_whose_commands_do_not_run_yet(name):
-    """A visible gap, not a silent one: these guides' commands are not run (their ``>>>`` examples are)."""
-    assert (DOCS / name).exists(), f"docs/{name} is gone: drop it from NOT_RUN"
-    pytest.skip(f"docs/{name}: {NOT_RUN[name]}")
 
 
 @pytest.fixture(scope="module")

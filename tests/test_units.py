@@ -174,7 +174,7 @@ def test_flow_plan_rates_take_units():
             '"rules": [{"job": "a", "priority": 0, "rate": "9.6Gb/s"}, {"job": "b", "priority": 1, "rate": 5e8}]}}}')
     hp = loads_plan(text).hosts["node0"]
     assert hp.link_rate == 5e10 and [r.rate for r in hp.rules] == [1.2e9, 5e8]
-    with pytest.raises(FlowPlanError, match=r"hosts.node0.link_rate: expected a rate in B/s .*per second"):
+    with pytest.raises(FlowPlanError, match=r"hosts.node0.link_rate: expected a rate: a number of bytes/s .*400Gb/s"):
         loads_plan(text.replace('"400Gb/s"', '"400G"'))
 
 
