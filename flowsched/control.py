@@ -81,8 +81,9 @@ import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 
 from topology.errors import InputError
-from topology.inputs import check_interface, check_name, check_number, loads_yaml, read_text
+from topology.inputs import check_interface, check_name, check_number, loads_json, loads_yaml, read_text
 from topology.io import atomic_write_text
+from topology.schema import load_schema, validate
 
 from .plan import FlowPlan, FlowPlanError, plan_from_dict, validate_plan
 
@@ -211,9 +212,13 @@ class ControlConfig:
 
 
 def load_config(path: str | os.PathLike[str]) -> ControlConfig:
-    """Read a control-plane configuration (JSON or YAML); errors name the field."""
+    """Read a control-plane configuration (JSON or YAML); errors name the field.
+
+    The structure is checked against ``flowsched/schemas/flow-control.schema.json`` first; wildcard addresses after it.
+    """
     src = str(path)
     data = loads_yaml(read_text(path, error=ControlError), source=src, error=ControlError)
+    validate(data, load_schema("flowsched", "flow-control"), source=src, error=ControlError)
     if not isinstance(data, dict):
         raise ControlError("expected an object", source=src)
     if data.get("format") != CONFIG_FORMAT or data.get("version") != CONFIG_VERSION:
@@ -583,7 +588,11 @@ class Scheduler(_Service):
 
 
 def read_agent_state(path: str | os.PathLike[str], host: str) -> dict[str, Any] | None:
-    """The state an agent left in ``path`` (None when there is no file); :class:`ControlError` names what is wrong."""
+    """The state an agent left in ``path`` (None when there is no file); :class:`ControlError` names what is wrong.
+
+    The structure is checked against ``flowsched/schemas/flow-agent-state.schema.json`` first, the stored plan against
+    the flow plan's, then that the host is this agent's and that epoch, floor and plan agree.
+    """
     src = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -591,10 +600,8 @@ def read_agent_state(path: str | os.PathLike[str], host: str) -> dict[str, Any] 
         return None
     except (OSError, UnicodeDecodeError) as exc:
         raise ControlError(f"cannot read the agent state ({exc})", source=src) from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ControlError(f"not JSON ({exc})", source=src) from None
+    data = loads_json(text, source=src, error=ControlError)
+    validate(data, load_schema("flowsched", "flow-agent-state"), source=src, error=ControlError)
     if not isinstance(data, dict) or data.get("format") != STATE_FORMAT or data.get("version") != STATE_VERSION:
         raise ControlError(f"expected format {STATE_FORMAT!r} version {STATE_VERSION}", source=src, where="format")
     if data.get("host") != host:

@@ -32,6 +32,7 @@ import numpy as np
 
 from topology.errors import InputError
 from topology.io import atomic_write_text
+from topology.schema import load_schema, validate
 
 FORMAT = "netweave-gradient-profile"
 VERSION = 2
@@ -119,6 +120,8 @@ class GradientProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str | None = None) -> GradientProfile:
+        """Parse the JSON form, checked against ``flowsched/schemas/gradient-profile.schema.json`` first; errors name the field."""
+        validate(data, load_schema("flowsched", "gradient-profile"), source=source)
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise InputError(f'expected an object with "format": "{FORMAT}"', source=source)
         if data.get("version") not in READ_VERSIONS:

@@ -6,8 +6,10 @@ The schemas are the files the readers validate through (:mod:`topology.schema`);
 to wire them into VS Code. ``check`` applies the schema only: what a schema cannot say (a job's ``vc`` among
 the virtual clusters, a workload's GPUs in the topology) is checked by the command that reads the file.
 
->>> [f.name for f in FORMATS]
+>>> [f.name for f in FORMATS][:8]
 ['topology', 'jobs', 'workload', 'hived-config', 'flow-plan', 'model-config', 'pipeline-stages', 'job-plan']
+>>> [f.name for f in FORMATS][8:]
+['pipe-profile', 'gradient-profile', 'flow-control', 'flow-agent-state', 'hived-state']
 """
 
 from __future__ import annotations
@@ -45,6 +47,13 @@ FORMATS: tuple[FileFormat, ...] = (
     FileFormat("pipeline-stages", "pipesched", "stages.json", "your launcher (beside torch's schedule.csv)", "pipe export --out"),
     FileFormat("job-plan", "netweave.runtime", "bundle/<job>/plan.json (netweave-job-plan)", "netweave.runtime in the training script",
                "launch --out"),
+    FileFormat("pipe-profile", "pipesched", "p.json (netweave-pipe-profile)", "pipe plan/simulate/export --profile, a job's model: file",
+               "pipe profile --out"),
+    FileFormat("gradient-profile", "flowsched", "prof.json (netweave-gradient-profile)", "flow schedule --profile", "flow profile --out"),
+    FileFormat("flow-control", "flowsched", "control.yaml (netweave-flow-control)", "flow serve/agent --config", "you"),
+    FileFormat("flow-agent-state", "flowsched", "agent-HOST.state.json (netweave-flow-agent-state)", "flow agent, at start",
+               "flow agent"),
+    FileFormat("hived-state", "placement", "cluster.state (netweave-hived-state)", "place plan/release --state", "place plan/release --state"),
 )
 
 

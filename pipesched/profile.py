@@ -150,7 +150,11 @@ def median_profile(profiles: Sequence[ModelProfile]) -> ModelProfile:
 # --------------------------------------------------------------------------------------------------------------
 
 def profile_from_dict(data: Any, *, source: str | None = None) -> ModelProfile:
-    """Parse and validate the JSON form; errors name the field."""
+    """Parse and validate the JSON form; errors name the field.
+
+    The structure is checked against ``pipesched/schemas/pipe-profile.schema.json`` first.
+    """
+    validate(data, load_schema("pipesched", "pipe-profile"), source=source, error=ProfileError)
     if not isinstance(data, dict):
         raise ProfileError("expected a JSON object", source=source)
     if data.get("format") != PROFILE_FORMAT:

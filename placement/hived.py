@@ -64,6 +64,7 @@ import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from topology.errors import InputError
@@ -71,12 +72,21 @@ from topology.inputs import loads_json, read_text
 from topology.io import atomic_write_text
 from topology.limits import MAX_QUOTA_CELLS
 from topology.model import Topology
+from topology.schema import load_schema, validate
 
 from .cells import Cell, CellTree, cell_hierarchy, lowest_common_level
 
 OPPORTUNISTIC = -1
 MIN_GUARANTEED, MAX_GUARANTEED = 0, 1000
 STATE_FORMAT = "netweave-hived-state"
+
+
+def read_state(path: str | Path) -> dict[str, Any]:
+    """The state file at ``path`` (:meth:`HivedScheduler.save`), parsed and checked against
+    ``placement/schemas/hived-state.schema.json``; :meth:`HivedScheduler.from_state` checks it against the topology."""
+    data = loads_json(read_text(path), source=str(path))
+    validate(data, load_schema("placement", "hived-state"), source=str(path))
+    return data
 SCAN_LIMIT = 48  # free-list entries examined per choice (HiveD scans all; a bound keeps choices O(1))
 
 
@@ -1445,8 +1455,8 @@ class HivedScheduler:
 
     @classmethod
     def load(cls, topo: Topology, path: str) -> HivedScheduler:
-        state = loads_json(read_text(path), source=str(path))
-        return cls.from_state(topo, state, source=str(path))
+        """The scheduler saved in ``path`` (:func:`read_state`, then :meth:`from_state`)."""
+        return cls.from_state(topo, read_state(path), source=str(path))
 
     # -- reporting ---------------------------------------------------------------------------
     def job_gpus(self, job: str) -> list[str]:

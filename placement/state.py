@@ -32,10 +32,9 @@ from pathlib import Path
 from typing import Any
 
 from topology.errors import InputError
-from topology.inputs import loads_json, read_text
 from topology.model import Topology
 
-from .hived import HivedScheduler
+from .hived import HivedScheduler, read_state
 
 
 @contextlib.contextmanager
@@ -58,7 +57,7 @@ def locked_scheduler(path: str | os.PathLike[str], topo: Topology, virtual_clust
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         remove_stale_temp_files(path)
         if path.exists():
-            stored = loads_json(read_text(path), source=source)
+            stored = read_state(path)
             if isinstance(stored, dict) and stored.get("topology") != topo.name:
                 raise InputError(f"the state was written for topology {stored.get('topology')!r}, not {topo.name!r}", source=source)
             sched = HivedScheduler.from_state(topo, stored, source=source)

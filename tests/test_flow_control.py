@@ -436,7 +436,7 @@ def test_the_epoch_in_force_survives_a_restart(config, tmp_path):
 def test_a_bad_state_file_is_one_line_naming_the_file(config, tmp_path):
     state = tmp_path / "s.json"
     head = {"format": "netweave-flow-agent-state", "version": 1}
-    for text, where in (("{", "not JSON"), ('{"format": "x"}', "format"), (b"\xff\xfe", "cannot read"),
+    for text, where in (("{", "invalid JSON"), ('{"format": "x"}', "format"), (b"\xff\xfe", "cannot read"),
                         (json.dumps({**head, "host": "h1", "epoch": 1, "floor": 1, "plan": None}), "host"),
                         (json.dumps({**head, "host": "h0", "epoch": 3, "floor": 1, "plan": None}), "disagree")):
         state.write_bytes(text if isinstance(text, bytes) else text.encode())
