@@ -71,9 +71,19 @@ def format_schema(fmt: FileFormat) -> dict[str, Any]:
 
 
 def check_file(fmt: FileFormat, path: str) -> Any:
-    """Parse ``path`` (``.json`` as JSON, anything else as YAML) and validate it against ``fmt``'s schema; the data."""
+    """Parse ``path`` (``.json`` as JSON, anything else as YAML unless it is JSON) and validate it against ``fmt``'s schema; the data.
+
+    A JSON document in a file not named ``.json`` (a planner state ``cluster.state``) is read as JSON all the same: YAML 1.1
+    would read its ``1e-05`` as a string.
+    """
     text = read_text(path)
-    data = loads_json(text, source=path) if path.lower().endswith(".json") else loads_yaml(text, source=path)
+    if path.lower().endswith(".json"):
+        data = loads_json(text, source=path)
+    else:
+        try:
+            data = loads_json(text, source=path) if text.lstrip()[:1] in ("{", "[") else loads_yaml(text, source=path)
+        except InputError:
+            data = loads_yaml(text, source=path)
     validate(data, format_schema(fmt), source=path)
     return data
 
@@ -93,7 +103,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     q = ssub.add_parser("check", help="check a file against its format's schema: exit 0, or one line and exit 2")
     q.add_argument("format", metavar="FORMAT", help=", ".join(f.name for f in FORMATS))
-    q.add_argument("file", metavar="FILE", help="the file to check (.json read as JSON, anything else as YAML)")
+    q.add_argument("file", metavar="FILE", help="the file to check (JSON, or YAML)")
     add_json_flag(q)
     q.set_defaults(func=cmd_check)
 

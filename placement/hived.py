@@ -1398,6 +1398,8 @@ class HivedScheduler:
             return cls._from_state(topo, state, source=source, trees=trees)
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             if isinstance(exc, InputError):
+                if exc.source is None and source is not None:   # the constructor's and the replay's errors name the file too
+                    raise type(exc)(exc.message, source=source, where=exc.where) from None
                 raise
             raise InputError(f"state does not match the topology or is malformed ({type(exc).__name__}: {str(exc)[:80]})",
                              source=source) from None

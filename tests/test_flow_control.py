@@ -27,6 +27,7 @@ from flowsched.control import (
 )
 from flowsched.enforce import DryRunApplier, host_tc_commands
 from flowsched.plan import FlowPlan, FlowRule, HostPlan, with_epoch
+from topology.schema import load_schema, validator_for
 
 
 def free_port() -> int:
@@ -419,6 +420,7 @@ def test_the_epoch_in_force_survives_a_restart(config, tmp_path):
             assert push(s, 1)["type"] == "ack" and push(s, 2)["type"] == "ack"
         saved = json.loads(state.read_text())
         assert (saved["epoch"], saved["floor"], saved["plan"]["epoch"]) == (2, 2, 2)
+        assert validator_for(load_schema("flowsched", "flow-agent-state")).is_valid(saved)  # what the agent writes, its schema takes
         with Agent("h0", config, kernel, state_path=state) as again:  # a new process reading the state file
             assert again.epoch == 2 and again.verified == [2] and again.applied == []
             s = pusher(ctx, config)
