@@ -83,7 +83,19 @@ STATE_FORMAT = "netweave-hived-state"
 
 def read_state(path: str | Path) -> dict[str, Any]:
     """The state file at ``path`` (:meth:`HivedScheduler.save`), parsed and checked against
-    ``placement/schemas/hived-state.schema.json``; :meth:`HivedScheduler.from_state` checks it against the topology."""
+    ``placement/schemas/hived-state.schema.json``; :meth:`HivedScheduler.from_state` checks it against the topology.
+
+    >>> import json, pathlib, tempfile, topology
+    >>> path = pathlib.Path(tempfile.mkdtemp()) / "cluster.state"
+    >>> HivedScheduler(topology.default_cluster(), {"research": {"host": 1}}).save(str(path))
+    >>> read_state(path)["virtual_clusters"]
+    {'research': {'host': 1}}
+    >>> _ = path.write_text(json.dumps({**read_state(path), "relax": "yes"}))
+    >>> read_state(path)
+    Traceback (most recent call last):
+    ...
+    topology.errors.InputError: ...cluster.state: relax: expected true, false or node, got 'yes'
+    """
     data = loads_json(read_text(path), source=str(path))
     validate(data, load_schema("placement", "hived-state"), source=str(path))
     return data
