@@ -238,6 +238,9 @@ def test_config_file_keys_and_endpoints(tmp_path):
         load_config(cfg)
     cfg.write_text(cfg.read_text() + "allow_wildcard: true\n")
     assert load_config(cfg).agents["n0"].bind == "tcp://*:5711"
+    cfg.write_text(cfg.read_text().replace("rate_mbit: 100}", "rate_mbit: 100, state: ''}"))
+    with pytest.raises(ControlError, match=r"agents\.n0\.state: expected a file name"):
+        load_config(cfg)   # an empty name would make the config's directory the state file
     for bad in ("tcp://0.0.0.0:1", "tcp://[::]:1", "udp://x:1"):
         with pytest.raises(ControlError):
             check_endpoint(bad)
