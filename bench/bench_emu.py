@@ -177,7 +177,8 @@ def run_case(case: Case, mode: str, cpu_limit: float) -> list[dict]:
         batch = []
         for label, w in variants:
             emu, wall = emus[label]
-            ranking = ("same" if mixes.ranking_agrees(_means(sims[label]), _means(emu)) else "DIFFERENT") + shift
+            agree = mixes.ranking_agrees(_means(sims[label]), _means(emu), interchangeable=mixes.interchangeable(w))
+            ranking = ("same" if agree else "DIFFERENT") + shift
             batch += _rows(case, label + (f" [repeat, K x{scale:g}]" if scale > 1 else ""), mode, sims[label], emu, wall, scale, load, ranking,
                            _bottleneck(case, w, sims[label], emu))
         rows += batch
@@ -206,6 +207,13 @@ def run_agreement(quick: bool, cpu_limit: float, only: str | None = None) -> lis
 _REPEAT = re.compile(r" \[repeat, K x([0-9.]+)\]$")
 
 
+def _parse_label(label: str) -> tuple[str, str, str]:
+    """A row's case label as (case name, variant label without the repeat mark, repeat factor or "")."""
+    m = _REPEAT.search(label)
+    variant = label[:m.start()] if m else label
+    return variant.removesuffix(" (unshifted)"), variant, m.group(1) if m else ""
+
+
 def resimulate(rows: list[dict]) -> list[dict]:
     """``rows`` of ``emu_agreement`` with the simulator's side recomputed by the current model (:func:`sim_options`); the emulated side kept.
 
@@ -218,9 +226,7 @@ def resimulate(rows: list[dict]) -> list[dict]:
         groups.setdefault((r["case"], r["nic_mode"]), []).append(r)
     means: dict[tuple[str, str, str], tuple[dict, dict]] = {}  # (case name, mode, repeat) -> label -> (sim means, emu means)
     for (label, mode), group in groups.items():
-        m = _REPEAT.search(label)
-        base = label[:m.start()] if m else label
-        name = base.removesuffix(" (unshifted)")
+        name, base, repeat = _parse_label(label)
         case = cases.get(name)
         if case is None or any(r.get("job") in (None, "-") for r in group):
             out += group
@@ -232,19 +238,17 @@ def resimulate(rows: list[dict]) -> list[dict]:
         errors = {n: 100 * (emu_ms[n] - sim_ms[n]) / sim_ms[n] for n in emu_ms}
         mape = sum(abs(e) for e in errors.values()) / len(errors)
         u_sim = mixes.nic_utilisation(case.topo, workload, sim)
-        means.setdefault((name, mode, m.group(1) if m else ""), {})[base] = (sim_ms, emu_ms)
+        means.setdefault((name, mode, repeat), {})[base] = (sim_ms, emu_ms)
         for r in group:
             nic, _, figures = r["busiest_nic_sim/emu"].rpartition(" ")  # "node0/nic0 out 67%/75%"
             busiest = f"{nic} {u_sim.get(nic, 0.0):.0%}/{figures.rsplit('/', 1)[-1]}" if nic else r["busiest_nic_sim/emu"]
-            ranking = "same" if mixes.ranking_agrees(sim_ms, emu_ms) else "DIFFERENT"
+            ranking = "same" if mixes.ranking_agrees(sim_ms, emu_ms, interchangeable=mixes.interchangeable(workload)) else "DIFFERENT"
             out.append({**r, "sim_iter_ms": sim_ms[r["job"]], "error_pct": errors[r["job"]], "case_mape_pct": mape,
                         "goal": "met" if mape <= MAPE_GOAL else "MISS", "ranking": ranking, "busiest_nic_sim/emu": busiest})
     # the shifted-vs-unshifted verdict of the CASSINI rows, from the recomputed means
     for r in out:
-        m = _REPEAT.search(r["case"])
-        base = r["case"][:m.start()] if m else r["case"]
-        name = base.removesuffix(" (unshifted)")
-        pair = means.get((name, r["nic_mode"], m.group(1) if m else ""), {})
+        name, _base, repeat = _parse_label(r["case"])
+        pair = means.get((name, r["nic_mode"], repeat), {})
         if len(pair) == 2 and name in pair:
             (s_sh, e_sh), (s_un, e_un) = pair[name], pair[name + " (unshifted)"]
             faster_sim, faster_emu = sum(s_sh.values()) < sum(s_un.values()), sum(e_sh.values()) < sum(e_un.values())
@@ -300,18 +304,12 @@ def run_build() -> list[dict]:
     return rows
 
 
-def _base_case(label: str) -> str:
-    """A row's case name without its variant and repeat marks."""
-    m = _REPEAT.search(label)
-    return (label[:m.start()] if m else label).removesuffix(" (unshifted)")
-
-
 def merge_partial(rows: list[dict], partial: list[dict]) -> list[dict]:
     """``rows`` with the rows of every case that ``partial`` (a ``--case`` run) measured replaced by its rows, in place of the old ones."""
-    redone = {_base_case(r["case"]) for r in partial}
+    redone = {_parse_label(r["case"])[0] for r in partial}
     out, placed = [], False
     for r in rows:
-        if _base_case(r["case"]) in redone:
+        if _parse_label(r["case"])[0] in redone:
             if not placed:
                 out += partial
                 placed = True
@@ -328,7 +326,8 @@ def agreement_notes(load: str, note_cpu: str) -> str:
             "runs at weight 0.17 for two drain times of its HTB queue, 0.58 ms of workload time at M=50), the same for every case. "
             "error_pct = (emu - sim) / sim; case_mape_pct = mean |error| over the case's jobs (goal <= 10 %); "
             "ranking: does the simulator order the jobs (and shifted vs unshifted) as the emulation does (jobs within 2 % "
-            "in the simulator may go either way); busiest_nic: the simulator's most utilised NIC direction and its mean utilisation "
+            "in the simulator may go either way, and so may interchangeable jobs: the same job on as many GPUs, started together); "
+            "busiest_nic: the simulator's most utilised NIC direction and its mean utilisation "
             "over the run in both backends (from their flow records). "
             "cpu_busy is the whole machine's (other users included) during the run; "
             f"load_1m the 1-minute load average at its start (at the end of the benchmark: {load}). A run that missed the goal with "

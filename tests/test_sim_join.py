@@ -140,3 +140,27 @@ def test_the_join_ramp_is_the_same_at_any_time_scale_and_grows_with_the_byte_sca
     one, fifty = tcp_join_options(cluster), tcp_join_options(cluster, byte_scale=50)
     assert fifty["join_ramp_s"] == pytest.approx(50 * one["join_ramp_s"])
     assert one["join_ramp_s"] == pytest.approx(2 * 200 * 1448 / 50e9)   # two drains of a 200-packet queue at 50 GB/s
+
+
+def test_the_phase_benchmark_reads_the_drift_from_phase_records():
+    # bench/bench_emu_phase.py's offsets, on the closed form above: d_k = k delta
+    from bench.bench_emu_phase import phase_offsets
+
+    tau, w = 0.0001, 0.25
+    result = simulate(star(3), _senders(25e6, iterations=4), latency=False, join_ramp_s=tau, join_weight=w)
+    assert phase_offsets(result, phase="send") == pytest.approx([k * tau * (1 - w) / (1 + w) for k in range(4)], abs=1e-12)
+
+
+def test_the_committed_agreement_table_is_the_current_model():
+    # bench_emu.py --resim recomputes the simulator's side of emu_agreement; the committed table must be what the model gives now
+    import json
+    from pathlib import Path
+
+    from bench.bench_emu import resimulate
+
+    rows = json.loads((Path(__file__).resolve().parents[1] / "bench" / "results" / "emu_agreement.json").read_text())["rows"]
+    again = resimulate(rows)
+    assert [r["sim_iter_ms"] for r in again] == pytest.approx([r["sim_iter_ms"] for r in rows], rel=1e-9)
+    assert [(r["goal"], r["ranking"]) for r in again] == [(r["goal"], r["ranking"]) for r in rows]
+    unshifted = [r for r in rows if r["case"].startswith("CASSINI") and "(unshifted)" in r["case"]]
+    assert unshifted and all(r["goal"] == "met" for r in unshifted)
