@@ -18,18 +18,20 @@ simulator's side without emulating. Emulation needs root; run it under the share
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import RESULTS, write_results  # noqa: E402
+from bench._common import RESULTS, markdown_table, write_results  # noqa: E402
 from emu import mixes  # noqa: E402
 from emu.net import tcp_join_options  # noqa: E402
 from emu.results import RunResult  # noqa: E402
 from emu.sim import simulate  # noqa: E402
 from topology import default_cluster  # noqa: E402
+from topology.io import atomic_write_text  # noqa: E402
 
 OPTS = {"time_scale": 16000, "byte_scale": 50}
 MODES = ("aggregate", "per-leaf")
@@ -95,18 +97,31 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=30)
     parser.add_argument("--render", action="store_true", help="no emulation: read the kept runs under bench/results/raw/")
     parser.add_argument("--cpu-limit", type=float, default=1.01, help="CPU busy fraction above which an emulated run fails its fidelity check")
+    parser.add_argument("--short-runs", type=int, default=4,
+                        help="also this many runs of 6 iterations (the agreement suite's) per mode: the spread of their means")
     args = parser.parse_args()
     raw = {mode: RESULTS / "raw" / f"{NAME}_{mode.replace('-', '_')}.json" for mode in MODES}
+    raw_short = RESULTS / "raw" / f"{NAME}_short.json"
     if not args.render:
         if os.geteuid() != 0:
             print("bench_emu_phase needs root (Mininet) unless --render; nothing measured", file=sys.stderr)
             raise SystemExit(2)
         from emu.mininet_backend import run_mininet
 
+        def emulate(mode: str, iterations: int) -> RunResult:
+            return run_mininet(default_cluster(), mixes.cassini_pair(iterations=iterations), nic_mode=mode, cpu_limit=args.cpu_limit,
+                               raise_on_fidelity=False, **OPTS)
+
         for mode in MODES:
-            emu = run_mininet(default_cluster(), mixes.cassini_pair(iterations=args.iterations), nic_mode=mode, cpu_limit=args.cpu_limit,
-                              raise_on_fidelity=False, **OPTS)
-            emu.write(raw[mode])
+            emulate(mode, args.iterations).write(raw[mode])
+        short = {mode: [] for mode in MODES}
+        for _ in range(args.short_runs):
+            for mode in MODES:
+                r = emulate(mode, 6)
+                short[mode].append({"load_1m": os.getloadavg()[0], "cpu_busy": r.meta.get("fidelity", {}).get("cpu", {}).get("busy_mean"),
+                                    **{job: [t * 1e3 for t in r.jobs[job].iteration_times()] for job in ("a", "b")}})
+        if args.short_runs:
+            atomic_write_text(raw_short, json.dumps(short, indent=1) + "\n")
     topo = default_cluster()
     emus = {mode: RunResult.read(raw[mode]) for mode in MODES}
     iterations = min(len(r.jobs["a"].iteration_ends) for r in emus.values())
@@ -126,17 +141,31 @@ def main() -> None:
         rows.append(row)
     summary = {label: {"mean_first_6_ms": _mean(s["a"][:6] + s["b"][:6]), "mean_all_ms": _mean(s["a"] + s["b"]),
                        "last_offset_ms": s["offset"][-1]} for label, s in curves.items()}
+    short_rows = []
+    if raw_short.exists():
+        sim6 = simulate(topo, mixes.cassini_pair(iterations=6), **join)
+        sim_ms = {job: sim6.jobs[job].mean_iteration_time() * 1e3 for job in ("a", "b")}
+        for mode, runs in json.loads(raw_short.read_text()).items():
+            for i, run in enumerate(runs):
+                emu_ms = {job: _mean(run[job]) for job in ("a", "b")}
+                errors = {job: 100 * (emu_ms[job] - sim_ms[job]) / sim_ms[job] for job in emu_ms}
+                short_rows.append({"mode": mode, "run": i, "emu_a_ms": emu_ms["a"], "emu_b_ms": emu_ms["b"], "sim_a_ms": sim_ms["a"],
+                                   "sim_b_ms": sim_ms["b"], "mape_pct": _mean([abs(e) for e in errors.values()]),
+                                   "pair_mean_error_pct": 100 * (_mean(list(emu_ms.values())) / _mean(list(sim_ms.values())) - 1),
+                                   "cpu_busy": run.get("cpu_busy"), "load_1m": run.get("load_1m")})
     plot(curves, RESULTS / f"{NAME}.png")
     fid = {mode: r.meta.get("fidelity", {}).get("cpu", {}).get("busy_mean") for mode, r in emus.items()}
     text = "; ".join(f"{label}: mean {v['mean_first_6_ms']:.3f} ms over the first 6 iterations, {v['mean_all_ms']:.3f} ms over all "
                      f"{iterations}, last offset {v['last_offset_ms']:.3f} ms" for label, v in summary.items())
     write_results(NAME, rows, title="Unshifted CASSINI pair: relative phase and iteration times per iteration, Mininet vs simulator",
-                  extra={"summary": summary, "options": {**OPTS, **join}, "cpu_busy": fid},
+                  extra={"summary": summary, "options": {**OPTS, **join}, "cpu_busy": fid, "short_runs": short_rows},
                   notes=f"Two identical 2-GPU DP jobs (2 ms compute + 100 MB ring all-reduce) on node0/nic0 (routing: rail), started "
                         f"together; K={OPTS['time_scale']}, M={OPTS['byte_scale']}; cpu_busy {fid}. offset = b's all-reduce start - a's "
                         f"(0: lockstep, 6 ms/iteration; 1: one ring step apart, 5 ms; 2: interleaved, 4 ms). sim_ramp: the simulator "
                         f"with the emulated TCP's join ramp ({join['join_ramp_s'] * 1e3:.3f} ms at weight {join['join_weight']}). {text}. "
-                        f"Figure: {NAME}.png.")
+                        f"Figure: {NAME}.png."
+                        + (f"\n\nRepeated runs of 6 iterations (the agreement suite's), mean iteration time per job against the "
+                           f"simulator with the join ramp:\n\n{markdown_table(short_rows)}" if short_rows else ""))
 
 
 if __name__ == "__main__":
