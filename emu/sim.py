@@ -103,18 +103,20 @@ class SimConfig:
     established flows does not get its fair share at once: it starts from an
     initial window and grows it once per round trip, and the established
     flows' queue makes those round trips long. The simulator models that as
-    a step: a communication step whose flows start while a step of another
-    phase (of any job) is in flight on one of its shared links shares with
+    a step: a communication step that starts while a step of another phase
+    (of any job) that uses one of its links is in flight shares with
     ``join_weight`` times its weight for its first ``join_ramp_s`` seconds,
-    then with its full weight. Steps that start at the same instant join in
-    the order the simulator starts them (the workload's job order for jobs
-    released together): the first counts as established, as one of two real
-    connections always wins the first round trips. Without it, two
+    then with its full weight. Steps that start at the same instant are
+    taken in the order the simulator starts them (the workload's job order
+    for jobs released together): the first counts as established. That is a
+    deterministic tie-break, not a claim: real flows never start at the same
+    instant, and which one is late is chance. Without the ramp two
     identical jobs started together stay in lockstep (the worst alignment)
     forever; with it the one that started its communication first keeps the
-    larger share, the jobs separate and settle with their phases one ring
-    step apart or fully interleaved, as TCP does in the Mininet emulation
-    (docs/validation/emu.md). ``join_ramp_s`` is a time of the transport, so
+    larger share and the jobs settle one ring step apart, as TCP moves them
+    in the Mininet emulation (docs/validation/emu.md; there noise later
+    interleaves them fully, which this noise-free model does not).
+    ``join_ramp_s`` is a time of the transport, so
     for an emulation at time scale K and byte scale M it is the emulated
     TCP's convergence time divided by K/M; a fabric whose transport
     converges in microseconds (RDMA, NCCL's long-lived connections) is the
