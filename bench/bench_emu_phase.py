@@ -3,7 +3,7 @@
 Two 2-GPU data-parallel jobs (2 ms of compute, a 100 MB ring all-reduce; :func:`emu.mixes.cassini_pair`) share
 ``node0``'s NIC 0 and start together. The plain fluid model keeps them in lockstep at 6 ms per iteration; the
 emulation does not. Per iteration this benchmark extracts, from each backend's phase records, the offset between
-the two jobs' all-reduce starts (``b`` minus ``a``) and each job's iteration time, for:
+the two jobs' all-reduce starts (``|b - a|``: which one leads is chance) and each job's iteration time, for:
 
 - Mininet (:func:`emu.mininet_backend.run_mininet`, K = 16000, M = 50 as in the agreement suite), in both NIC modes;
 - the plain simulator (exactly fair shares) and the simulator with the emulated TCP's join ramp
@@ -55,8 +55,8 @@ def phase_offsets(result: RunResult, *, phase: str = "allreduce", first: str = "
 
 
 def series(result: RunResult) -> dict[str, list[float]]:
-    """Offsets and both jobs' iteration times, in ms."""
-    return {"offset": [d * 1e3 for d in phase_offsets(result)],
+    """How far apart the jobs' all-reduces start (|b - a|: which job leads is chance) and both jobs' iteration times, in ms."""
+    return {"offset": [abs(d) * 1e3 for d in phase_offsets(result)],
             **{job: [t * 1e3 for t in result.jobs[job].iteration_times()] for job in ("a", "b")}}
 
 
@@ -81,7 +81,7 @@ def plot(curves: dict[str, dict[str, list[float]]], path: Path) -> None:
         bottom.plot(range(len(s["b"])), s["b"], color=colour, linestyle=line, marker="x", markersize=3, alpha=0.6)
     top.axhline(1.0, color="grey", linewidth=0.6)
     top.axhline(2.0, color="grey", linewidth=0.6)
-    top.set_ylabel("b's all-reduce start - a's (ms)")
+    top.set_ylabel("|b's all-reduce start - a's| (ms)")
     top.set_title("Unshifted CASSINI pair on node0/nic0: lockstep (0 ms), one ring step apart (1 ms), interleaved (2 ms)")
     top.legend(loc="lower right", fontsize=8)
     bottom.set_ylabel("iteration time (ms; o job a, x job b)")
@@ -160,7 +160,7 @@ def main() -> None:
     write_results(NAME, rows, title="Unshifted CASSINI pair: relative phase and iteration times per iteration, Mininet vs simulator",
                   extra={"summary": summary, "options": {**OPTS, **join}, "cpu_busy": fid, "short_runs": short_rows},
                   notes=f"Two identical 2-GPU DP jobs (2 ms compute + 100 MB ring all-reduce) on node0/nic0 (routing: rail), started "
-                        f"together; K={OPTS['time_scale']}, M={OPTS['byte_scale']}; cpu_busy {fid}. offset = b's all-reduce start - a's "
+                        f"together; K={OPTS['time_scale']}, M={OPTS['byte_scale']}; cpu_busy {fid}. offset = |b's all-reduce start - a's| "
                         f"(0: lockstep, 6 ms/iteration; 1: one ring step apart, 5 ms; 2: interleaved, 4 ms). sim_ramp: the simulator "
                         f"with the emulated TCP's join ramp ({join['join_ramp_s'] * 1e3:.3f} ms at weight {join['join_weight']}). {text}. "
                         f"Figure: {NAME}.png."
