@@ -20,7 +20,9 @@ the CPU figure is in every row.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -28,10 +30,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench._common import write_results  # noqa: E402
+from bench._common import RESULTS, write_results  # noqa: E402
 from emu import mixes  # noqa: E402
 from emu.mininet_backend import run_mininet, run_torch_job  # noqa: E402
-from emu.net import EmulatedNetwork, EmulationError, FidelityError, plan_network  # noqa: E402
+from emu.net import EmulatedNetwork, EmulationError, FidelityError, plan_network, tcp_join_options  # noqa: E402
 from emu.results import RunResult, compare_results  # noqa: E402
 from emu.sim import simulate  # noqa: E402
 from emu.workload import ComputePhase, Job, P2PPhase, Transfer, Workload, example_workload  # noqa: E402
@@ -117,6 +119,11 @@ def agreement_cases(quick: bool) -> list[Case]:
     ]
 
 
+def sim_options(case: Case) -> dict[str, float]:
+    """The simulator's options for a case: the emulated TCP's join ramp at the case's byte scale (the same for every case and mode)."""
+    return tcp_join_options(case.topo, byte_scale=case.opts.get("byte_scale", 1.0))
+
+
 def _emulate(case: Case, workload: Workload, mode: str, cpu_limit: float, scale: float) -> tuple[RunResult, float]:
     opts = dict(case.opts)
     opts["time_scale"] = opts["time_scale"] * scale
@@ -156,7 +163,7 @@ def _means(result: RunResult) -> dict[str, float]:
 def run_case(case: Case, mode: str, cpu_limit: float) -> list[dict]:
     """The rows of one case in one NIC mode; repeated at REPEAT_SCALE times the time scale when a CPU-saturated run missed the goal."""
     variants = [(case.name, case.workload)] + ([(case.name + " (unshifted)", case.unshifted)] if case.unshifted is not None else [])
-    sims = {label: simulate(case.topo, w) for label, w in variants}
+    sims = {label: simulate(case.topo, w, **sim_options(case)) for label, w in variants}
     scale, rows = 1.0, []
     while True:
         load = os.getloadavg()[0]
@@ -170,7 +177,8 @@ def run_case(case: Case, mode: str, cpu_limit: float) -> list[dict]:
         batch = []
         for label, w in variants:
             emu, wall = emus[label]
-            ranking = ("same" if mixes.ranking_agrees(_means(sims[label]), _means(emu)) else "DIFFERENT") + shift
+            agree = mixes.ranking_agrees(_means(sims[label]), _means(emu), interchangeable=mixes.interchangeable(w))
+            ranking = ("same" if agree else "DIFFERENT") + shift
             batch += _rows(case, label + (f" [repeat, K x{scale:g}]" if scale > 1 else ""), mode, sims[label], emu, wall, scale, load, ranking,
                            _bottleneck(case, w, sims[label], emu))
         rows += batch
@@ -194,6 +202,58 @@ def run_agreement(quick: bool, cpu_limit: float, only: str | None = None) -> lis
                 rows.append({"case": case.name, "nic_mode": mode, "job": "-", "status": f"stopped: {str(exc)[:120]}"})
             print(f"{case.name} [{mode}]: {rows[-1].get('case_mape_pct')}", file=sys.stderr)
     return rows
+
+
+_REPEAT = re.compile(r" \[repeat, K x([0-9.]+)\]$")
+
+
+def _parse_label(label: str) -> tuple[str, str, str]:
+    """A row's case label as (case name, variant label without the repeat mark, repeat factor or "")."""
+    m = _REPEAT.search(label)
+    variant = label[:m.start()] if m else label
+    return variant.removesuffix(" (unshifted)"), variant, m.group(1) if m else ""
+
+
+def resimulate(rows: list[dict]) -> list[dict]:
+    """``rows`` of ``emu_agreement`` with the simulator's side recomputed by the current model (:func:`sim_options`); the emulated side kept.
+
+    Rebuilds every row's sim_iter_ms, error, case MAPE, goal, ranking and the simulator's half of the busiest-NIC figure, per
+    (case, mode, variant) group of rows, so that a model change is carried into the table without re-emulating.
+    """
+    cases = {c.name: c for c in agreement_cases(quick=False)}
+    out, groups = [], {}
+    for r in rows:
+        groups.setdefault((r["case"], r["nic_mode"]), []).append(r)
+    means: dict[tuple[str, str, str], tuple[dict, dict]] = {}  # (case name, mode, repeat) -> label -> (sim means, emu means)
+    for (label, mode), group in groups.items():
+        name, base, repeat = _parse_label(label)
+        case = cases.get(name)
+        if case is None or any(r.get("job") in (None, "-") for r in group):
+            out += group
+            continue
+        workload = case.unshifted if base != name else case.workload
+        sim = simulate(case.topo, workload, **sim_options(case))
+        sim_ms = {n: j.mean_iteration_time() * 1e3 for n, j in sim.jobs.items()}
+        emu_ms = {r["job"]: r["emu_iter_ms"] for r in group}
+        errors = {n: 100 * (emu_ms[n] - sim_ms[n]) / sim_ms[n] for n in emu_ms}
+        mape = sum(abs(e) for e in errors.values()) / len(errors)
+        u_sim = mixes.nic_utilisation(case.topo, workload, sim)
+        means.setdefault((name, mode, repeat), {})[base] = (sim_ms, emu_ms)
+        for r in group:
+            nic, _, figures = r["busiest_nic_sim/emu"].rpartition(" ")  # "node0/nic0 out 67%/75%"
+            busiest = f"{nic} {u_sim.get(nic, 0.0):.0%}/{figures.rsplit('/', 1)[-1]}" if nic else r["busiest_nic_sim/emu"]
+            ranking = "same" if mixes.ranking_agrees(sim_ms, emu_ms, interchangeable=mixes.interchangeable(workload)) else "DIFFERENT"
+            out.append({**r, "sim_iter_ms": sim_ms[r["job"]], "error_pct": errors[r["job"]], "case_mape_pct": mape,
+                        "goal": "met" if mape <= MAPE_GOAL else "MISS", "ranking": ranking, "busiest_nic_sim/emu": busiest})
+    # the shifted-vs-unshifted verdict of the CASSINI rows, from the recomputed means
+    for r in out:
+        name, _base, repeat = _parse_label(r["case"])
+        pair = means.get((name, r["nic_mode"], repeat), {})
+        if len(pair) == 2 and name in pair:
+            (s_sh, e_sh), (s_un, e_un) = pair[name], pair[name + " (unshifted)"]
+            faster_sim, faster_emu = sum(s_sh.values()) < sum(s_un.values()), sum(e_sh.values()) < sum(e_un.values())
+            r["ranking"] += f"; shifted faster: sim {'yes' if faster_sim else 'no'}, emu {'yes' if faster_emu else 'no'}"
+    return out
 
 
 def run_torch(quick: bool, cpu_limit: float) -> list[dict]:
@@ -244,38 +304,72 @@ def run_build() -> list[dict]:
     return rows
 
 
+def merge_partial(rows: list[dict], partial: list[dict]) -> list[dict]:
+    """``rows`` with the rows of every case that ``partial`` (a ``--case`` run) measured replaced by its rows, in place of the old ones."""
+    redone = {_parse_label(r["case"])[0] for r in partial}
+    out, placed = [], False
+    for r in rows:
+        if _parse_label(r["case"])[0] in redone:
+            if not placed:
+                out += partial
+                placed = True
+            continue
+        out.append(r)
+    return out if placed else out + partial
+
+
+def agreement_notes(load: str, note_cpu: str) -> str:
+    return ("Emulated times are divided by K/M (time scale / byte scale) into workload seconds. Star cases: 200 Gb/s NICs "
+            "at K=2000 (100 Mbit/s emulated). Default cluster (4 DGX H100, 400 Gb/s rails): K=16000 (25 Mbit/s per NIC), "
+            "M=50, in both NIC modes (aggregate: one veth per server with an HTB subtree per NIC; per-leaf: one veth per "
+            "rail). The simulator models the emulated TCP's convergence (emu.net.tcp_join_options: a flow joining a busy NIC "
+            "runs at weight 0.17 for two drain times of its HTB queue, 0.58 ms of workload time at M=50), the same for every case. "
+            "error_pct = (emu - sim) / sim; case_mape_pct = mean |error| over the case's jobs (goal <= 10 %); "
+            "ranking: does the simulator order the jobs (and shifted vs unshifted) as the emulation does (jobs within 2 % "
+            "in the simulator may go either way, and so may interchangeable jobs: the same job on as many GPUs, started together); "
+            "busiest_nic: the simulator's most utilised NIC direction and its mean utilisation "
+            "over the run in both backends (from their flow records). "
+            "cpu_busy is the whole machine's (other users included) during the run; "
+            f"load_1m the 1-minute load average at its start (at the end of the benchmark: {load}). A run that missed the goal with "
+            f"cpu_busy > {CPU_SATURATED} is repeated at {REPEAT_SCALE}K (a third of the packet rate, three times the duration) and marked "
+            f"[repeat, K x{REPEAT_SCALE}]. " + note_cpu)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--cpu-limit", type=float, default=0.95, help="CPU busy fraction above which a run fails its fidelity check")
     parser.add_argument("--only", choices=("agreement", "torch", "build"))
     parser.add_argument("--case", help="agreement: run only the cases whose name contains this text (results go to emu_agreement_partial)")
+    parser.add_argument("--resim", action="store_true",
+                        help="no emulation: recompute the simulator's side of emu_agreement with the current model (needs no root)")
+    parser.add_argument("--merge-partial", action="store_true", help="with --resim: first replace the rows of the cases in emu_agreement_partial")
     args = parser.parse_args()
+    note_cpu = (f"Runs used cpu_limit={args.cpu_limit}: " + ("the CPU check was relaxed because the 2-core machine was shared with other "
+                "work; cpu_busy shows how saturated it was." if args.cpu_limit > 1 else "a saturated CPU fails the run."))
+    title = "Simulator vs Mininet emulation: mean iteration time per job, single patterns and multi-job mixes"
+    if args.resim:
+        kept = json.loads((RESULTS / "emu_agreement.json").read_text())
+        rows = kept["rows"]
+        if args.merge_partial:
+            rows = merge_partial(rows, json.loads((RESULTS / "emu_agreement_partial.json").read_text())["rows"])
+        md = (RESULTS / "emu_agreement.md").read_text()
+        load = re.search(r"at the end of the benchmark: ([0-9. ]+)\)", md)
+        cpu = re.search(r"(Runs used cpu_limit=.*)$", md.strip())
+        write_results("emu_agreement", resimulate(rows), title=title,
+                      notes=agreement_notes(load.group(1) if load else "not recorded", cpu.group(1) if cpu else note_cpu))
+        return
     if os.geteuid() != 0:
         print("bench_emu needs root (Mininet); nothing measured", file=sys.stderr)
         raise SystemExit(2)
-    note_cpu = (f"Runs used cpu_limit={args.cpu_limit}: " + ("the CPU check was relaxed because the 2-core machine was shared with other "
-                "work; cpu_busy shows how saturated it was." if args.cpu_limit > 1 else "a saturated CPU fails the run."))
     if args.only in (None, "build"):
         write_results("emu_build", run_build(), title="Mininet build + HTB + check of the default cluster (4 DGX H100)",
                       notes="per-leaf = one veth per NIC (8 rails), aggregate = one veth per server; both directions shaped.")
     if args.only in (None, "agreement"):
         rows = run_agreement(args.quick, args.cpu_limit, args.case)
         load = os.getloadavg()
-        write_results("emu_agreement" + ("_partial" if args.case else ""), rows,
-                      title="Simulator vs Mininet emulation: mean iteration time per job, single patterns and multi-job mixes",
-                      notes="Emulated times are divided by K/M (time scale / byte scale) into workload seconds. Star cases: 200 Gb/s NICs "
-                            "at K=2000 (100 Mbit/s emulated). Default cluster (4 DGX H100, 400 Gb/s rails): K=16000 (25 Mbit/s per NIC), "
-                            "M=50, in both NIC modes (aggregate: one veth per server with an HTB subtree per NIC; per-leaf: one veth per "
-                            "rail). error_pct = (emu - sim) / sim; case_mape_pct = mean |error| over the case's jobs (goal <= 10 %); "
-                            "ranking: does the simulator order the jobs (and shifted vs unshifted) as the emulation does (jobs within 2 % "
-                            "in the simulator may go either way); busiest_nic: the simulator's most utilised NIC direction and its mean utilisation "
-                            "over the run in both backends (from their flow records). "
-                            "cpu_busy is the whole machine's (other users included) during the run; "
-                            f"load_1m the 1-minute load average at its start (at the end of the benchmark: {load[0]:.2f} {load[1]:.2f} "
-                            f"{load[2]:.2f}). A run that missed the goal with cpu_busy > {CPU_SATURATED} is repeated at "
-                            f"{REPEAT_SCALE}K (a third of the packet rate, three times the duration) and marked [repeat, K x{REPEAT_SCALE}]. "
-                            + note_cpu)
+        write_results("emu_agreement" + ("_partial" if args.case else ""), rows, title=title,
+                      notes=agreement_notes(f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", note_cpu))
     if args.only in (None, "torch"):
         write_results("emu_torch", run_torch(args.quick, args.cpu_limit), title="torch.distributed (gloo) in Mininet vs the bandwidth bound",
                       notes="bound = 2(n-1)/n * S / B with B the emulated link payload rate; busbw in real-fabric GB/s (x K). " + note_cpu)

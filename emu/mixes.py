@@ -28,7 +28,7 @@ several jobs' traffic onto one rail.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from .results import RunResult
@@ -150,24 +150,47 @@ def nic_utilisation(topo: Any, workload: Workload, result: RunResult, *, default
     return {k: b / (rate[k.split()[0]] * span) for k, b in sorted(carried.items())} if span > 0 else {}
 
 
-def ranking_agrees(reference: Mapping[str, float], other: Mapping[str, float], *, tie: float = 0.02) -> bool:
+def interchangeable(workload: Workload) -> set[frozenset[str]]:
+    """The pairs of jobs that differ only in their name and which GPUs they hold: the same phases on as many GPUs, started together.
+
+    No model can say which of two such jobs ends up faster on a shared link:
+    the one that happens to pull ahead first keeps the larger share, so their
+    order in a real run is set by noise (docs/validation/emu.md, the
+    unshifted CASSINI pair). :func:`ranking_agrees` leaves these pairs out.
+
+    >>> sorted(sorted(p) for p in interchangeable(cassini_pair())), interchangeable(cassini_pair({"b": 0.002}))
+    ([['a', 'b']], set())
+    """
+    def spec(j: Job) -> tuple:
+        return (j.phases, j.iterations, j.arrival, j.start_offset, j.priority, j.rate_cap, j.routing, len(j.gpus))
+
+    jobs = workload.jobs
+    return {frozenset((a.name, b.name)) for i, a in enumerate(jobs) for b in jobs[i + 1:] if spec(a) == spec(b)}
+
+
+def ranking_agrees(reference: Mapping[str, float], other: Mapping[str, float], *, tie: float = 0.02,
+                   interchangeable: Collection[frozenset[str]] = ()) -> bool:
     """Whether ``other`` orders every pair of jobs as ``reference`` does (pairs within ``tie`` of each other in ``reference`` may go either way).
+
+    Pairs in ``interchangeable`` (see :func:`interchangeable`) are not compared.
 
     >>> ranking_agrees({"a": 1.0, "b": 2.0}, {"a": 1.1, "b": 1.9}), ranking_agrees({"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 1.9})
     (True, False)
     >>> ranking_agrees({"a": 1.0, "b": 1.01}, {"a": 1.2, "b": 1.0})   # a tie in the reference
+    True
+    >>> ranking_agrees({"a": 1.0, "b": 2.0}, {"a": 2.0, "b": 1.9}, interchangeable=[frozenset("ab")])
     True
     """
     names: Sequence[str] = sorted(reference)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             ra, rb = reference[a], reference[b]
-            if abs(ra - rb) <= tie * max(ra, rb):
+            if abs(ra - rb) <= tie * max(ra, rb) or frozenset((a, b)) in interchangeable:
                 continue
             if (ra < rb) != (other[a] < other[b]):
                 return False
     return True
 
 
-__all__ = ["RAIL_PAIRS", "cassini_pair", "dp_sizes", "moe_beside_dp", "nic_utilisation", "pipeline_beside_dp", "pipeline_dp_job",
-           "ranking_agrees", "three_classes"]
+__all__ = ["RAIL_PAIRS", "cassini_pair", "dp_sizes", "interchangeable", "moe_beside_dp", "nic_utilisation", "pipeline_beside_dp",
+           "pipeline_dp_job", "ranking_agrees", "three_classes"]

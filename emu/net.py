@@ -218,6 +218,41 @@ def _nearest_nic(topo: Topology, gpu: str, nics: list[str]) -> str | None:
     return min(nics, key=lambda n: (dist.get(n, 1 << 30), topo.graph.nodes[n].get("index", 0), n))
 
 
+#: The emulated TCP's convergence, as the simulator's join ramp (:class:`emu.sim.SimConfig` ``join_ramp_s``, ``join_weight``),
+#: measured from the join events of the unshifted CASSINI pair in Mininet (docs/validation/emu.md, ``bench/bench_emu_phase.py``):
+#: a flow joining an established one on a shaped NIC got 12-18 % of it for its first 0.5 ms of workload time (K = 16000,
+#: M = 50, 400 Gb/s NICs) and reached its half share after about 0.6 ms, that is two drain times of the 200-packet pfifo
+#: under each HTB leaf (0.29 ms of workload time there): slow start from its initial window, one doubling per round trip,
+#: with the established flow's queue in every round trip.
+TCP_JOIN_RAMP_QUEUE_DRAINS = 2.0
+TCP_JOIN_WEIGHT = 0.17
+#: Payload bytes of one queued packet (the MSS of a 1500-byte MTU).
+TCP_MSS = 1448
+
+
+def tcp_join_options(topo: Topology, *, byte_scale: float = 1.0, queue_packets: int = 200) -> dict[str, float]:
+    """Simulator options that model the emulated TCP's convergence: ``{"join_ramp_s": ..., "join_weight": ...}`` for :func:`emu.sim.simulate`.
+
+    A joining flow's ramp lasts :data:`TCP_JOIN_RAMP_QUEUE_DRAINS` drain
+    times of an HTB leaf's queue (``queue_packets`` packets, as
+    :func:`plan_network` shapes them) at the slowest NIC's rate. In workload
+    time that drain time is ``queue_packets * MSS * M / rate``: the time
+    scale K slows the link and the clock alike and cancels, the byte scale M
+    makes every queued byte stand for M. So the ramp is the same at K and
+    3K, and a real fabric (M = 1, deep rates, RDMA) has a negligible one.
+
+    >>> from topology import default_cluster
+    >>> o = tcp_join_options(default_cluster(), byte_scale=50)
+    >>> round(o["join_ramp_s"] * 1e3, 3), o["join_weight"]   # 2 x 200 x 1448 B x 50 / 50 GB/s, in ms
+    (0.579, 0.17)
+    """
+    rates = [float(d["bw"]) for u, _v, _k, d in topo.links(LinkKind.NETWORK) if topo.graph.nodes[u].get("kind") == NodeKind.NIC]
+    if not rates:
+        return {"join_ramp_s": 0.0, "join_weight": TCP_JOIN_WEIGHT}
+    drain_s = queue_packets * TCP_MSS * byte_scale / (min(rates) * 1e9)
+    return {"join_ramp_s": TCP_JOIN_RAMP_QUEUE_DRAINS * drain_s, "join_weight": TCP_JOIN_WEIGHT}
+
+
 def plan_network(topo: Topology, *, time_scale: float, nic_mode: str = "per-leaf", hosts: list[str] | None = None,
                  payload_rates: bool = True, floor_fraction: float = 0.01, queue_packets: int = 200,
                  max_link_mbit: float = MAX_LINK_MBIT, prefix: str | None = None) -> NetworkPlan:

@@ -18,6 +18,11 @@ Model
       ``rate_cap`` (GB/s) caps each of its flows; a split flow's sub-flow gets
       ``w`` of the cap (so the flow never exceeds the cap).
     - Compute phases are delays. Dependencies follow :mod:`emu.workload`.
+    - Optional transport convergence (``SimConfig.join_ramp_s`` > 0, off by
+      default): a step whose flows start while another step's flows are in
+      flight on one of its shared links *joins* them, and for its first
+      ``join_ramp_s`` seconds shares with ``join_weight`` times its weight
+      (see :class:`SimConfig`).
 
 Events are sub-flow completions (per step in flight, the earliest), step and
 phase completions, and job releases; between events all rates are constant,
@@ -40,7 +45,11 @@ Speed (``bench/bench_sim.py``):
   flight again (every step of a ring, every iteration of a job).
 
 Deviation from packet reality (by design of the fluid model): no slow start,
-no queueing delay, no loss; ECMP hashing is modelled by its mean split.
+no queueing delay, no loss; ECMP hashing is modelled by its mean split. With
+``join_ramp_s`` = 0 the shares are exactly fair, so two identical jobs that
+start aligned on a shared link stay aligned forever (their relative phase is
+neutrally stable); ``join_ramp_s`` > 0 models the one transport effect that
+moves them, the late joiner's slow convergence to its share.
 
 >>> from topology import Topology
 >>> from emu.workload import Job, Workload
@@ -87,6 +96,31 @@ class SimConfig:
     for the benchmark baseline). ``memo``: reuse the rates of a component whose
     in-flight sub-flows were seen before (the result is the same; off only to
     measure the solvers).
+
+    ``join_ramp_s`` and ``join_weight``: transport convergence, a deviation
+    from the plain fluid model (off at ``join_ramp_s=0``, the default). A
+    congestion-controlled flow that joins a link already carrying
+    established flows does not get its fair share at once: it starts from an
+    initial window and grows it once per round trip, and the established
+    flows' queue makes those round trips long. The simulator models that as
+    a step: a communication step that starts while a step of another phase
+    (of any job) that uses one of its links is in flight shares with
+    ``join_weight`` times its weight for its first ``join_ramp_s`` seconds,
+    then with its full weight. Steps that start at the same instant are
+    taken in the order the simulator starts them (the workload's job order
+    for jobs released together): the first counts as established. That is a
+    deterministic tie-break, not a claim: real flows never start at the same
+    instant, and which one is late is chance. Without the ramp two
+    identical jobs started together stay in lockstep (the worst alignment)
+    forever; with it the one that started its communication first keeps the
+    larger share and the jobs settle one ring step apart, as TCP moves them
+    in the Mininet emulation (docs/validation/emu.md; there noise later
+    interleaves them fully, which this noise-free model does not).
+    ``join_ramp_s`` is a time of the transport, so
+    for an emulation at time scale K and byte scale M it is the emulated
+    TCP's convergence time divided by K/M; a fabric whose transport
+    converges in microseconds (RDMA, NCCL's long-lived connections) is the
+    plain model.
     """
 
     routing: str = "ecmp"
@@ -98,6 +132,8 @@ class SimConfig:
     util_bins: int = 200
     solver: str = "numpy"
     memo: bool = True
+    join_ramp_s: float = 0.0
+    join_weight: float = 0.2
 
     def validated(self) -> SimConfig:
         if self.routing not in ("shortest", "ecmp", "rail"):
@@ -112,6 +148,10 @@ class SimConfig:
             raise InputError("util_bins: expected a positive integer")
         if self.solver not in ("numpy", "python"):
             raise InputError(f"solver: expected numpy or python, got {self.solver!r}")
+        if not (math.isfinite(self.join_ramp_s) and self.join_ramp_s >= 0):
+            raise InputError(f"join_ramp_s: expected a finite time >= 0 in seconds, got {self.join_ramp_s!r}")
+        if not 0 < self.join_weight <= 1:
+            raise InputError(f"join_weight: expected a weight factor in (0, 1], got {self.join_weight!r}")
         return self
 
 
@@ -246,7 +286,7 @@ def _bits(mask: int) -> list[int]:
     return out
 
 
-_EV_GROUP, _EV_STEP, _EV_PHASE, _EV_RELEASE = 0, 1, 2, 3
+_EV_GROUP, _EV_STEP, _EV_PHASE, _EV_RELEASE, _EV_JOINED = 0, 1, 2, 3, 4
 
 
 class _Group:
@@ -258,8 +298,8 @@ class _Group:
     (as ``rem * inv_rate``) never picks it.
     """
 
-    __slots__ = ("all_alive", "alive", "flow_end", "flows_left", "gid", "inv_rate", "last", "n_alive", "rate", "rem", "run", "start", "tpl",
-                 "version")
+    __slots__ = ("all_alive", "alive", "flow_end", "flows_left", "gid", "inv_rate", "joining", "last", "n_alive", "rate", "rem", "run", "start",
+                 "tpl", "version")
 
     def __init__(self, gid: int, tpl: _StepTemplate, run: _CommRun, now: float):
         self.gid = gid
@@ -276,6 +316,7 @@ class _Group:
         self.flows_left = tpl.subs_per_flow
         self.flow_end = np.where(tpl.subs_per_flow == 0, now, np.nan)
         self.version = 0
+        self.joining = False  # within its join ramp (SimConfig.join_ramp_s): shares with join_weight times its weight
 
 
 @dataclass
@@ -480,6 +521,10 @@ class Simulator:
                 self.next_gid += 1
                 g = _Group(gid, tpl, run, t)
                 self.groups[gid] = g
+                if self.cfg.join_ramp_s > 0 and tpl.adjacent & self.in_flight:
+                    # it joins flows in flight on a shared link (checked before it counts as in flight itself)
+                    g.joining = True
+                    self._push(t + self.cfg.join_ramp_s, _EV_JOINED, g)
                 if tpl.adjacent:
                     same = self.by_template.get(tpl.uid)
                     if same is None:
@@ -633,8 +678,8 @@ class Simulator:
                 g.last = t
         # max-min rates depend only on which sub-flows of which templates are in flight: memoise them
         if len(comp) > 1:
-            comp.sort(key=lambda g: (g.tpl.uid, b"" if g.all_alive else g.alive.tobytes()))
-        key = tuple((g.tpl.uid, b"" if g.all_alive else g.alive.tobytes()) for g in comp)
+            comp.sort(key=lambda g: (g.tpl.uid, g.joining, b"" if g.all_alive else g.alive.tobytes()))
+        key = tuple((g.tpl.uid, g.joining, b"" if g.all_alive else g.alive.tobytes()) for g in comp)
         hit = self.rate_cache.get(key) if self.cfg.memo else None
         if hit is None:
             hit = self._solve(comp)
@@ -661,7 +706,7 @@ class Simulator:
             g = comp[0]
             tpl = g.tpl
             entry_sub, entry_link, own_sub, own_link = tpl.solve_sub, tpl.solve_link, tpl.own_sub, tpl.own_link
-            alive, weight, cap, prio = g.alive, tpl.sub_weight, tpl.solve_cap, tpl.sub_prio
+            alive, weight, cap, prio = g.alive, tpl.sub_weight, tpl.solve_cap, tpl.sub_prio  # alone, its join weight changes nothing
             sizes = [len(g.rem)]
         else:
             sizes = [len(g.rem) for g in comp]
@@ -671,7 +716,8 @@ class Simulator:
             own_sub = np.concatenate([g.tpl.own_sub + off for g, off in zip(comp, offsets, strict=True)])
             own_link = np.concatenate([g.tpl.own_link for g in comp])
             alive = np.concatenate([g.alive for g in comp])
-            weight = np.concatenate([g.tpl.sub_weight for g in comp])
+            join = self.cfg.join_weight
+            weight = np.concatenate([g.tpl.sub_weight * join if g.joining else g.tpl.sub_weight for g in comp])
             cap = np.concatenate([g.tpl.solve_cap for g in comp])
             prio = np.concatenate([g.tpl.sub_prio for g in comp])
         # local link numbers: a sort of the component's entries (not a scan of every link of the network, which made
@@ -729,6 +775,11 @@ class Simulator:
                     self.events += 1
                     j, it, p, start = a
                     self._phase_done(j, it, p, start, t)
+                elif kind == _EV_JOINED:
+                    if a.gid in self.groups:  # its ramp is over: full weight from now on
+                        self.events += 1
+                        a.joining = False
+                        self.dirty.add(a.gid)
                 else:
                     self.events += 1
                     self._release(a, t)
