@@ -247,6 +247,8 @@ def load_config(path: str | os.PathLike[str]) -> ControlConfig:
                                                                      error=ControlError)
         netns = None if a.get("netns") is None else check_name(a["netns"], what="network namespace", source=src, where=f"{where}.netns",
                                                                error=ControlError)
+        if a.get("state") == "":   # "" would make the config's own directory the state file
+            raise ControlError("expected a file name", source=src, where=f"{where}.state")
         state = Path(path).resolve().parent / a.get("state", f"agent-{h}.state.json")
         agents[str(h)] = AgentConfig(a["bind"], dev, rate, netns, state)
     if not isinstance(data["keys"], str) or not data["keys"]:
