@@ -22,8 +22,11 @@
    top-k distinct predictions; ``pipesched.ranking.distinct_candidates``).
    Those run in the same processes, one step of each in turn, order reversed
    every pass, ``--rounds`` blocks of 6 passes; measured = median of the blocks'
-   median steps, spread = (max - min) / median over the blocks. Tau of the
-   predicted against the measured step.
+   median steps, spread = (max - min) / median over the blocks, and per pair
+   the ratio of its block medians (blocks that disagree on the order: within
+   noise). Tau of the predicted against the measured step: the planner's
+   prediction from the profile (a core per rank), and the same plans costed
+   from each rank's actions replayed alone before the timed steps.
 
 Predicted values within 2 % count as one tie class (``emu.ranking``). Needs root
 and Mininet for part 1 (without, the placement rows are the simulator's only).
@@ -107,14 +110,16 @@ def bench_pipeline(quick: bool, rounds: int) -> tuple[list[dict], list[dict], di
         return ", ".join(f"{v * 1e3:.0f}" for v in values)
 
     cands = [{"candidate": c["name"], "spans": c["spans"], "in_flight": c["in_flight"], "predicted_ms": c["predicted_s"] * 1e3,
-              "own_core_ms": c.get("predicted_own_core_s", math.nan) * 1e3, "measured_ms": c["measured_s"] * 1e3, "blocks_ms": ms(c["runs_s"]),
+              "replay_ms": c.get("predicted_replay_s", math.nan) * 1e3, "shared_ms": c.get("predicted_calibrated_share_s", math.nan) * 1e3,
+              "measured_ms": c["measured_s"] * 1e3, "blocks_ms": ms(c["runs_s"]),
               "spread": c["spread"], "error": c["error"], "busy_pred_ms": ms(c["predicted_busy_s"]), "compute_ms": ms(c["compute_s"]),
               "idle_pred_ms": ms(c["predicted_idle_s"]), "idle_ms": ms(c["idle_s"]), "wait_ms": ms(c["wait_s"])} for c in rep["candidates"]]
     rows = [summary_row(f"pipeline, {ranks} gloo ranks, {len(cands)} candidates", "planner (simulated step)",
                         f"median step, interleaved, {rounds} blocks", rep["agreement"])]
-    if "own_core" in rep["agreement"]:
-        rows.append(summary_row(rows[0]["experiment"], "diagnostic: a core per rank (own_core_ms)", rows[0]["measured"],
-                                rep["agreement"]["own_core"]))
+    for key, label in (("replay", "planner's simulator, actions replayed alone before the steps (replay_ms)"),
+                       ("calibrated_share", "diagnostic: the calibrated CPU share (shared_ms)")):
+        if key in rep["agreement"]:
+            rows.append(summary_row(rows[0]["experiment"], label, rows[0]["measured"], rep["agreement"][key]))
     extra = {k: rep[k] for k in ("model", "candidates", "agreement", "noise", "planned")} | {
         "setup": rep["setup"], "wall_s": wall, "foreign_cores_before": foreign, "quiet_wait_s": waited, "ranks": ranks}
     return rows, cands, extra
@@ -137,11 +142,18 @@ def section_notes(name: str, ex: dict) -> str:
         planned = f"\nThe planner's whole candidate list (predicted before any run; `ran`: kept by the 5 % rule):\n\n{markdown_table(table)}\n"
     gaps = sorted(c["predicted_ms"] for c in ex["table"])
     min_gap = min((b / a - 1 for a, b in zip(gaps, gaps[1:], strict=False)), default=math.nan)
+    paired = ""
+    if "paired" in ex["noise"]:
+        pn = ex["noise"]["paired"]
+        paired = (f" Paired within blocks (the candidates of a block share the machine's state): the ratio of a pair's block medians "
+                  f"spreads {pn['median_ratio_spread']:.1%} (median over pairs, largest {max(p['ratio_spread'] for p in pn['pairs']):.1%}); "
+                  f"{len(pn['unresolved'])} pair(s) whose blocks disagree on the order: "
+                  f"{', '.join(f'{a} / {b}' for a, b in pn['unresolved']) or 'none'}.")
     return (f"## Pipeline candidates ({ex['date']}, {ex['wall_s']:.0f} s; other users' load before the runs {ex['foreign_cores_before']:.2f} "
             f"cores, during the runs {ex['noise'].get('foreign_cores', math.nan):.2f})\n\n{markdown_table(ex['table'])}\n"
             f"Median spread over blocks {ex['noise']['median_spread']:.1%}, largest {max(c['spread'] for c in ex['table']):.1%}; smallest gap "
-            f"between predicted steps {min_gap:.1%}; {len(noisy)} pair(s) measured closer than their spread (within the machine's noise): "
-            f"{', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.\n{planned}")
+            f"between predicted steps {min_gap:.1%}; {len(noisy)} pair(s) measured closer than their spread over blocks: "
+            f"{', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.{paired}\n{planned}")
 
 
 def main() -> None:
@@ -196,7 +208,9 @@ Pipeline: predicted = the planner's simulated step from calibrations and a CPU-t
 the runs use; measured = median of each block's median step (`blocks_ms`), all candidates in the same processes, one step of each
 in turn; `spread` = (max - min) / median over blocks; `busy_pred_ms` / `compute_ms`: per rank, simulated busy time and measured
 wall time inside its F/B/I/W calls (median step); `idle_pred_ms` / `idle_ms`: the step less those; `wait_ms`: per rank, time in
-torch's message waits. `own_core_ms` (a diagnostic, not the planner's prediction): the same plans simulated with a core per rank.""")
+torch's message waits. `predicted_ms`: planned and simulated for a core per rank (ranks = cores) from the profile;
+`replay_ms`: the same plans simulated on the CPU time of each rank's actions replayed alone (schedule order, no messages) in the
+run's processes before the timed steps; `shared_ms` (a diagnostic): the plans simulated on the calibrated CPU share and efficiency.""")
     write_results(name, rows, title="Planners' candidate ranking in real runs: Kendall's tau, predicted vs measured order",
                   notes="\n".join(notes), extra=extra)
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from emu.ranking import DEFAULT_TIE_TOLERANCE, pairs_within_noise, rank_agreement, spread
 
-from .calibrate import EXPORTABLE, _ours_arm, _uniform_arm, calibrate_cpu, calibrate_runtime, profile_mlp
+from .calibrate import EXPORTABLE, _ours_arm, _uniform_arm, calibrate_cpu, calibrate_runtime, measured_costs, profile_mlp
 from .devices import Device, LinkModel
 from .plan import Plan, plan, resimulate, uniform_plan, with_runtime
 from .profile import ModelProfile
@@ -116,21 +116,56 @@ def schedule_candidates(widths: list[int], *, dim: int, batch: int, microbatches
                         passes: int = 5, baseline: bool = True, uniform_families: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Calibrate and profile this machine (as :func:`pipesched.calibrate.cpu_validation` does), then :func:`plan_candidates`.
 
-    The second value records the calibrations, the profile and the families that did not apply to this shape.
+    The second value records the calibrations, the profile and the families that did not apply to this shape. With
+    no more ranks than the machine's cores the candidates are planned for a core per rank (``SharedCpu`` with
+    ``cores`` = ranks; the calibrated message and action costs kept); each also gets
+    ``predicted_calibrated_share_s``, its plan simulated on the calibrated CPU share and efficiency (a diagnostic).
     """
     mb = batch // microbatches
     cal = calibrate_cpu(stages, mb * dim * 4, threads=threads)
     rt = calibrate_runtime(stages, dim=dim, batch=batch, microbatches=microbatches, threads=threads, load_width=4 * dim, cores=cal.cpu_share,
                            link=cal.link())
     shared = SharedCpu(cal.cpu_share, rt.message_cpu_s, rt.action_cpu_s, rt.efficiency)
+    # With no more ranks than cores each rank has a core: plan for that. The calibrated share is a snapshot of other
+    # users' load, which moved from 1.58 cores during the calibration to 0.01 during the runs in this benchmark's first
+    # 2-rank attempt, where its efficiency (0.5, the bisection's floor) made the planner put 11 of 12 blocks on one rank.
+    planning = replace(shared, cores=float(stages), efficiency=1.0) if stages <= (os.cpu_count() or 1) else shared
     co_runners = min(stages, os.cpu_count() or 1) - 1
     profile = profile_mlp(widths, dim, mb, threads=threads, repeats=repeats, statistic="median", clock="cpu", warmup=2, co_runners=co_runners,
                           passes=passes)
     devices = [Device(f"cpu-rank{r}") for r in range(stages)]
-    out, skipped = plan_candidates(profile, devices, cal.link(), microbatches=microbatches, cores=shared, handshake_s=rt.handshake_s,
+    out, skipped = plan_candidates(profile, devices, cal.link(), microbatches=microbatches, cores=planning, handshake_s=rt.handshake_s,
                                    baseline=baseline, uniform_families=uniform_families)
-    return out, {"calibration": cal.to_dict(), "runtime_calibration": rt.to_dict(), "shared_cpu": shared.to_dict(),
+    for c in out:
+        c["predicted_calibrated_share_s"] = resimulate(c["plan"], cores=shared).makespan
+    return out, {"calibration": cal.to_dict(), "runtime_calibration": rt.to_dict(), "shared_cpu": planning.to_dict(),
+                 "calibrated_cpu": shared.to_dict(),
                  "profile": profile.to_dict(), "skipped": skipped}
+
+
+DIAGNOSTICS = {"predicted_own_core_s": "own_core", "predicted_calibrated_share_s": "calibrated_share", "predicted_replay_s": "replay"}
+"""Other predictions of a candidate that :func:`summarize_runs` also ranks against the measurement (key -> name in ``agreement``)."""
+
+
+def paired_noise(names: list[str], blocks: list[list[float]]) -> dict[str, Any]:
+    """How well interleaved runs resolve each pair of candidates: per pair the ratio of their medians in every block.
+
+    The candidates of :func:`pipesched.runner.run_interleaved` share each block's machine state, so what decides
+    their order is the ratio within a block, not each one's drift over blocks. A pair is *unresolved* when its
+    blocks disagree on which is faster. ``ratio_spread`` is (max - min) / median of the pair's ratios.
+
+    >>> out = paired_noise(["a", "b", "c"], [[1.0, 1.2, 0.9], [1.1, 1.3, 1.0], [1.05, 1.1, 0.95]])
+    >>> out["unresolved"], round(out["pairs"][0]["ratio_spread"], 3)
+    ([('a', 'c')], 0.025)
+    """
+    pairs, unresolved = [], []
+    for a in range(len(names)):
+        for b in range(a + 1, len(names)):
+            ratios = [x / y for x, y in zip(blocks[b], blocks[a], strict=True)]
+            pairs.append({"pair": (names[a], names[b]), "ratios": ratios, "ratio_spread": spread(ratios)})
+            if min(ratios) < 1.0 < max(ratios):
+                unresolved.append((names[a], names[b]))
+    return {"pairs": pairs, "unresolved": unresolved, "median_ratio_spread": statistics.median(p["ratio_spread"] for p in pairs) if pairs else 0.0}
 
 
 def summarize_runs(cands: list[dict[str, Any]], runs: dict[str, list[dict[str, Any]]], tolerance: float = DEFAULT_TIE_TOLERANCE,
@@ -156,18 +191,20 @@ def summarize_runs(cands: list[dict[str, Any]], runs: dict[str, list[dict[str, A
                      "error": c["predicted_s"] / measured - 1.0, "spans": c.get("spans"),
                      "recompute": c.get("recompute"), "in_flight": c.get("in_flight"),
                      "foreign_cores_max": max(x["foreign_cores"] for x in runs[c["name"]])})
-        if "predicted_own_core_s" in c:
-            rows[-1]["predicted_own_core_s"] = c["predicted_own_core_s"]
+        for key in DIAGNOSTICS:
+            if key in c:
+                rows[-1][key] = c[key]
     agree = rank_agreement([r["predicted_s"] for r in rows], [r["measured_s"] for r in rows], tolerance=tolerance)
-    if all("predicted_own_core_s" in r for r in rows):
-        agree["own_core"] = rank_agreement([r["predicted_own_core_s"] for r in rows], [r["measured_s"] for r in rows], tolerance=tolerance)
+    for key, name in DIAGNOSTICS.items():
+        if all(key in r for r in rows):
+            agree[name] = rank_agreement([r[key] for r in rows], [r["measured_s"] for r in rows], tolerance=tolerance)
     noisy = pairs_within_noise([r["name"] for r in rows], [r["measured_s"] for r in rows], [r["spread"] for r in rows])
     return rows, agree, {"pairs_within_spread": noisy, "median_spread": statistics.median(r["spread"] for r in rows)}
 
 
 def schedule_ranking(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, threads: int = 1, blocks: int = 3,
                      steps: int = 4, warmup: int = 1, tolerance: float = DEFAULT_TIE_TOLERANCE, baseline: bool = True, repeats: int = 15,
-                     passes: int = 5, gap: float = 0.05, k: int = 6, uniform_families: bool = True) -> dict[str, Any]:
+                     passes: int = 5, gap: float = 0.05, k: int = 6, uniform_families: bool = True, replays: int = 3) -> dict[str, Any]:
     """Plan the candidates (:func:`schedule_candidates`), keep the distinct ones (:func:`distinct_candidates`), run them
     interleaved (:func:`pipesched.runner.run_interleaved`) and compare the orders (module docstring).
 
@@ -176,27 +213,35 @@ def schedule_ranking(widths: list[int], *, dim: int, batch: int, microbatches: i
     medians), ``spread`` ((max - min) / median over blocks), ``error`` (predicted / measured - 1), and per rank the
     predicted busy and idle time (``predicted_busy_s``, ``predicted_idle_s``: the simulated makespan less busy) and the
     measured ones (``compute_s``: wall time in its actions, ``compute_cpu_s``, ``idle_s``, ``wait_s``). ``planned``
-    lists every candidate of the planner with its prediction and whether it ran.
+    lists every candidate of the planner with its prediction and whether it ran. With ``replays`` each run candidate is
+    also predicted from its ranks' actions replayed alone before the timed steps (``predicted_replay_s``: the plan
+    simulated on those CPU times, :func:`pipesched.calibrate.measured_costs`; none of the pipelined steps enters it),
+    and ``noise["paired"]`` says which pairs the blocks resolve (:func:`paired_noise`).
     """
     cands, setup = schedule_candidates(widths, dim=dim, batch=batch, microbatches=microbatches, stages=stages, threads=threads, repeats=repeats,
                                        passes=passes, baseline=baseline, uniform_families=uniform_families)
     chosen = distinct_candidates(cands, gap=gap, k=k)
-    res = run_interleaved([c["how"] for c in chosen], microbatches=microbatches, batch=batch, dim=dim,
-                          model_kwargs={"widths": list(widths), "dim": dim}, blocks=blocks, steps=steps, warmup=warmup, threads=threads)
+    res = run_interleaved([c["how"] | {"replay": c["plan"].schedule.actions} for c in chosen], microbatches=microbatches, batch=batch,
+                          dim=dim, model_kwargs={"widths": list(widths), "dim": dim}, blocks=blocks, steps=steps, warmup=warmup,
+                          threads=threads, replays=replays)
+    for c, r in zip(chosen, res["candidates"], strict=True):
+        if r["replay_cpu_s"]:
+            c["predicted_replay_s"] = resimulate(c["plan"], measured_costs(c["plan"], r["replay_cpu_s"])).makespan
     runs = {c["name"]: [{"median_s": m, "foreign_cores": res["foreign_cores"]} for m in r["block_median_s"]]
             for c, r in zip(chosen, res["candidates"], strict=True)}
     rows, agree, noise = summarize_runs(chosen, runs, tolerance)
+    noise["paired"] = paired_noise([c["name"] for c in chosen], [r["block_median_s"] for r in res["candidates"]])
     for row, c, r in zip(rows, chosen, res["candidates"], strict=True):
         sim = c["plan"].sim
         row |= {"predicted_busy_s": list(sim.busy), "predicted_idle_s": [sim.makespan - b for b in sim.busy], "step_s": r["step_s"],
-                **{key: r[key] for key in ("compute_s", "compute_cpu_s", "idle_s", "wait_s", "actions")}}
+                **{key: r[key] for key in ("compute_s", "compute_cpu_s", "idle_s", "wait_s", "actions", "replay_cpu_s")}}
     ran = {c["name"] for c in chosen}
     planned = [{"name": c["name"], "predicted_s": c["predicted_s"], "in_flight": c["in_flight"], "spans": c["spans"], "ran": c["name"] in ran}
                for c in cands]
     return {"model": {"widths": list(widths), "dim": dim, "batch": batch, "microbatches": microbatches, "stages": stages, "threads": threads,
-                      "blocks": blocks, "steps": steps, "warmup": warmup, "gap": gap, "k": k},
+                      "blocks": blocks, "steps": steps, "warmup": warmup, "gap": gap, "k": k, "replays": replays},
             "candidates": rows, "agreement": agree, "noise": noise | {"foreign_cores": res["foreign_cores"], "run_wall_s": res["wall_s"]},
             "setup": setup, "planned": planned}
 
 
-__all__ = ["distinct_candidates", "plan_candidates", "schedule_candidates", "schedule_ranking", "summarize_runs"]
+__all__ = ["distinct_candidates", "paired_noise", "plan_candidates", "schedule_candidates", "schedule_ranking", "summarize_runs"]

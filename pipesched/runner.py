@@ -628,7 +628,7 @@ def _interleaved_worker(rank: int, world: int, port: int, job: dict[str, Any], q
         waited = _time_message_waits(ts)
         loss_fn = torch.nn.functional.mse_loss
         m = job["microbatches"]
-        scheds, firsts, lasts = [], [], []
+        scheds, firsts, lasts, stage_lists = [], [], [], []
         for k, cand in enumerate(job["candidates"]):
             stages = []
             for sid, (i, j) in enumerate(cand["spans"]):
@@ -642,6 +642,7 @@ def _interleaved_worker(rank: int, world: int, port: int, job: dict[str, Any], q
                 sched = ts._PipelineScheduleRuntime(stages, n_microbatches=m, loss_fn=loss_fn)
                 sched._load_csv(job["csv"][k], format="compute_only")
             scheds.append(sched)
+            stage_lists.append(stages)
             firsts.append(any(s.is_first for s in stages))
             lasts.append(any(s.is_last for s in stages))
         gen = torch.Generator().manual_seed(1)
@@ -662,6 +663,12 @@ def _interleaved_worker(rank: int, world: int, port: int, job: dict[str, Any], q
         for k in range(len(scheds)):
             for _ in range(job["warmup"]):
                 step(k)
+        replayed: list[dict[str, list[float]]] = [{} for _ in scheds]
+        for rep in range(job["replays"]):   # each rank's own compute actions alone, every candidate in turn, before any timed step
+            for k in (range(len(scheds)) if rep % 2 == 0 else reversed(range(len(scheds)))):
+                dist.barrier()
+                for key, c in _replay(torch, stage_lists[k], job["candidates"][k]["replay"][str(rank)], x, y, job).items():
+                    replayed[k].setdefault(key, []).append(c)
         dist.barrier()
         busy0, cpu0, w0 = machine_busy_s(), time.process_time(), time.perf_counter()
         steps: list[dict[str, Any]] = []
@@ -674,7 +681,8 @@ def _interleaved_worker(rank: int, world: int, port: int, job: dict[str, Any], q
                                   "actions": acts})
         dist.barrier()
         window = {"busy": machine_busy_s() - busy0, "cpu": time.process_time() - cpu0, "wall": time.perf_counter() - w0}
-        queue.put({"rank": rank, "steps": steps, "window": window})
+        queue.put({"rank": rank, "steps": steps, "window": window,
+                   "replayed": [{key: statistics.median(v) for key, v in r.items()} for r in replayed]})
         dist.barrier()
         dist.destroy_process_group()
     except Exception as exc:   # report, do not hang the parent
@@ -698,7 +706,7 @@ def interleaving_plan(candidates: int, blocks: int, steps: int) -> list[list[lis
 
 def run_interleaved(candidates: list[dict[str, Any]], *, microbatches: int, batch: int, dim: int, model: str = "pipesched.models:mlp_chain",
                     model_kwargs: dict[str, Any] | None = None, blocks: int = 3, steps: int = 4, warmup: int = 1, threads: int = 1,
-                    timeout_s: float = 900) -> dict[str, Any]:
+                    replays: int = 0, timeout_s: float = 900) -> dict[str, Any]:
     """Run several pipeline plans of one model in the same gloo processes, one step of each in turn (CPU only).
 
     Each candidate is ``{"spans", "stage_rank", "csv_text" | "builtin"}`` (the arguments of :func:`run_pipeline`'s
@@ -715,6 +723,13 @@ def run_interleaved(candidates: list[dict[str, Any]], *, microbatches: int, batc
     of each block), ``median_s``, and per rank the median over steps of ``compute_s`` (wall time inside its F, B, I
     and W calls), ``compute_cpu_s`` (their CPU time), ``idle_s`` (step less compute) and ``wait_s`` (in torch's
     message waits), and ``actions`` (the last timed step's actions: rank, stage, kind, mb, start, end, cpu).
+
+    With ``replays`` > 0 every candidate also gives ``"replay"`` (rank -> its actions, e.g. ``Schedule.actions``):
+    after the warm-up and before the first timed step, ``replays`` times, each rank runs each candidate's compute
+    actions of one step alone, in the schedule's order and without messages (:func:`_replay`), all ranks at once;
+    per candidate ``replay_cpu_s`` holds the median CPU time per "stage kind". What an action costs in a step
+    depends on what ran before it (a W runs on intermediate gradients that the F and I of other micro-batches
+    have pushed out of the cache since), which a per-layer profile does not see and a replay does.
     """
     import torch.multiprocessing as mp
 
@@ -727,6 +742,8 @@ def run_interleaved(candidates: list[dict[str, Any]], *, microbatches: int, batc
         if ("csv_text" in c) == ("builtin" in c):
             raise ValueError("give each candidate exactly one of csv_text and builtin")
     world = worlds.pop()
+    if replays and any("replay" not in c for c in candidates):
+        raise ValueError("replays need every candidate's actions per rank ('replay')")
     order = interleaving_plan(len(candidates), blocks, steps)
     with tempfile.TemporaryDirectory(prefix="pipesched-interleaved-") as tmp:
         csvs = []
@@ -736,10 +753,11 @@ def run_interleaved(candidates: list[dict[str, Any]], *, microbatches: int, batc
                 path = str(Path(tmp) / f"schedule{k}.csv")
                 Path(path).write_text(c["csv_text"])
             csvs.append(path)
-        job = {"candidates": [{"spans": [list(s) for s in c["spans"]], "stage_rank": list(c["stage_rank"]), "builtin": c.get("builtin")}
+        job = {"candidates": [{"spans": [list(s) for s in c["spans"]], "stage_rank": list(c["stage_rank"]), "builtin": c.get("builtin"),
+                               "replay": {str(r): [[a.stage, a.kind, a.mb] for a in acts] for r, acts in c.get("replay", {}).items()}}
                               for c in candidates],
                "csv": csvs, "microbatches": microbatches, "batch": batch, "dim": dim, "model": model, "model_kwargs": dict(model_kwargs or {}),
-               "threads": threads, "warmup": warmup, "plan": order}
+               "threads": threads, "warmup": warmup, "plan": order, "replays": replays}
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
         port = _free_port()
@@ -766,6 +784,7 @@ def run_interleaved(candidates: list[dict[str, Any]], *, microbatches: int, batc
                     "compute_cpu_s": [rank_median(r, "compute_cpu_s") for r in range(world)],
                     "idle_s": [statistics.median(step_s[q] - per_rank[r][n]["compute_s"] for q, n in enumerate(idx)) for r in range(world)],
                     "wait_s": [rank_median(r, "wait_s") for r in range(world)],
+                    "replay_cpu_s": {key: v for r in range(world) for key, v in results[r]["replayed"][k].items()},
                     "actions": [[r, *a] for r in range(world) for a in per_rank[r][last]["actions"]]})
     w0 = results[0]["window"]
     foreign = foreign_cores(w0["busy"], sum(results[r]["window"]["cpu"] for r in range(world)), w0["wall"])

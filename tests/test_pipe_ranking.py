@@ -146,9 +146,14 @@ def test_interleaved_runner_runs_every_candidate_in_turn_in_the_same_processes()
     from pipesched.schedules import make_schedule
 
     zb = make_schedule("zbh1", 2, 4)
-    cands = [{"spans": [(0, 2), (2, 4)], "stage_rank": [0, 1], "builtin": "1F1B"},
-             {"spans": [(0, 3), (3, 4)], "stage_rank": [0, 1], "csv_text": schedule_csv(zb)}]
-    res = run_interleaved(cands, microbatches=4, batch=16, dim=8, model_kwargs={"widths": [16, 16, 32, 32], "dim": 8}, blocks=2, steps=2)
+    one = make_schedule("1f1b", 2, 4)
+    cands = [{"spans": [(0, 2), (2, 4)], "stage_rank": [0, 1], "builtin": "1F1B", "replay": one.actions},
+             {"spans": [(0, 3), (3, 4)], "stage_rank": [0, 1], "csv_text": schedule_csv(zb), "replay": zb.actions}]
+    res = run_interleaved(cands, microbatches=4, batch=16, dim=8, model_kwargs={"widths": [16, 16, 32, 32], "dim": 8}, blocks=2, steps=2,
+                          replays=2)
+    # the replays time each rank's own actions, per stage and kind
+    assert sorted(res["candidates"][0]["replay_cpu_s"]) == ["0 B", "0 F", "1 B", "1 F"]
+    assert sorted(res["candidates"][1]["replay_cpu_s"]) == ["0 F", "0 I", "0 W", "1 F", "1 I", "1 W"]
     assert res["world"] == 2 and sum(len(p) for blk in interleaving_plan(2, 2, 2) for p in blk) == 8
     for c in res["candidates"]:
         assert len(c["step_s"]) == 4 and len(c["block_median_s"]) == 2
@@ -158,5 +163,7 @@ def test_interleaved_runner_runs_every_candidate_in_turn_in_the_same_processes()
     acts = res["candidates"][1]["actions"]
     assert sorted((a[0], a[1], a[2], a[3]) for a in acts) == sorted((r, x.stage, x.kind, x.mb) for r in range(2) for x in zb.actions[r])
     assert sorted((a[1], a[2]) for a in res["candidates"][0]["actions"]) == sorted((s, k) for s in range(2) for k in "FB" for _ in range(4))
+    with pytest.raises(ValueError, match="replays need"):
+        run_interleaved([cands[0], {k: v for k, v in cands[1].items() if k != "replay"}], microbatches=4, batch=16, dim=8, replays=1)
     with pytest.raises(ValueError, match="same ranks"):
         run_interleaved([cands[0], {"spans": [(0, 4)], "stage_rank": [0], "builtin": "1F1B"}], microbatches=4, batch=16, dim=8)
