@@ -10,17 +10,29 @@
    iteration time (Mininet, median of ``--repeats``), and of the simulated
    against the measured mean over all jobs.
 2. Pipeline (:func:`pipesched.ranking.schedule_ranking`): a tail-heavy MLP
-   (12 blocks, the last 4 eight times wider) on 4 gloo ranks, the planner's
-   schedule candidates (1F1B, ZB-H1, GPipe, interleaved 1F1B, each partitioned
-   for its family) and the uniform split with torch's Schedule1F1B, predicted
-   before any run and then each run ``--rounds`` times; tau of the predicted
-   against the measured median step.
+   (12 blocks, the last 4 eight times wider) on as many gloo ranks as the
+   machine has cores (2 here: more processes than cores measure the OS
+   scheduler, not the plans), calibrated and profiled on that configuration.
+   The planner's candidate list: every exportable family (1F1B, ZB-H1, GPipe,
+   interleaved 1F1B) on its own partition and on the equal-layer split (ZB-H1,
+   GPipe, 1F1B; interleaving an equal 2-stage split is 1F1B again), and the
+   equal split run by torch's Schedule1F1B. Rule for which run: sorted by
+   predicted step (ties: fewer micro-batches in flight), the first, then each
+   next one predicted at least 5 % slower than the last kept, at most 6 (the
+   top-k distinct predictions; ``pipesched.ranking.distinct_candidates``).
+   Those run in the same processes, one step of each in turn, order reversed
+   every pass, ``--rounds`` blocks of 6 passes; measured = median of the blocks'
+   median steps, spread = (max - min) / median over the blocks, and per pair
+   the ratio of its block medians (blocks that disagree on the order: within
+   noise). Tau of the predicted against the measured step: the planner's
+   prediction from the profile (a core per rank), and the same plans costed
+   from each rank's actions replayed alone before the timed steps.
 
 Predicted values within 2 % count as one tie class (``emu.ranking``). Needs root
 and Mininet for part 1 (without, the placement rows are the simulator's only).
 Run: ``sudo .venv/bin/python bench/bench_emu_ranking.py [--quick] [--only placement|pipeline]``;
 ``--quick`` should take about 5 minutes on a quiet 2-core machine (an estimate from the parts' run counts: on the
-loaded machine, load average 10-20, placement with 3 repeats took 25 minutes and the quick pipeline part 21).
+loaded machine, load average 10-20, placement with 3 repeats took 25 minutes); the pipeline part takes about 3 minutes.
 ``--render`` writes the .md again from the stored .json.
 """
 
@@ -88,22 +100,28 @@ def bench_pipeline(quick: bool, rounds: int) -> tuple[list[dict], list[dict], di
     from pipesched.ranking import schedule_ranking
 
     foreign, waited = wait_for_quiet(0.15, 30.0 if quick else 120.0)   # other users' load before the runs (cores), and how long we waited
+    ranks = max(2, os.cpu_count() or 2)
     t0 = time.perf_counter()
-    rep = schedule_ranking(tail_heavy_widths(12, 384, 3072), dim=384, batch=384, microbatches=8, stages=4, rounds=rounds,
-                           iterations=3 if quick else 5, warmup=1)
+    rep = schedule_ranking(tail_heavy_widths(12, 384, 3072), dim=384, batch=384, microbatches=8, stages=ranks, blocks=rounds,
+                           steps=3 if quick else 6, warmup=1)
     wall = time.perf_counter() - t0
-    cands = [{"candidate": c["name"], "spans": c["spans"], "recompute": c["recompute"], "in_flight": c["in_flight"],
-              "predicted_ms": c["predicted_s"] * 1e3, "own_core_ms": c.get("predicted_own_core_s", math.nan) * 1e3,
-              "measured_ms": c["measured_s"] * 1e3,
-              "runs_ms": ", ".join(f"{x * 1e3:.0f}" for x in c["runs_s"]), "spread": c["spread"], "error": c["error"],
-              "foreign_cores_max": c["foreign_cores_max"]} for c in rep["candidates"]]
-    rows = [summary_row(f"pipeline, 4 gloo ranks, {len(cands)} candidates", "planner (simulated step)",
-                        f"median step, median of {rounds} rounds", rep["agreement"])]
-    if "own_core" in rep["agreement"]:
-        rows.append(summary_row(rows[0]["experiment"], "diagnostic: a core per rank (own_core_ms)", rows[0]["measured"],
-                                rep["agreement"]["own_core"]))
-    extra = {k: rep[k] for k in ("model", "candidates", "agreement", "noise")} | {"setup": rep["setup"], "wall_s": wall,
-                                                                               "foreign_cores_before": foreign, "quiet_wait_s": waited}
+
+    def ms(values: list[float]) -> str:
+        return ", ".join(f"{v * 1e3:.0f}" for v in values)
+
+    cands = [{"candidate": c["name"], "spans": c["spans"], "in_flight": c["in_flight"], "predicted_ms": c["predicted_s"] * 1e3,
+              "replay_ms": c.get("predicted_replay_s", math.nan) * 1e3, "shared_ms": c.get("predicted_calibrated_share_s", math.nan) * 1e3,
+              "measured_ms": c["measured_s"] * 1e3, "blocks_ms": ms(c["runs_s"]),
+              "spread": c["spread"], "error": c["error"], "busy_pred_ms": ms(c["predicted_busy_s"]), "compute_ms": ms(c["compute_s"]),
+              "idle_pred_ms": ms(c["predicted_idle_s"]), "idle_ms": ms(c["idle_s"]), "wait_ms": ms(c["wait_s"])} for c in rep["candidates"]]
+    rows = [summary_row(f"pipeline, {ranks} gloo ranks, {len(cands)} candidates", "planner (simulated step)",
+                        f"median step, interleaved, {rounds} blocks", rep["agreement"])]
+    for key, label in (("replay", "planner's simulator, actions replayed alone before the steps (replay_ms)"),
+                       ("calibrated_share", "diagnostic: the calibrated CPU share (shared_ms)")):
+        if key in rep["agreement"]:
+            rows.append(summary_row(rows[0]["experiment"], label, rows[0]["measured"], rep["agreement"][key]))
+    extra = {k: rep[k] for k in ("model", "candidates", "agreement", "noise", "planned")} | {
+        "setup": rep["setup"], "wall_s": wall, "foreign_cores_before": foreign, "quiet_wait_s": waited, "ranks": ranks}
     return rows, cands, extra
 
 
@@ -117,9 +135,25 @@ def section_notes(name: str, ex: dict) -> str:
         return (f"{head}{len(noisy)} pair(s) of candidates (by rank) measured closer than their spread over runs (`emu_spread`, within "
                 f"the machine's noise): {', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.\n")
     noisy = ex["noise"]["pairs_within_spread"]
+    planned = ""
+    if "planned" in ex:
+        table = [{"candidate": c["name"], "predicted_ms": c["predicted_s"] * 1e3, "in_flight": c["in_flight"], "spans": c["spans"],
+                  "ran": c["ran"]} for c in ex["planned"]]
+        planned = f"\nThe planner's whole candidate list (predicted before any run; `ran`: kept by the 5 % rule):\n\n{markdown_table(table)}\n"
+    gaps = sorted(c["predicted_ms"] for c in ex["table"])
+    min_gap = min((b / a - 1 for a, b in zip(gaps, gaps[1:], strict=False)), default=math.nan)
+    paired = ""
+    if "paired" in ex["noise"]:
+        pn = ex["noise"]["paired"]
+        paired = (f" Paired within blocks (the candidates of a block share the machine's state): the ratio of a pair's block medians "
+                  f"spreads {pn['median_ratio_spread']:.1%} (median over pairs, largest {max(p['ratio_spread'] for p in pn['pairs']):.1%}); "
+                  f"{len(pn['unresolved'])} pair(s) whose blocks disagree on the order: "
+                  f"{', '.join(f'{a} / {b}' for a, b in pn['unresolved']) or 'none'}.")
     return (f"## Pipeline candidates ({ex['date']}, {ex['wall_s']:.0f} s; other users' load before the runs {ex['foreign_cores_before']:.2f} "
-            f"cores)\n\n{markdown_table(ex['table'])}\nMedian spread over rounds {ex['noise']['median_spread']:.1%}; {len(noisy)} pair(s) "
-            f"measured closer than their spread (within the machine's noise): {', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.\n")
+            f"cores, during the runs {ex['noise'].get('foreign_cores', math.nan):.2f})\n\n{markdown_table(ex['table'])}\n"
+            f"Median spread over blocks {ex['noise']['median_spread']:.1%}, largest {max(c['spread'] for c in ex['table']):.1%}; smallest gap "
+            f"between predicted steps {min_gap:.1%}; {len(noisy)} pair(s) measured closer than their spread over blocks: "
+            f"{', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.{paired}\n{planned}")
 
 
 def main() -> None:
@@ -127,7 +161,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one Mininet run per candidate, two pipeline rounds of 3 steps")
     parser.add_argument("--only", choices=("placement", "pipeline"), help="run one part; the other part's rows are kept from the last results")
     parser.add_argument("--repeats", type=int, default=3, help="Mininet runs per placement candidate (median); default 3, 1 with --quick")
-    parser.add_argument("--rounds", type=int, default=3, help="runs per pipeline candidate (median); default 3, 2 with --quick")
+    parser.add_argument("--rounds", type=int, default=4, help="pipeline blocks of interleaved steps (median of blocks); default 4, 2 with --quick")
     parser.add_argument("--render", action="store_true", help="measure nothing: write the .md again from the stored .json")
     args = parser.parse_args()
     repeats = 1 if args.quick else args.repeats
@@ -170,11 +204,13 @@ each candidate's mix (running jobs plus the new job with its shift) runs in Mini
 back to back over the candidates) and in the simulator; iteration times are workload milliseconds, warm-up iterations left out,
 only while all jobs run. `cpu_busy_max`: the whole machine's busy fraction (other work included; the CPU check is off).
 Wall times include waiting for other users' emulations (one Mininet network at a time on the machine).
-Pipeline: predicted = the planner's simulated step from calibrations and a CPU-time profile taken before any run;
-measured = median over rounds of each run's median step (`runs_ms`), the candidates' order reversed in odd rounds;
-`spread` = (max - min) / median over rounds; `foreign_cores_max`: cores other users' processes kept busy during a run.
-`own_core_ms` (a diagnostic, not the planner's prediction): the same plans simulated with a core per rank, i.e. with
-other users taking each rank's share from it alone instead of from a pool our ranks share.""")
+Pipeline: predicted = the planner's simulated step from calibrations and a CPU-time profile taken before any run, on the ranks
+the runs use; measured = median of each block's median step (`blocks_ms`), all candidates in the same processes, one step of each
+in turn; `spread` = (max - min) / median over blocks; `busy_pred_ms` / `compute_ms`: per rank, simulated busy time and measured
+wall time inside its F/B/I/W calls (median step); `idle_pred_ms` / `idle_ms`: the step less those; `wait_ms`: per rank, time in
+torch's message waits. `predicted_ms`: planned and simulated for a core per rank (ranks = cores) from the profile;
+`replay_ms`: the same plans simulated on the CPU time of each rank's actions replayed alone (schedule order, no messages) in the
+run's processes before the timed steps; `shared_ms` (a diagnostic): the plans simulated on the calibrated CPU share and efficiency.""")
     write_results(name, rows, title="Planners' candidate ranking in real runs: Kendall's tau, predicted vs measured order",
                   notes="\n".join(notes), extra=extra)
 

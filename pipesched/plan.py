@@ -133,6 +133,8 @@ def stage_costs(profile: ModelProfile, part: Partition, schedule: Schedule, devi
     A stage runs at the speed of its rank's device (for a replicated PipeDream stage the rank is a pseudo
     device standing for the replica group, with the group's summed speed). Chimera's ``REDUCE_GRAD`` costs a
     two-rank all-reduce of the stage's gradients (one gradient's bytes over the link plus two latencies).
+    With a split backward (I and W), the stage holding layer 0 costs as torch's runtime runs it: W the fused
+    backward, I only the recomputation, if any (its input needs no gradient, so torch does the whole backward in W).
     """
     split = schedule.split_backward
     lays = profile.layers
@@ -147,6 +149,11 @@ def stage_costs(profile: ModelProfile, part: Partition, schedule: Schedule, devi
         rec = sum(lay.recompute_s[o] for lay in span) / speed
         bi = sum(lay.bwd_input_s for lay in span) / speed + rec
         bw = sum(lay.bwd_weight_s for lay in span) / speed
+        if split and i == 0:
+            # torch's runtime computes no input gradient on the stage that holds layer 0: its I is empty and its W
+            # runs the whole fused backward (PipelineStage.backward_weight_one_chunk on stage 0). The recomputation
+            # stays on I, where the simulator's memory model holds its transient activations (same total, same peak).
+            bi, bw = rec, sum(lay.bwd_s for lay in span) / speed
         b = bi + bw if split else sum(lay.bwd_s for lay in span) / speed + rec
         saved = float(sum(lay.saved_bytes[o] for lay in span))
         params = float(sum(lay.param_bytes for lay in span))

@@ -609,3 +609,183 @@ def measured_timeline(run: RunResult, ranks: int):
     busy = [sum(s.end - s.start for s in spans if s.rank == r) for r in range(ranks)]
     makespan = max((s.end for s in spans), default=0.0)
     return SimResult(makespan, sorted(spans, key=lambda s: (s.rank, s.start)), [], busy, [0.0] * ranks, [[] for _ in range(ranks)], {}, ranks)
+
+
+def _interleaved_worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> None:
+    """One rank of :func:`run_interleaved`: every candidate's stages and schedule in this process, steps taken in turn."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    torch.set_num_threads(job["threads"])
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        layers = _factory(job["model"])(**job["model_kwargs"])   # one set of weights, wrapped by every candidate's stages
+        params = [p for layer in layers for p in layer.parameters()]
+        records: list[list[Any]] = []
+        waited = _time_message_waits(ts)
+        loss_fn = torch.nn.functional.mse_loss
+        m = job["microbatches"]
+        scheds, firsts, lasts, stage_lists = [], [], [], []
+        for k, cand in enumerate(job["candidates"]):
+            stages = []
+            for sid, (i, j) in enumerate(cand["spans"]):
+                if cand["stage_rank"][sid] == rank:
+                    stage = PipelineStage(torch.nn.Sequential(*layers[i:j]), sid, len(cand["spans"]), torch.device("cpu"))
+                    _instrument(stage, sid, records)
+                    stages.append(stage)
+            if cand["builtin"]:
+                sched = ts.get_schedule_class(cand["builtin"])(stages[0], n_microbatches=m, loss_fn=loss_fn)
+            else:
+                sched = ts._PipelineScheduleRuntime(stages, n_microbatches=m, loss_fn=loss_fn)
+                sched._load_csv(job["csv"][k], format="compute_only")
+            scheds.append(sched)
+            stage_lists.append(stages)
+            firsts.append(any(s.is_first for s in stages))
+            lasts.append(any(s.is_last for s in stages))
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(job["batch"], job["dim"], generator=gen)
+        y = torch.randn(job["batch"], job["dim"], generator=gen)
+
+        def step(k: int) -> tuple[float, float, list[list[Any]]]:
+            dist.barrier()
+            records.clear()
+            waited[0] = 0.0
+            t0 = time.perf_counter()
+            scheds[k].step(*((x,) if firsts[k] else ()), target=y if lasts[k] else None, losses=[] if lasts[k] else None)
+            t1 = time.perf_counter()
+            for p in params:
+                p.grad = None
+            return t1 - t0, waited[0], [[s, kind, mb, a - t0, b - t0, c] for s, kind, mb, a, b, c, _ in records]
+
+        for k in range(len(scheds)):
+            for _ in range(job["warmup"]):
+                step(k)
+        replayed: list[dict[str, list[float]]] = [{} for _ in scheds]
+        for rep in range(job["replays"]):   # each rank's own compute actions alone, every candidate in turn, before any timed step
+            for k in (range(len(scheds)) if rep % 2 == 0 else reversed(range(len(scheds)))):
+                dist.barrier()
+                for key, c in _replay(torch, stage_lists[k], job["candidates"][k]["replay"][str(rank)], x, y, job).items():
+                    replayed[k].setdefault(key, []).append(c)
+        dist.barrier()
+        busy0, cpu0, w0 = machine_busy_s(), time.process_time(), time.perf_counter()
+        steps: list[dict[str, Any]] = []
+        for block, passes in enumerate(job["plan"]):
+            for order in passes:
+                for k in order:
+                    dur, wait, acts = step(k)
+                    steps.append({"candidate": k, "block": block, "duration_s": dur, "wait_s": wait,
+                                  "compute_s": sum(b - a for _, _, _, a, b, _ in acts), "compute_cpu_s": sum(c for *_, c in acts),
+                                  "actions": acts})
+        dist.barrier()
+        window = {"busy": machine_busy_s() - busy0, "cpu": time.process_time() - cpu0, "wall": time.perf_counter() - w0}
+        queue.put({"rank": rank, "steps": steps, "window": window,
+                   "replayed": [{key: statistics.median(v) for key, v in r.items()} for r in replayed]})
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception as exc:   # report, do not hang the parent
+        import traceback
+
+        queue.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"})
+
+
+def interleaving_plan(candidates: int, blocks: int, steps: int) -> list[list[list[int]]]:
+    """The order of :func:`run_interleaved`'s timed steps: ``blocks`` blocks of ``steps`` passes over the candidates,
+    each pass the reverse of the one before (so no candidate always follows the same one, or always goes first).
+
+    >>> interleaving_plan(3, 2, 2)
+    [[[0, 1, 2], [2, 1, 0]], [[0, 1, 2], [2, 1, 0]]]
+    """
+    if candidates < 1 or blocks < 1 or steps < 1:
+        raise ValueError(f"need at least one candidate, block and step, got {candidates}, {blocks}, {steps}")
+    forward = list(range(candidates))
+    return [[forward if s % 2 == 0 else forward[::-1] for s in range(steps)] for _ in range(blocks)]
+
+
+def run_interleaved(candidates: list[dict[str, Any]], *, microbatches: int, batch: int, dim: int, model: str = "pipesched.models:mlp_chain",
+                    model_kwargs: dict[str, Any] | None = None, blocks: int = 3, steps: int = 4, warmup: int = 1, threads: int = 1,
+                    replays: int = 0, timeout_s: float = 900) -> dict[str, Any]:
+    """Run several pipeline plans of one model in the same gloo processes, one step of each in turn (CPU only).
+
+    Each candidate is ``{"spans", "stage_rank", "csv_text" | "builtin"}`` (the arguments of :func:`run_pipeline`'s
+    plan); all must use the same ranks. Every process builds the model once and, for each candidate, the
+    ``PipelineStage`` of each of its stages over those layers and the candidate's schedule (our CSV through torch's
+    ``_PipelineScheduleRuntime``, or a built-in). After ``warmup`` untimed steps of each, the timed steps follow
+    :func:`interleaving_plan`: one step of each candidate in turn, the order reversed every pass, ``steps`` passes
+    per block. Taken in turn within a second or two, the candidates' steps see the same state of a shared machine,
+    which drifts by tens of percent over minutes: a sequence of separate runs (:func:`run_pipeline` per candidate)
+    measures that drift as much as the plans.
+
+    Returns ``{"candidates": [...], "foreign_cores": ..., "wall_s": ...}``; per candidate ``step_s`` (each timed
+    step: the slowest rank's ``step`` time; all ranks start it after a barrier), ``block_median_s`` (the median step
+    of each block), ``median_s``, and per rank the median over steps of ``compute_s`` (wall time inside its F, B, I
+    and W calls), ``compute_cpu_s`` (their CPU time), ``idle_s`` (step less compute) and ``wait_s`` (in torch's
+    message waits), and ``actions`` (the last timed step's actions: rank, stage, kind, mb, start, end, cpu).
+
+    With ``replays`` > 0 every candidate also gives ``"replay"`` (rank -> its actions, e.g. ``Schedule.actions``):
+    after the warm-up and before the first timed step, ``replays`` times, each rank runs each candidate's compute
+    actions of one step alone, in the schedule's order and without messages (:func:`_replay`), all ranks at once;
+    per candidate ``replay_cpu_s`` holds the median CPU time per "stage kind". What an action costs in a step
+    depends on what ran before it (a W runs on intermediate gradients that the F and I of other micro-batches
+    have pushed out of the cache since), which a per-layer profile does not see and a replay does.
+    """
+    import torch.multiprocessing as mp
+
+    if not candidates:
+        raise ValueError("no candidate to run")
+    worlds = {max(c["stage_rank"]) + 1 for c in candidates}
+    if len(worlds) != 1:
+        raise ValueError(f"every candidate must use the same ranks, got {sorted(worlds)}")
+    for c in candidates:
+        if ("csv_text" in c) == ("builtin" in c):
+            raise ValueError("give each candidate exactly one of csv_text and builtin")
+    world = worlds.pop()
+    if replays and any("replay" not in c for c in candidates):
+        raise ValueError("replays need every candidate's actions per rank ('replay')")
+    order = interleaving_plan(len(candidates), blocks, steps)
+    with tempfile.TemporaryDirectory(prefix="pipesched-interleaved-") as tmp:
+        csvs = []
+        for k, c in enumerate(candidates):
+            path = None
+            if "csv_text" in c:
+                path = str(Path(tmp) / f"schedule{k}.csv")
+                Path(path).write_text(c["csv_text"])
+            csvs.append(path)
+        job = {"candidates": [{"spans": [list(s) for s in c["spans"]], "stage_rank": list(c["stage_rank"]), "builtin": c.get("builtin"),
+                               "replay": {str(r): [[a.stage, a.kind, a.mb] for a in acts] for r, acts in c.get("replay", {}).items()}}
+                              for c in candidates],
+               "csv": csvs, "microbatches": microbatches, "batch": batch, "dim": dim, "model": model, "model_kwargs": dict(model_kwargs or {}),
+               "threads": threads, "warmup": warmup, "plan": order, "replays": replays}
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        port = _free_port()
+        t0 = time.perf_counter()
+        procs = [ctx.Process(target=_interleaved_worker, args=(r, world, port, job, queue), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        results = gather_results(procs, queue, world, timeout_s, what="interleaved pipeline run")
+        wall = time.perf_counter() - t0
+    per_rank = [results[r]["steps"] for r in range(world)]
+    out = []
+    for k in range(len(candidates)):
+        idx = [n for n, s in enumerate(per_rank[0]) if s["candidate"] == k]
+        step_s = [max(per_rank[r][n]["duration_s"] for r in range(world)) for n in idx]
+        blocks_of = [per_rank[0][n]["block"] for n in idx]
+        block_medians = [statistics.median(s for s, b in zip(step_s, blocks_of, strict=True) if b == blk) for blk in range(blocks)]
+
+        def rank_median(r: int, key: str, idx=idx) -> float:
+            return statistics.median(per_rank[r][n][key] for n in idx)
+
+        last = idx[-1]
+        out.append({"step_s": step_s, "block_median_s": block_medians, "median_s": statistics.median(step_s),
+                    "compute_s": [rank_median(r, "compute_s") for r in range(world)],
+                    "compute_cpu_s": [rank_median(r, "compute_cpu_s") for r in range(world)],
+                    "idle_s": [statistics.median(step_s[q] - per_rank[r][n]["compute_s"] for q, n in enumerate(idx)) for r in range(world)],
+                    "wait_s": [rank_median(r, "wait_s") for r in range(world)],
+                    "replay_cpu_s": {key: v for r in range(world) for key, v in results[r]["replayed"][k].items()},
+                    "actions": [[r, *a] for r in range(world) for a in per_rank[r][last]["actions"]]})
+    w0 = results[0]["window"]
+    foreign = foreign_cores(w0["busy"], sum(results[r]["window"]["cpu"] for r in range(world)), w0["wall"])
+    return {"candidates": out, "foreign_cores": foreign, "wall_s": wall, "world": world, "blocks": blocks, "steps": steps}
