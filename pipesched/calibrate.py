@@ -64,7 +64,7 @@ from .devices import Device, LinkModel
 from .export import schedule_csv, spans_for_schedule
 from .models import mlp_chain
 from .plan import Plan, choose_robust, plan, plan_partition, resimulate, uniform_plan, with_runtime
-from .profile import ModelProfile, measure_profile, median_profile, profile_from_dict
+from .profile import ModelProfile, measure_profile, median_profile, profile_from_dict, retain_freed_memory
 from .runner import RunResult, foreign_cores, gather_results, machine_busy_s, run_pipeline
 from .runtimes import rendezvous_for
 from .schedules import Schedule, make_schedule
@@ -162,6 +162,7 @@ def _co_runner(job: dict[str, Any], ready, stop) -> None:
     import torch
 
     torch.set_num_threads(job["threads"])
+    retain_freed_memory()   # the co-runner stands for a rank, which runs so
     model = torch.nn.Sequential(*mlp_chain(job["widths"], job["dim"]))
     x = torch.randn(job["microbatch"], job["dim"])
     for _ in range(2):
@@ -253,6 +254,7 @@ def _calibration_worker(rank: int, world: int, port: int, job: dict[str, Any], q
     import torch.distributed as dist
 
     torch.set_num_threads(job["threads"])
+    retain_freed_memory()   # as the ranks it stands for
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         window = job["window_s"]

@@ -212,6 +212,10 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
     from torch.distributed.pipelining import schedules as ts
 
     torch.set_num_threads(job["threads"])
+    if not cuda:
+        from .profile import retain_freed_memory
+
+        retain_freed_memory()   # as the profile does: torch's split backward allocates a fresh weight gradient per W
     try:
         dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
         sync = stream_sync = None
@@ -619,7 +623,10 @@ def _interleaved_worker(rank: int, world: int, port: int, job: dict[str, Any], q
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as ts
 
+    from .profile import retain_freed_memory
+
     torch.set_num_threads(job["threads"])
+    retained = retain_freed_memory()   # as the profile does: torch's split backward allocates a fresh weight gradient per W
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         layers = _factory(job["model"])(**job["model_kwargs"])   # one set of weights, wrapped by every candidate's stages
@@ -681,7 +688,7 @@ def _interleaved_worker(rank: int, world: int, port: int, job: dict[str, Any], q
                                   "actions": acts})
         dist.barrier()
         window = {"busy": machine_busy_s() - busy0, "cpu": time.process_time() - cpu0, "wall": time.perf_counter() - w0}
-        queue.put({"rank": rank, "steps": steps, "window": window,
+        queue.put({"rank": rank, "steps": steps, "window": window, "threads": torch.get_num_threads(), "retain_freed_memory": retained,
                    "replayed": [{key: statistics.median(v) for key, v in r.items()} for r in replayed]})
         dist.barrier()
         dist.destroy_process_group()
@@ -718,7 +725,9 @@ def run_interleaved(candidates: list[dict[str, Any]], *, microbatches: int, batc
     which drifts by tens of percent over minutes: a sequence of separate runs (:func:`run_pipeline` per candidate)
     measures that drift as much as the plans.
 
-    Returns ``{"candidates": [...], "foreign_cores": ..., "wall_s": ...}``; per candidate ``step_s`` (each timed
+    Every rank keeps freed buffers for reuse (:func:`pipesched.profile.retain_freed_memory`, as the profile does) and
+    reports the intra-op thread count it ran with. Returns ``{"candidates": [...], "foreign_cores": ..., "wall_s": ...,
+    "threads": [per rank], "retain_freed_memory": [per rank]}``; per candidate ``step_s`` (each timed
     step: the slowest rank's ``step`` time; all ranks start it after a barrier), ``block_median_s`` (the median step
     of each block), ``median_s``, and per rank the median over steps of ``compute_s`` (wall time inside its F, B, I
     and W calls), ``compute_cpu_s`` (their CPU time), ``idle_s`` (step less compute) and ``wait_s`` (in torch's
@@ -788,4 +797,6 @@ def run_interleaved(candidates: list[dict[str, Any]], *, microbatches: int, batc
                     "actions": [[r, *a] for r in range(world) for a in per_rank[r][last]["actions"]]})
     w0 = results[0]["window"]
     foreign = foreign_cores(w0["busy"], sum(results[r]["window"]["cpu"] for r in range(world)), w0["wall"])
-    return {"candidates": out, "foreign_cores": foreign, "wall_s": wall, "world": world, "blocks": blocks, "steps": steps}
+    return {"candidates": out, "foreign_cores": foreign, "wall_s": wall, "world": world, "blocks": blocks, "steps": steps,
+            "threads": [results[r]["threads"] for r in range(world)],
+            "retain_freed_memory": [results[r]["retain_freed_memory"] for r in range(world)]}
