@@ -15,11 +15,15 @@
    scheduler, not the plans), calibrated and profiled on that configuration.
    The planner's candidate list: every exportable family (1F1B, ZB-H1, GPipe,
    interleaved 1F1B) on its own partition and on the equal-layer split (ZB-H1,
-   GPipe, 1F1B; interleaving an equal 2-stage split is 1F1B again), and the
-   equal split run by torch's Schedule1F1B. Rule for which run: sorted by
-   predicted step (ties: fewer micro-batches in flight), the first, then each
-   next one predicted at least 5 % slower than the last kept, at most 6 (the
-   top-k distinct predictions; ``pipesched.ranking.distinct_candidates``).
+   GPipe, 1F1B; interleaving an equal 2-stage split is 1F1B again), and the equal
+   split run by torch's Schedule1F1B. Rule for which run, fixed before any run
+   (``pipesched.ranking.choose_candidates``): sorted by predicted step (ties:
+   fewer micro-batches in flight), the first, then each next one predicted at
+   least G = 10 % slower than the last kept (G: the model's error on single
+   plans, ``bench/results/pipesched_cpu_validation.md``), at most 6; while that
+   keeps fewer than 4, the pool grows by the planner's runner-up plans (the
+   other partitions its search tries per family: second-best of each family,
+   then third-best, ...).
    Those run in the same processes, one step of each in turn, order reversed
    every pass, ``--rounds`` blocks of 6 passes; measured = median of the blocks'
    median steps, spread = (max - min) / median over the blocks, and per pair
@@ -100,11 +104,13 @@ def bench_pipeline(quick: bool, rounds: int) -> tuple[list[dict], list[dict], di
     from pipesched.ranking import schedule_ranking
 
     foreign, waited = wait_for_quiet(0.15, 30.0 if quick else 120.0)   # other users' load before the runs (cores), and how long we waited
+    load_before = os.getloadavg()
     ranks = max(2, os.cpu_count() or 2)
     t0 = time.perf_counter()
     rep = schedule_ranking(tail_heavy_widths(12, 384, 3072), dim=384, batch=384, microbatches=8, stages=ranks, blocks=rounds,
                            steps=3 if quick else 6, warmup=1)
     wall = time.perf_counter() - t0
+    load_after = os.getloadavg()
 
     def ms(values: list[float]) -> str:
         return ", ".join(f"{v * 1e3:.0f}" for v in values)
@@ -121,7 +127,8 @@ def bench_pipeline(quick: bool, rounds: int) -> tuple[list[dict], list[dict], di
         if key in rep["agreement"]:
             rows.append(summary_row(rows[0]["experiment"], label, rows[0]["measured"], rep["agreement"][key]))
     extra = {k: rep[k] for k in ("model", "candidates", "agreement", "noise", "planned")} | {
-        "setup": rep["setup"], "wall_s": wall, "foreign_cores_before": foreign, "quiet_wait_s": waited, "ranks": ranks}
+        "setup": rep["setup"], "wall_s": wall, "foreign_cores_before": foreign, "quiet_wait_s": waited, "ranks": ranks,
+        "loadavg_before": list(load_before), "loadavg_after": list(load_after)}
     return rows, cands, extra
 
 
@@ -139,7 +146,9 @@ def section_notes(name: str, ex: dict) -> str:
     if "planned" in ex:
         table = [{"candidate": c["name"], "predicted_ms": c["predicted_s"] * 1e3, "in_flight": c["in_flight"], "spans": c["spans"],
                   "ran": c["ran"]} for c in ex["planned"]]
-        planned = f"\nThe planner's whole candidate list (predicted before any run; `ran`: kept by the 5 % rule):\n\n{markdown_table(table)}\n"
+        rule = f"G = {ex['model'].get('gap', 0.05):.0%}, runner-ups per family: {ex['model'].get('runner_up_depth', 0)}"
+        planned = (f"\nThe pool of candidates (predicted before any run; `ran`: kept by the rule, {rule}):\n\n"
+                   f"{markdown_table(table)}\n")
     gaps = sorted(c["predicted_ms"] for c in ex["table"])
     min_gap = min((b / a - 1 for a, b in zip(gaps, gaps[1:], strict=False)), default=math.nan)
     paired = ""
@@ -149,8 +158,14 @@ def section_notes(name: str, ex: dict) -> str:
                   f"spreads {pn['median_ratio_spread']:.1%} (median over pairs, largest {max(p['ratio_spread'] for p in pn['pairs']):.1%}); "
                   f"{len(pn['unresolved'])} pair(s) whose blocks disagree on the order: "
                   f"{', '.join(f'{a} / {b}' for a, b in pn['unresolved']) or 'none'}.")
+    load = ""
+    if "loadavg_before" in ex:
+        model = ex["model"]
+        load = (f"; 1-minute load average {ex['loadavg_before'][0]:.2f} before, {ex['loadavg_after'][0]:.2f} after; torch intra-op threads: "
+                f"profile {model['threads_profile']}, ranks {model['threads_ranks']}; freed memory retained in the ranks: "
+                f"{model['retain_freed_memory']}")
     return (f"## Pipeline candidates ({ex['date']}, {ex['wall_s']:.0f} s; other users' load before the runs {ex['foreign_cores_before']:.2f} "
-            f"cores, during the runs {ex['noise'].get('foreign_cores', math.nan):.2f})\n\n{markdown_table(ex['table'])}\n"
+            f"cores, during the runs {ex['noise'].get('foreign_cores', math.nan):.2f}{load})\n\n{markdown_table(ex['table'])}\n"
             f"Median spread over blocks {ex['noise']['median_spread']:.1%}, largest {max(c['spread'] for c in ex['table']):.1%}; smallest gap "
             f"between predicted steps {min_gap:.1%}; {len(noisy)} pair(s) measured closer than their spread over blocks: "
             f"{', '.join(f'{a} / {b}' for a, b in noisy) or 'none'}.{paired}\n{planned}")

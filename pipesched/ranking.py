@@ -10,11 +10,15 @@ sharing efficiency and late-receive cost, then the per-layer profile with co-run
 torch's ``_PipelineScheduleRuntime`` runs it, the ``Schedule1F1B`` one as that executor does
 (:mod:`pipesched.runtimes`). Nothing measured in the runs enters a prediction.
 
-Which candidates run (:func:`distinct_candidates`): the planner's list sorted by predicted time (ties by fewer
-micro-batches in flight); the first is kept, then each next one predicted at least ``gap`` (default 5 %) slower
-than the last kept, up to ``k`` of them: the top-k *distinct* predictions. Candidates predicted closer than that
-are not ranked by the planner in any useful sense (its CPU predictions err by a few percent), and measuring them
-would rank the machine's noise.
+Which candidates run (:func:`choose_candidates`, a rule applied before any run): the planner's list sorted by
+predicted time (ties by fewer micro-batches in flight); the first is kept, then each next one predicted at least
+``gap`` (default 10 %) slower than the last kept, up to ``k`` of them: the top-k *distinct* predictions
+(:func:`distinct_candidates`). 10 % is the model's error on single plans on this CPU
+(``bench/results/pipesched_cpu_validation.md``: 5 or 6 of 6 runs within 10 %): candidates predicted closer are not
+ranked by the planner in any useful sense, and measuring them would rank the machine's noise. When that keeps fewer
+than ``least`` (4), the pool grows by the planner's own runner-up plans (:func:`runner_ups`: the other partitions
+its search tries for each family, :func:`search_partitions`), the second-best of every family first, then the
+third-best, and so on, until the rule keeps ``least`` or the search has no more.
 
 The runs (:func:`pipesched.runner.run_interleaved`): all chosen candidates in the same gloo processes, as many
 ranks as the machine has cores, one step of each in turn, the order reversed every pass, in ``blocks`` blocks of
@@ -28,6 +32,8 @@ comparison is :func:`emu.ranking.rank_agreement` (Kendall's tau-b, predicted tim
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import statistics
 from dataclasses import replace
@@ -37,7 +43,8 @@ from emu.ranking import DEFAULT_TIE_TOLERANCE, pairs_within_noise, rank_agreemen
 
 from .calibrate import EXPORTABLE, _ours_arm, _uniform_arm, calibrate_cpu, calibrate_runtime, measured_costs, profile_mlp
 from .devices import Device, LinkModel
-from .plan import Plan, plan, resimulate, uniform_plan, with_runtime
+from .partition import evaluate_partition
+from .plan import Plan, plan, plan_partition, resimulate, uniform_plan, with_runtime
 from .profile import ModelProfile
 from .runner import run_interleaved
 from .schedules import LOOPED
@@ -46,7 +53,7 @@ from .simulate import SharedCpu
 
 def plan_candidates(profile: ModelProfile, devices: list[Device], link: LinkModel, *, microbatches: int, cores: SharedCpu,
                     handshake_s: float | None = None, baseline: bool = True,
-                    uniform_families: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+                    uniform_families: bool = False, runners: bool = False) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
     """Every exportable family planned on ``profile`` (and the uniform baseline), best predicted first; and the families skipped.
 
     Each family is planned with :func:`pipesched.plan.plan` and simulated as torch's ``_PipelineScheduleRuntime``
@@ -58,17 +65,22 @@ def plan_candidates(profile: ModelProfile, devices: list[Device], link: LinkMode
     ``predicted_s`` (the simulated iteration), ``spans``, ``recompute`` and ``in_flight``, and, a diagnostic,
     ``predicted_own_core_s``: the same plan simulated with a core per rank (``cores`` = ranks, efficiency 1), the
     model of a machine whose other users' processes take each rank's share away from it alone rather than from a
-    pool our ranks share (then an idle rank's share goes to the other users, not to our busy ranks).
+    pool our ranks share (then an idle rank's share goes to the other users, not to our busy ranks). With ``runners``
+    each family planned on its own partition also lists its runner-up plans (:func:`runner_ups`) in ``runner_ups``,
+    as candidates named ``"<family> #2"``, ``"#3"``, ... best predicted first (for :func:`choose_candidates`).
     """
     out: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
 
     own_core = replace(cores, cores=float(len(devices)), efficiency=1.0)
 
+    def candidate(name: str, p: Plan, how: dict[str, Any]) -> dict[str, Any]:
+        return {"name": name, "plan": p, "how": how, "predicted_s": p.sim.makespan, "spans": [list(s.layers) for s in p.partition.stages],
+                "recompute": [s.recompute for s in p.partition.stages], "in_flight": p.in_flight,
+                "predicted_own_core_s": resimulate(p, cores=own_core).makespan}
+
     def add(name: str, p: Plan, how: dict[str, Any]) -> None:
-        out.append({"name": name, "plan": p, "how": how, "predicted_s": p.sim.makespan, "spans": [list(s.layers) for s in p.partition.stages],
-                    "recompute": [s.recompute for s in p.partition.stages], "in_flight": p.in_flight,
-                    "predicted_own_core_s": resimulate(p, cores=own_core).makespan})
+        out.append(candidate(name, p, how))
 
     for fam in EXPORTABLE:
         try:
@@ -77,6 +89,9 @@ def plan_candidates(profile: ModelProfile, devices: list[Device], link: LinkMode
             skipped.append({"schedule": fam, "error": str(exc)})
             continue
         add(fam, p, _ours_arm(p)[2])
+        if runners:
+            out[-1]["runner_ups"] = [candidate(f"{fam} #{k + 2}", q, _ours_arm(q)[2])
+                                     for k, q in enumerate(runner_ups(profile, p, devices, link, cores=cores, handshake_s=handshake_s))]
         if uniform_families and fam not in LOOPED:   # an equal split interleaves only with one stage per rank: 1F1B again
             try:
                 u = uniform_plan(profile, devices, link, microbatches=microbatches, family=fam, cores=cores, runtime="torch-runtime",
@@ -91,6 +106,52 @@ def plan_candidates(profile: ModelProfile, devices: list[Device], link: LinkMode
         add("uniform + torch 1F1B", uni, _uniform_arm(uni)[2])
     out.sort(key=lambda c: (c["predicted_s"], c["in_flight"]))
     return out, skipped
+
+
+def search_partitions(layers: int, spans: list[list[int]], budget: int = 40) -> list[list[tuple[int, int]]]:
+    """The partitions :func:`pipesched.plan.refine` searches around ``spans`` (same stage count), ``spans`` itself left out.
+
+    Every partition when there are at most ``budget`` of them (refine's exhaustive case); otherwise each one
+    boundary moved by one layer (refine's hill-climb moves).
+
+    >>> search_partitions(4, [[0, 2], [2, 4]])
+    [[(0, 1), (1, 4)], [(0, 3), (3, 4)]]
+    >>> search_partitions(6, [[0, 2], [2, 4], [4, 6]], budget=5)
+    [[(0, 1), (1, 4), (4, 6)], [(0, 3), (3, 4), (4, 6)], [(0, 2), (2, 3), (3, 6)], [(0, 2), (2, 5), (5, 6)]]
+    """
+    own = [tuple(x) for x in spans]
+    if math.comb(layers - 1, len(spans) - 1) <= budget:
+        out = []
+        for cuts in itertools.combinations(range(1, layers), len(spans) - 1):
+            bounds = (0, *cuts, layers)
+            out.append([(bounds[k], bounds[k + 1]) for k in range(len(spans))])
+        return [x for x in out if x != own]
+    out = []
+    for k in range(1, len(spans)):
+        for delta in (-1, 1):
+            cut = spans[k][0] + delta
+            if spans[k - 1][0] < cut < spans[k][1]:
+                trial = list(own)
+                trial[k - 1], trial[k] = (trial[k - 1][0], cut), (cut, trial[k][1])
+                out.append(trial)
+    return out
+
+
+def runner_ups(profile: ModelProfile, best: Plan, devices: list[Device], link: LinkModel, *, cores: SharedCpu,
+               handshake_s: float | None = None) -> list[Plan]:
+    """The planner's runner-up plans of ``best``'s family: every partition of its search (:func:`search_partitions`)
+    planned and simulated as ``best`` was (same schedule, CPU model and runtime), those that fit, best predicted first."""
+    out = []
+    m = best.schedule.microbatches
+    for spans in search_partitions(len(profile.layers), [list(st.layers) for st in best.partition.stages]):
+        part = evaluate_partition(profile, spans, devices, link, microbatches=m, family=best.family, chunks=best.chunks)
+        if any(math.isinf(st.time_s) for st in part.stages):
+            continue
+        q = plan_partition(profile, part, devices, link, family=best.family, microbatches=m, chunks=best.chunks, cores=cores,
+                           runtime="torch-runtime", handshake_s=handshake_s, schedule=best.schedule)
+        if q.memory_ok:
+            out.append(q)
+    return sorted(out, key=lambda q: (q.sim.makespan, q.in_flight))
 
 
 def distinct_candidates(cands: list[dict[str, Any]], *, gap: float = 0.05, k: int = 6) -> list[dict[str, Any]]:
@@ -112,8 +173,30 @@ def distinct_candidates(cands: list[dict[str, Any]], *, gap: float = 0.05, k: in
     return kept
 
 
+def choose_candidates(cands: list[dict[str, Any]], *, gap: float = 0.10, k: int = 6, least: int = 4) -> tuple[list[dict[str, Any]], int]:
+    """Which candidates run, by a rule fixed before any run: :func:`distinct_candidates` of the planner's list; while
+    that keeps fewer than ``least``, the pool grows by the next runner-up plan of every family (``runner_ups`` of
+    :func:`plan_candidates`: its second-best partitions, then its third-best, ...). Returns the chosen candidates
+    and how many runner-ups per family the pool took (0: the planner's own list sufficed).
+
+    >>> top = [{"name": "a", "predicted_s": 1.0, "runner_ups": [{"name": "a #2", "predicted_s": 1.04}, {"name": "a #3", "predicted_s": 1.3}]},
+    ...        {"name": "b", "predicted_s": 1.15, "runner_ups": [{"name": "b #2", "predicted_s": 1.5}]}]
+    >>> chosen, depth = choose_candidates(top, least=4)
+    >>> [c["name"] for c in chosen], depth
+    (['a', 'b', 'a #3', 'b #2'], 2)
+    """
+    chosen = distinct_candidates(cands, gap=gap, k=k)
+    depth, deepest = 0, max((len(c.get("runner_ups", ())) for c in cands), default=0)
+    while len(chosen) < least and depth < deepest:
+        depth += 1
+        pool = cands + [r for c in cands for r in c.get("runner_ups", ())[:depth]]
+        chosen = distinct_candidates(pool, gap=gap, k=k)
+    return chosen, depth
+
+
 def schedule_candidates(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, threads: int = 1, repeats: int = 15,
-                        passes: int = 5, baseline: bool = True, uniform_families: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                        passes: int = 5, baseline: bool = True, uniform_families: bool = False,
+                        runners: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Calibrate and profile this machine (as :func:`pipesched.calibrate.cpu_validation` does), then :func:`plan_candidates`.
 
     The second value records the calibrations, the profile and the families that did not apply to this shape. With
@@ -135,8 +218,8 @@ def schedule_candidates(widths: list[int], *, dim: int, batch: int, microbatches
                           passes=passes)
     devices = [Device(f"cpu-rank{r}") for r in range(stages)]
     out, skipped = plan_candidates(profile, devices, cal.link(), microbatches=microbatches, cores=planning, handshake_s=rt.handshake_s,
-                                   baseline=baseline, uniform_families=uniform_families)
-    for c in out:
+                                   baseline=baseline, uniform_families=uniform_families, runners=runners)
+    for c in out + [r for top in out for r in top.get("runner_ups", ())]:
         c["predicted_calibrated_share_s"] = resimulate(c["plan"], cores=shared).makespan
     return out, {"calibration": cal.to_dict(), "runtime_calibration": rt.to_dict(), "shared_cpu": planning.to_dict(),
                  "calibrated_cpu": shared.to_dict(),
@@ -204,8 +287,9 @@ def summarize_runs(cands: list[dict[str, Any]], runs: dict[str, list[dict[str, A
 
 def schedule_ranking(widths: list[int], *, dim: int, batch: int, microbatches: int, stages: int, threads: int = 1, blocks: int = 3,
                      steps: int = 4, warmup: int = 1, tolerance: float = DEFAULT_TIE_TOLERANCE, baseline: bool = True, repeats: int = 15,
-                     passes: int = 5, gap: float = 0.05, k: int = 6, uniform_families: bool = True, replays: int = 3) -> dict[str, Any]:
-    """Plan the candidates (:func:`schedule_candidates`), keep the distinct ones (:func:`distinct_candidates`), run them
+                     passes: int = 5, gap: float = 0.10, k: int = 6, uniform_families: bool = True, replays: int = 3,
+                     least: int = 4) -> dict[str, Any]:
+    """Plan the candidates (:func:`schedule_candidates`), choose the distinct ones (:func:`choose_candidates`), run them
     interleaved (:func:`pipesched.runner.run_interleaved`) and compare the orders (module docstring).
 
     Returns ``{"model", "candidates": [...], "agreement": rank_agreement(...), "noise": {...}, "setup": {...}, "planned": [...]}``;
@@ -219,8 +303,8 @@ def schedule_ranking(widths: list[int], *, dim: int, batch: int, microbatches: i
     and ``noise["paired"]`` says which pairs the blocks resolve (:func:`paired_noise`).
     """
     cands, setup = schedule_candidates(widths, dim=dim, batch=batch, microbatches=microbatches, stages=stages, threads=threads, repeats=repeats,
-                                       passes=passes, baseline=baseline, uniform_families=uniform_families)
-    chosen = distinct_candidates(cands, gap=gap, k=k)
+                                       passes=passes, baseline=baseline, uniform_families=uniform_families, runners=True)
+    chosen, depth = choose_candidates(cands, gap=gap, k=k, least=least)
     res = run_interleaved([c["how"] | {"replay": c["plan"].schedule.actions} for c in chosen], microbatches=microbatches, batch=batch,
                           dim=dim, model_kwargs={"widths": list(widths), "dim": dim}, blocks=blocks, steps=steps, warmup=warmup,
                           threads=threads, replays=replays)
@@ -236,12 +320,16 @@ def schedule_ranking(widths: list[int], *, dim: int, batch: int, microbatches: i
         row |= {"predicted_busy_s": list(sim.busy), "predicted_idle_s": [sim.makespan - b for b in sim.busy], "step_s": r["step_s"],
                 **{key: r[key] for key in ("compute_s", "compute_cpu_s", "idle_s", "wait_s", "actions", "replay_cpu_s")}}
     ran = {c["name"] for c in chosen}
+    pool = sorted(cands + [r for c in cands for r in c.get("runner_ups", ())[:depth]], key=lambda c: (c["predicted_s"], c["in_flight"]))
     planned = [{"name": c["name"], "predicted_s": c["predicted_s"], "in_flight": c["in_flight"], "spans": c["spans"], "ran": c["name"] in ran}
-               for c in cands]
+               for c in pool]
     return {"model": {"widths": list(widths), "dim": dim, "batch": batch, "microbatches": microbatches, "stages": stages, "threads": threads,
-                      "blocks": blocks, "steps": steps, "warmup": warmup, "gap": gap, "k": k, "replays": replays},
+                      "blocks": blocks, "steps": steps, "warmup": warmup, "gap": gap, "k": k, "least": least, "runner_up_depth": depth,
+                      "replays": replays, "threads_ranks": res["threads"], "threads_profile": setup["profile"]["reference"]["threads"],
+                      "retain_freed_memory": res["retain_freed_memory"]},
             "candidates": rows, "agreement": agree, "noise": noise | {"foreign_cores": res["foreign_cores"], "run_wall_s": res["wall_s"]},
             "setup": setup, "planned": planned}
 
 
-__all__ = ["distinct_candidates", "paired_noise", "plan_candidates", "schedule_candidates", "schedule_ranking", "summarize_runs"]
+__all__ = ["choose_candidates", "distinct_candidates", "paired_noise", "plan_candidates", "runner_ups", "schedule_candidates", "schedule_ranking",
+           "search_partitions", "summarize_runs"]

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pipesched.devices import Device, LinkModel
 from pipesched.profile import LayerProfile, ModelProfile
-from pipesched.ranking import distinct_candidates, plan_candidates, summarize_runs
+from pipesched.ranking import choose_candidates, distinct_candidates, plan_candidates, summarize_runs
 from pipesched.simulate import SharedCpu
 
 
@@ -218,3 +218,43 @@ def test_split_backward_weight_gradients_page_fault_unless_freed_memory_is_retai
     # (about 7000 faults per step of 4 micro-batches), retained hardly ever (0 in most steps, a few hundred at most)
     _, default = run("default")
     assert default > 4000 and retained * 10 < default
+
+
+def test_runner_ups_are_the_planners_own_search_and_never_beat_its_plan():
+    """On 2 ranks the planner tries every cut of the chain (refine's exhaustive case): its plan is the best of them, the
+    runner-ups are the other 10 cuts, each planned exactly as the planner's plan is (the plan's own cut reproduces it)."""
+    from pipesched.partition import evaluate_partition
+    from pipesched.plan import plan, plan_partition, with_runtime
+    from pipesched.ranking import runner_ups
+
+    prof = tail_heavy_profile()
+    devices = [Device(f"r{i}") for i in range(2)]
+    link = LinkModel.uniform(2, 1e9, 5e-5)
+    cores = SharedCpu(2.0, 2e-4, 1e-4)
+    for fam in ("1f1b", "zbh1", "gpipe"):
+        best = with_runtime(plan(prof, devices, link, microbatches=8, schedule=fam, cores=cores), "torch-runtime", 1e-3)
+        ups = runner_ups(prof, best, devices, link, cores=cores, handshake_s=1e-3)
+        own = [tuple(st.layers) for st in best.partition.stages]
+        assert len(ups) == 10 and own not in [[tuple(st.layers) for st in q.partition.stages] for q in ups]
+        assert [q.sim.makespan for q in ups] == sorted(q.sim.makespan for q in ups)
+        assert ups[0].sim.makespan >= best.sim.makespan * (1 - 1e-9)
+        again = plan_partition(prof, evaluate_partition(prof, own, devices, link, microbatches=8, family=fam), devices, link, family=fam,
+                               microbatches=8, cores=cores, runtime="torch-runtime", handshake_s=1e-3, schedule=best.schedule)
+        assert again.sim.makespan == pytest.approx(best.sim.makespan, rel=1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(1.0, 3.0), min_size=1, max_size=5), st.lists(st.lists(st.floats(1.0, 3.0), max_size=4), min_size=1, max_size=5),
+       st.integers(1, 6))
+def test_choose_candidates_grows_the_pool_only_as_far_as_needed(tops, ups, least):
+    cands = [{"name": f"f{i}", "predicted_s": t, "runner_ups": [{"name": f"f{i} #{k + 2}", "predicted_s": u} for k, u in enumerate(sorted(r))]}
+             for i, (t, r) in enumerate(zip(tops, ups, strict=False))]
+    chosen, depth = choose_candidates(cands, gap=0.1, k=6, least=least)
+    times = [c["predicted_s"] for c in chosen]
+    assert all(b >= a * 1.1 for a, b in zip(times, times[1:], strict=False))
+    pool = cands + [r for c in cands for r in c["runner_ups"][:depth]]
+    assert chosen == distinct_candidates(pool, gap=0.1, k=6)
+    if depth:   # grown because one level less kept too few
+        less = cands + [r for c in cands for r in c["runner_ups"][:depth - 1]]
+        assert len(distinct_candidates(less, gap=0.1, k=6)) < least
+    assert len(chosen) >= least or depth == max(len(c["runner_ups"]) for c in cands)
