@@ -699,6 +699,21 @@ class PeriodicFluidModel:
       lose their outer partners (they contend less than they would), and a
       change's effect on farther jobs (which decays with distance) is ignored
       until a change near them.
+    - ``max_ball`` (jobs; with ``radius`` only): the most jobs one simulation
+      on the radius path holds. A simulation's cost grows faster than its size
+      (every event re-solves the max-min rates of a component that grows with
+      the set, and the set's events grow with it too), and where jobs are
+      scattered over many hosts and leaves (first-fit under load) one job's
+      radius-1 ball holds hundreds. A set above the limit is split: the
+      changed jobs it was for (its centres) in chunks of at most
+      ``max_ball // 2`` (in the order they joined), each simulated with the
+      ``max_ball - chunk`` jobs of its ball nearest to it: fewest hops, then
+      the largest coupling weight (the sum, over the binding links they share
+      with the chunk, of their demand over the link's capacity), then the
+      order they joined. Only the chunk's answers are refreshed. The error:
+      a centre loses its weakest partners (it contends less than it would);
+      ``bench/results/scale_error.md`` measures it against the model without
+      the limit.
 
     >>> m = PeriodicFluidModel({"l": 10.0})
     >>> a, b = PeriodicJob("a", 0.05, 0.05, {"l": 10.0}), PeriodicJob("b", 0.05, 0.05, {"l": 10.0})
@@ -709,12 +724,15 @@ class PeriodicFluidModel:
     """
 
     def __init__(self, capacity: Mapping[Link, float], *, iterations: int = 4, phase_quantum: float = 0.0, radius: int | None = None,
-                 cache_limit: int = 200_000):
+                 max_ball: int | None = None, cache_limit: int = 200_000):
         if iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {iterations}")
         if radius is not None and radius < 1:
             raise ValueError(f"radius must be >= 1 or None, got {radius}")
+        if max_ball is not None and (radius is None or max_ball < 2):
+            raise ValueError(f"max_ball must be None, or >= 2 with a radius; got max_ball={max_ball}, radius={radius}")
         self.radius = radius
+        self.max_ball = max_ball
         self.capacity = capacity
         self.iterations = iterations
         self.phase_quantum = phase_quantum
@@ -722,6 +740,7 @@ class PeriodicFluidModel:
         self.by_signature: dict[tuple, list[float]] = {}
         self.by_identity: dict[tuple, tuple[tuple[PeriodicJob, ...], list[float]]] = {}
         self.calls = self.hits = self.simulations = self.events = 0
+        self.capped = 0  # sets cut to max_ball jobs (chunks of centres with their nearest)
         # the job set of the previous call, by id (the dicts hold the objects, so ids stay unique)
         self._jobs: dict[int, PeriodicJob] = {}
         self._links: dict[int, list[tuple[Link, float]]] = {}
@@ -801,7 +820,8 @@ class PeriodicFluidModel:
                 continue
             # one hop beyond the ball tells whether the group ends inside it, without walking a large group
             reach = self._distances([s], self.radius + 1)
-            if max(reach.values()) <= self.radius:  # the whole group lies within the ball: exact
+            limit = self.max_ball
+            if max(reach.values()) <= self.radius and (limit is None or len(reach) <= limit):  # the whole group lies within the ball: exact
                 comp = self._ordered(reach)
                 done.update(comp)
                 refreshed.update(comp)
@@ -811,6 +831,20 @@ class PeriodicFluidModel:
             centres = [k for k in live if k in reach and k not in done]
             done.update(centres)
             dist = self._distances(centres, self.radius)
+            if limit is not None and len(dist) > limit:  # too many to simulate together: each chunk of centres with its nearest
+                centres = self._ordered(centres)
+                step = max(1, limit // 2)
+                for c in range(0, len(centres), step):
+                    chunk = centres[c : c + step]
+                    ball = self._nearest(chunk, limit)
+                    self.capped += 1
+                    inside = set(chunk)
+                    answer = self._answer(ball, watch=[p for p, k in enumerate(ball) if k in inside])
+                    for k, a in zip(ball, answer, strict=True):
+                        if k in inside:
+                            self._times[k] = a
+                            refreshed.add(k)
+                continue
             ball = self._ordered(dist)
             interior = [p for p, k in enumerate(ball) if dist[k] < self.radius]
             for k, a in zip(ball, self._answer(ball, watch=interior), strict=True):
@@ -848,6 +882,18 @@ class PeriodicFluidModel:
                             nxt.append(k)
             frontier = nxt
         return dist
+
+    def _nearest(self, chunk: list[int], limit: int) -> list[int]:
+        """``chunk`` and the ``limit - len(chunk)`` jobs within ``radius`` hops nearest to it (see ``max_ball``), in joining order."""
+        dist = self._distances(chunk, self.radius)
+        weight: dict[int, float] = {}
+        for i in chunk:
+            for link in self._bind_links[i]:
+                cap = self.capacity[link]
+                for k, d in self._users[link].items():
+                    weight[k] = weight.get(k, 0.0) + d / cap
+        others = sorted((k for k in dist if dist[k] > 0), key=lambda k: (dist[k], -weight.get(k, 0.0), self._serial[k]))
+        return self._ordered([*chunk, *others[: limit - len(chunk)]])
 
     def _group(self, seed: int) -> list[int]:
         """The jobs linked to ``seed`` through binding links (in the current set)."""
