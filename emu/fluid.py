@@ -913,10 +913,16 @@ class PeriodicFluidModel:
 
     def _coupling(self, comp: list[int]) -> _Coupling:
         """The coupling of the jobs ``comp`` on their own (a ball may hold only some users of a link), from the kept state."""
-        pos = {k: p for p, k in enumerate(comp)}
         links = set().union(*(self._bind_links[k] for k in comp))
-        return _Coupling.of([self._own[k] for k in comp],
-                            ((self.capacity[link], [(pos[k], d) for k, d in self._users[link].items() if k in pos]) for link in links))
+        # each link's users among comp, from the jobs' side: a link of a scattered job may have many users outside a small ball.
+        # comp is in joining order, which is the order of every link's users (the order _Coupling.of sums their demands in)
+        users: dict[Link, list[tuple[int, float]]] = {link: [] for link in links}
+        for p, k in enumerate(comp):
+            binding = self._bind_links[k]
+            for link, d in self._links[k]:
+                if link in binding:
+                    users[link].append((p, d))
+        return _Coupling.of([self._own[k] for k in comp], ((self.capacity[link], users[link]) for link in links))
 
     def _answer(self, comp: list[int], watch: list[int] | None = None) -> list[float]:
         if len(comp) == 1:
