@@ -856,8 +856,10 @@ class PeriodicFluidModel:
     def _update_binding(self, link: Link, joined: int | None = None) -> None:
         """Re-evaluate whether ``link`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
         us = self._users[link]
-        now = _can_saturate(list(us.values()), self.capacity[link])
         before = self._binding.get(link, False)
+        # a sum of non-negative demands in joining order only grows when one joins (it is added last) and only shrinks when
+        # one leaves: a link that could saturate still can after a join, one that could not still cannot after a leave
+        now = before if (joined is not None) == before else _can_saturate(list(us.values()), self.capacity[link])
         self._binding[link] = now
         if now and not before:
             for k in us:
