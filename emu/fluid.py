@@ -694,8 +694,8 @@ class PeriodicFluidModel:
       is simulated and only the answers of the jobs strictly inside it (fewer
       than ``radius`` hops away) are refreshed; the others keep their previous
       answers. The ball's simulation ends once its interior jobs have done
-      ``iterations``. The search stops one hop beyond the ball, so a large
-      group is never walked whole. Two errors: the jobs on the ball's edge
+      ``iterations``. The search stops at the ball (and the changed jobs' own
+      neighbours), so a large group is never walked whole. Two errors: the jobs on the ball's edge
       lose their outer partners (they contend less than they would), and a
       change's effect on farther jobs (which decays with distance) is ignored
       until a change near them.
@@ -704,7 +704,8 @@ class PeriodicFluidModel:
       (every event re-solves the max-min rates of a component that grows with
       the set, and the set's events grow with it too), and where jobs are
       scattered over many hosts and leaves (first-fit under load) one job's
-      radius-1 ball holds hundreds. A set above the limit is split: the
+      radius-1 ball holds hundreds. A group is simulated whole only when it
+      lies within the ball and fits the limit. A set above the limit is split: the
       changed jobs it was for (its centres) in chunks of at most
       ``max_ball // 2`` (in the order they joined), each simulated with the
       ``max_ball - chunk`` jobs of its ball nearest to it: fewest hops, then
@@ -818,17 +819,19 @@ class PeriodicFluidModel:
                 refreshed.update(comp)
                 self._times.update(zip(comp, self._answer(comp), strict=True))
                 continue
-            # one hop beyond the ball tells whether the group ends inside it, without walking a large group
-            reach = self._distances([s], self.radius + 1)
             limit = self.max_ball
-            if max(reach.values()) <= self.radius and (limit is None or len(reach) <= limit):  # the whole group lies within the ball: exact
-                comp = self._ordered(reach)
+            # the ball around s, and whether a job in it has a partner outside (the walk stops at the first): whether the
+            # group ends inside it, without walking a large group
+            near = self._distances([s], self.radius)
+            if (limit is None or len(near) <= limit) and not self._beyond(near):  # the whole group lies within the ball: exact
+                comp = self._ordered(near)
                 done.update(comp)
                 refreshed.update(comp)
                 self._times.update(zip(comp, self._answer(comp), strict=True))
                 continue
-            # the group reaches beyond: simulate the ball around the changed jobs near s, refresh its interior
-            centres = [k for k in live if k in reach and k not in done]
+            # the group reaches beyond: simulate the ball around the changed jobs near s (within radius + 1 hops: in the
+            # ball, or next to it), refresh its interior
+            centres = [k for k in live if k not in done and (k in near or any(q in near for q in self._distances([k], 1)))]
             done.update(centres)
             dist = self._distances(centres, self.radius)
             if limit is not None and len(dist) > limit:  # too many to simulate together: each chunk of centres with its nearest
@@ -884,6 +887,15 @@ class PeriodicFluidModel:
                             nxt.append(k)
             frontier = nxt
         return dist
+
+    def _beyond(self, ball: Mapping[int, int]) -> bool:
+        """Whether a job of ``ball`` has a binding-link partner outside it."""
+        for i in ball:
+            for link in self._bind_links[i]:
+                for k in self._users[link]:
+                    if k not in ball:
+                        return True
+        return False
 
     def _nearest(self, chunk: list[int], limit: int) -> list[int]:
         """``chunk`` and the ``limit - len(chunk)`` jobs within ``radius`` hops nearest to it (see ``max_ball``), in joining order."""
