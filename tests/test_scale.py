@@ -220,3 +220,13 @@ def test_bench_cli_case_and_table(tmp_path):
     assert [r["jobs"] for r in rows] == [15, 30]
     assert rows[1]["cpu_growth"] == pytest.approx(1.0)  # twice the CPU time for twice the jobs
     assert "| replay | 64 | 30 | fifo |" in (tmp_path / "scale.md").read_text()
+
+
+def test_bench_case_timeout_records_an_unfinished_row(tmp_path):
+    """``--case-timeout``: a case past its limit is stopped and kept as a row that says so (no figures, not under the goal)."""
+    script = ROOT / "bench" / "bench_scale.py"
+    out = subprocess.run([sys.executable, str(script), "--section", "replay", "--sizes", "100000", "--policies", "fifo", "--case-timeout", "0.5",
+                          "--out", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, check=True)
+    assert "stopped after" in out.stdout
+    (row,) = json.loads((tmp_path / "scale.json").read_text())["rows"]
+    assert row["timed_out_s"] == 0.5 and row["cpu_s"] is None and row["under_goal"] is False and row["max_ball"] == 16
