@@ -6,14 +6,19 @@
    case (setup included) under 120 s.
 2. ``replay``: placement.replay on 10,240 GPUs (1,280 hosts) of 10k, 25k, 50k and 100k synthetic Philly-like jobs
    (arrival rate scaled with the cluster: the load of the 1,024-GPU benchmark), every policy, emu.fluid slowdowns
-   with radius 1 (as ``bench_placement``). Goal: every 100k-job replay under 300 s.
+   with radius 1 (as ``bench_placement``) and at most ``REPLAY_MAX_BALL`` jobs per simulation. Goal: every 100k-job
+   replay under 300 s.
+3. ``error`` (run only when asked): the error of that ``max_ball`` limit against the same model without it, on the
+   FIFO and LAS replays of ``ERROR_JOBS`` jobs (where both run): the limited model drives the replay and the
+   unlimited one answers the same calls (per-job iteration times), and a separate replay with the unlimited model
+   (average and p99 JCT). Written to ``scale_error.json/.md``.
 
 Every case runs in its own child process, so that its peak RSS (``ru_maxrss``) is its own; wall time, CPU time
 (``time.process_time`` of the child) and the 1-minute load average at its start are recorded. The machine is
 shared: CPU time and the growth between sizes (``cpu_growth``: log CPU ratio over log size ratio to the previous
 size; 1 is linear) are the figures that do not depend on the load.
 
-Run: ``.venv/bin/python bench/bench_scale.py [--quick] [--section sim|replay] [--policies fifo,las] [--sizes 10000,25000]``
+Run: ``.venv/bin/python bench/bench_scale.py [--quick] [--section sim|replay|error] [--policies fifo,las] [--sizes 10000,25000]``
 (``--quick``: the small sizes only, a minute or two; its table is printed, and written only to ``--out DIR``). Rows of
 cases not run now are kept from the last run.
 """
@@ -42,6 +47,9 @@ REPLAY_GPUS = 10240
 REPLAY_JOBS = (10_000, 25_000, 50_000, 100_000)
 POLICIES = ("fifo", "las", "hived", "hived+cassini")
 GOALS = {"sim": (16384, 120.0), "replay": (100_000, 300.0)}
+REPLAY_MAX_BALL = 16  # jobs per fluid simulation in the replays (emu.fluid's max_ball), chosen by the error section
+ERROR_JOBS = 10_000
+ERROR_LIMITS = (8, 16)
 # the data-parallel job sizes, 100 jobs of 1,300 GPUs in all (~80 % of the GPUs for GPUs / 16.384 jobs)
 SIM_MIX = [32] * 20 + [16] * 30 + [8] * 30 + [4] * 10 + [2] * 10
 
@@ -91,14 +99,15 @@ def run_case(spec: dict) -> dict:
 
         topo = topology.build_cluster(spec["gpus"] // 8)
         trace = replay_trace(spec["jobs"], spec["gpus"])
-        slowdown = FluidSlowdown(topo, radius=1)
+        slowdown = FluidSlowdown(topo, radius=1, max_ball=spec.get("max_ball", REPLAY_MAX_BALL))
         gc.collect()
         gc.freeze()  # the static topology and cell trees: the collector need not walk them again (docs/placement.md)
         w1, c1 = time.perf_counter(), time.process_time()
         r = replay(topo, trace, spec["policy"], slowdown=slowdown)
         m = r.metrics
         extra = {"events": m["events"], "avg_jct_s": m["avg_jct_s"], "p99_jct_s": m["p99_jct_s"], "avg_queue_s": m["avg_queue_s"],
-                 "utilisation": m["gpu_utilisation"], "finished": m["finished"]}
+                 "utilisation": m["gpu_utilisation"], "finished": m["finished"], "simulations": slowdown.simulations,
+                 "capped_simulations": slowdown.model.capped}
     w2, c2 = time.perf_counter(), time.process_time()
     return {**spec, "setup_s": w1 - w0, "run_wall_s": w2 - w1, "wall_s": w2 - w0, "cpu_s": c2 - c0, "run_cpu_s": c2 - c1,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "load_1min": load, **extra}
@@ -112,8 +121,95 @@ def cases(section: str, quick: bool, policies: list[str], sizes: list[int] | Non
     if section in ("replay", "all"):
         for jobs in sizes or ((1000, 2500) if quick else REPLAY_JOBS):
             for policy in policies:
-                out.append({"section": "replay", "gpus": REPLAY_GPUS, "jobs": jobs, "policy": policy, "iterations": None})
+                out.append({"section": "replay", "gpus": REPLAY_GPUS, "jobs": jobs, "policy": policy, "iterations": None,
+                            "max_ball": REPLAY_MAX_BALL})
     return out
+
+
+class _Shadow:
+    """A slowdown model that drives a replay with the ``max_ball``-limited model and asks the unlimited one the same calls."""
+
+    def __init__(self, topo, max_ball: int) -> None:
+        from placement.contention import FluidSlowdown
+
+        self.approx, self.exact = FluidSlowdown(topo, radius=1, max_ball=max_ball), FluidSlowdown(topo, radius=1)
+        self.exact_now: dict[str, float] = {}  # the unlimited model's current answer per running job
+        self.solo: dict[str, float] = {}
+        self.errors: list[float] = []
+        self.exact_cpu = 0.0
+
+    def update(self, changed):
+        answers = self.approx.update(changed)
+        c0 = time.process_time()
+        exact = self.exact.update(changed)
+        self.exact_cpu += time.process_time() - c0
+        for name, placed in changed.items():
+            if placed is None:
+                self.exact_now.pop(name, None)
+                self.solo.pop(name, None)
+            else:
+                self.solo[name] = placed.profile.period_s
+        self.exact_now.update(exact)
+        for name, x in answers.items():
+            e = self.exact_now.get(name)
+            if e is not None and max(x, e) > self.solo[name] * (1 + 1e-9):  # slowed by contention in either model
+                self.errors.append(x / e - 1)
+        return answers
+
+
+def bench_error(jobs: int, policies: list[str], limits: tuple[int, ...], out_dir: Path | None) -> None:
+    """The ``max_ball`` limit against the model without it (radius 1 both): answers to the same calls, and whole replays."""
+    import numpy as np
+
+    import topology
+    from placement.contention import FluidSlowdown
+    from placement.replay import replay
+
+    topo = topology.build_cluster(REPLAY_GPUS // 8)
+    trace = replay_trace(jobs, REPLAY_GPUS)
+    rows = []
+    for policy in policies:
+        c0 = time.process_time()
+        ref = replay(topo, trace, policy, slowdown=FluidSlowdown(topo, radius=1))
+        ref_cpu = time.process_time() - c0
+        ref_jct = {x["name"]: x["jct_s"] for x in ref.jobs if x["jct_s"] is not None}
+        for limit in limits:
+            shadow = _Shadow(topo, limit)
+            c0 = time.process_time()
+            res = replay(topo, trace, policy, slowdown=shadow)
+            cpu = time.process_time() - c0 - shadow.exact_cpu
+            err = np.abs(np.array(shadow.errors)) if shadow.errors else np.zeros(1)
+            jct = {x["name"]: x["jct_s"] for x in res.jobs if x["jct_s"] is not None}
+            both = [n for n in ref_jct if n in jct]
+            per_job = np.abs(np.array([jct[n] / ref_jct[n] - 1 for n in both])) if both else np.zeros(1)
+            sims = shadow.approx.simulations
+            rows.append({"policy": policy, "jobs": jobs, "max_ball": limit, "simulations": sims,
+                         "capped_share": shadow.approx.model.capped / sims if sims else 0.0, "contended_answers": len(shadow.errors),
+                         "iter_err_median": float(np.median(err)), "iter_err_p99": float(np.percentile(err, 99)), "iter_err_max": float(err.max()),
+                         "iter_err_mean_signed": float(np.mean(shadow.errors)) if shadow.errors else 0.0,
+                         "avg_jct_ref_s": ref.metrics["avg_jct_s"], "avg_jct_err": res.metrics["avg_jct_s"] / ref.metrics["avg_jct_s"] - 1,
+                         "p99_jct_err": res.metrics["p99_jct_s"] / ref.metrics["p99_jct_s"] - 1,
+                         "job_jct_err_median": float(np.median(per_job)), "cpu_ref_s": ref_cpu, "cpu_limited_s": cpu,
+                         "cpu_ratio": ref_cpu / cpu if cpu > 0 else None})
+            print(rows[-1], flush=True)
+    notes = f"""
+`max_ball` limits a fluid simulation of the replay's radius-1 model to that many jobs (emu.fluid.PeriodicFluidModel; each chunk of
+changed jobs simulated with its nearest partners). The reference is the same model without the limit (radius 1 both). `iter_err_*`:
+the limited model drives the replay and the unlimited one answers the same calls (same running jobs, same phases); relative error
+|a/e - 1| of every answer slowed by contention in either model (`mean_signed` keeps the sign: < 0, the limited model is optimistic).
+`capped_share`: the share of the limited model's simulations that were cut to `max_ball` jobs. `avg_jct_err`, `p99_jct_err`,
+`job_jct_err_median` (per job, over the jobs both finished): the limited replay against a separate unlimited one (schedule
+differences cascade, so these mix the model's error and its consequences). `cpu_*`: CPU seconds of each replay (the limited one
+without the time its shadow spent), same process, {REPLAY_GPUS} GPUs, the replay section's trace.
+"""
+    title = f"max_ball limit of the replay's fluid model against the model without it ({jobs} jobs, {REPLAY_GPUS} GPUs)"
+    columns = ["policy", "jobs", "max_ball", "simulations", "capped_share", "contended_answers", "iter_err_median", "iter_err_p99",
+               "iter_err_max", "iter_err_mean_signed", "avg_jct_ref_s", "avg_jct_err", "p99_jct_err", "job_jct_err_median", "cpu_ref_s",
+               "cpu_limited_s", "cpu_ratio"]
+    if out_dir is None:
+        print(markdown_table(rows, columns))
+        return
+    write_results("scale_error", rows, title=title, notes=notes, columns=columns, out_dir=out_dir)
 
 
 def _key(row: dict) -> tuple:
@@ -128,20 +224,24 @@ def _growth(rows: list[dict]) -> None:
         size = r["gpus"] if r["section"] == "sim" else r["jobs"]
         prev = last.get(series)
         r["cpu_growth"] = (math.log(r["run_cpu_s"] / prev["run_cpu_s"]) / math.log(size / prev["size"])
-                           if prev and r["run_cpu_s"] > 0 and prev["run_cpu_s"] > 0 and size != prev["size"] else None)
-        last[series] = {"size": size, "run_cpu_s": r["run_cpu_s"]}
+                           if prev and r.get("run_cpu_s") and prev["run_cpu_s"] and size != prev["size"] else None)
+        last[series] = {"size": size, "run_cpu_s": r.get("run_cpu_s")}
         goal_size, goal_s = GOALS[r["section"]]
-        r["under_goal"] = (r["wall_s"] < goal_s) if size == goal_size else ""
-        r["cpu_under_goal"] = (r["cpu_s"] < goal_s) if size == goal_size else ""  # what a quiet machine's wall time would be near
+        unfinished = r.get("timed_out_s") is not None  # stopped past its limit (run it at least the goal)
+        r["under_goal"] = ((False if unfinished else r["wall_s"] < goal_s) if size == goal_size else "")
+        r["cpu_under_goal"] = ((False if unfinished else r["cpu_s"] < goal_s) if size == goal_size else "")  # near a quiet machine's wall
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the small sizes only")
-    parser.add_argument("--section", choices=("sim", "replay", "all", "none"), default="all", help="none: rewrite the table from the kept rows")
+    parser.add_argument("--section", choices=("sim", "replay", "all", "none", "error"), default="all",
+                        help="none: rewrite the table from the kept rows; error: the max_ball limit's error (not part of all)")
     parser.add_argument("--policies", default=",".join(POLICIES), help="replay policies, comma-separated")
     parser.add_argument("--sizes", help="comma-separated GPU counts (sim) or job counts (replay) instead of the full series")
     parser.add_argument("--out", type=Path, help="results directory (default bench/results; --quick writes only here)")
+    parser.add_argument("--case-timeout", type=float, default=None, metavar="S",
+                        help="stop a case after S seconds of wall time and record it as unfinished (timed_out_s)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case (JSON) in this process and print its row
     args = parser.parse_args()
     if args.case:
@@ -152,12 +252,25 @@ def main() -> None:
         if p not in POLICIES:
             parser.error(f"unknown policy {p!r}; expected some of {', '.join(POLICIES)}")
     out_dir = args.out or (None if args.quick else RESULTS)
+    if args.section == "error":
+        sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else [1000 if args.quick else ERROR_JOBS]
+        for jobs in sizes:
+            bench_error(jobs, [p for p in policies if p in ("fifo", "las")], ERROR_LIMITS, out_dir)
+        return
     old = out_dir / "scale.json" if out_dir else None
     kept = {_key(r): r for r in json.loads(old.read_text()).get("rows", [])} if old and old.exists() else {}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else None
     for spec in cases(args.section, args.quick, policies, sizes):
-        proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(spec)], capture_output=True, text=True, env=env)
+        load = os.getloadavg()[0]
+        try:
+            proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(spec)], capture_output=True, text=True, env=env,
+                                  timeout=args.case_timeout)
+        except subprocess.TimeoutExpired:  # a row that says so: no figures but the limit it ran past
+            kept[_key(spec)] = {**spec, "timed_out_s": args.case_timeout, "load_1min": load, "run_cpu_s": None, "cpu_s": None, "wall_s": None}
+            print(f"{spec['section']} {spec['gpus']} GPUs {spec['jobs']} jobs {spec['policy']}: stopped after {args.case_timeout:.0f} s", flush=True)
+            _write(kept, out_dir)
+            continue
         if proc.returncode != 0:
             sys.exit(f"case {spec} failed:\n{proc.stderr[-2000:]}")
         row = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -173,7 +286,8 @@ def _write(kept: dict, out_dir: Path | None, final: bool = False) -> None:
     rows = sorted(kept.values(), key=lambda r: (order[r["section"]], r["policy"], r["gpus"], r["jobs"]))
     _growth(rows)
     columns = ["section", "gpus", "jobs", "policy", "iterations", "setup_s", "run_wall_s", "wall_s", "cpu_s", "run_cpu_s", "cpu_growth",
-               "peak_rss_mb", "load_1min", "events", "under_goal", "cpu_under_goal", "avg_jct_s", "sim_makespan_s"]
+               "peak_rss_mb", "load_1min", "events", "under_goal", "cpu_under_goal", "avg_jct_s", "sim_makespan_s", "max_ball",
+               "capped_simulations", "timed_out_s"]
     notes = f"""
 Each row is one child process: `setup_s` builds the topology and the workload or trace (and the fluid model); `run_wall_s` and
 `run_cpu_s` are the simulation or replay alone; `wall_s` and `cpu_s` are both together; `peak_rss_mb` is the child's peak RSS.
@@ -183,7 +297,9 @@ previous size of the same series (GPUs for sim, jobs for replay): 1 is linear. `
 {GOALS['sim'][1]:.0f} s) and the replays of 100,000 jobs (goal {GOALS['replay'][1]:.0f} s), by wall time including setup;
 `cpu_under_goal` the same by CPU time (one thread: on a quiet machine the wall time is close to it, on a loaded one it is not).
 Sim: {SIM_ITERATIONS} iterations per job, jobs = GPUs / 16.384, packed placement, link utilisation of every link on.
-Replay: {REPLAY_GPUS} GPUs, emu.fluid slowdowns with radius 1, arrival rate GPUs / 1024 / 8 per second, mean duration 1200 s.
+Replay: {REPLAY_GPUS} GPUs, emu.fluid slowdowns with radius 1 and at most `max_ball` jobs per simulation (`capped_simulations`: the
+simulations cut to that size; scale_error.md measures the limit's error), arrival rate GPUs / 1024 / 8 per second, mean duration 1200 s.
+`timed_out_s`: the case was stopped after that many seconds of wall time (`--case-timeout`), unfinished.
 """
     title = "Scale: flow simulator to 16,384 GPUs, trace replay to 100,000 jobs on 10,240 GPUs"
     if out_dir is None:

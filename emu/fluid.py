@@ -694,11 +694,27 @@ class PeriodicFluidModel:
       is simulated and only the answers of the jobs strictly inside it (fewer
       than ``radius`` hops away) are refreshed; the others keep their previous
       answers. The ball's simulation ends once its interior jobs have done
-      ``iterations``. The search stops one hop beyond the ball, so a large
-      group is never walked whole. Two errors: the jobs on the ball's edge
+      ``iterations``. The search stops at the ball (and the changed jobs' own
+      neighbours), so a large group is never walked whole. Two errors: the jobs on the ball's edge
       lose their outer partners (they contend less than they would), and a
       change's effect on farther jobs (which decays with distance) is ignored
       until a change near them.
+    - ``max_ball`` (jobs; with ``radius`` only): the most jobs one simulation
+      on the radius path holds. A simulation's cost grows faster than its size
+      (every event re-solves the max-min rates of a component that grows with
+      the set, and the set's events grow with it too), and where jobs are
+      scattered over many hosts and leaves (first-fit under load) one job's
+      radius-1 ball holds hundreds. A group is simulated whole only when it
+      lies within the ball and fits the limit. A set above the limit is split: the
+      changed jobs it was for (its centres) in chunks of at most
+      ``max_ball // 2`` (in the order they joined), each simulated with the
+      ``max_ball - chunk`` jobs of its ball nearest to it: fewest hops, then
+      the largest coupling weight (the sum, over the binding links they share
+      with the chunk, of their demand over the link's capacity), then the
+      order they joined. Only the chunk's answers are refreshed. The error:
+      a centre loses its weakest partners (it contends less than it would);
+      ``bench/results/scale_error.md`` measures it against the model without
+      the limit.
 
     >>> m = PeriodicFluidModel({"l": 10.0})
     >>> a, b = PeriodicJob("a", 0.05, 0.05, {"l": 10.0}), PeriodicJob("b", 0.05, 0.05, {"l": 10.0})
@@ -709,12 +725,15 @@ class PeriodicFluidModel:
     """
 
     def __init__(self, capacity: Mapping[Link, float], *, iterations: int = 4, phase_quantum: float = 0.0, radius: int | None = None,
-                 cache_limit: int = 200_000):
+                 max_ball: int | None = None, cache_limit: int = 200_000):
         if iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {iterations}")
         if radius is not None and radius < 1:
             raise ValueError(f"radius must be >= 1 or None, got {radius}")
+        if max_ball is not None and (radius is None or max_ball < 2):
+            raise ValueError(f"max_ball must be None, or >= 2 with a radius; got max_ball={max_ball}, radius={radius}")
         self.radius = radius
+        self.max_ball = max_ball
         self.capacity = capacity
         self.iterations = iterations
         self.phase_quantum = phase_quantum
@@ -722,6 +741,7 @@ class PeriodicFluidModel:
         self.by_signature: dict[tuple, list[float]] = {}
         self.by_identity: dict[tuple, tuple[tuple[PeriodicJob, ...], list[float]]] = {}
         self.calls = self.hits = self.simulations = self.events = 0
+        self.capped = 0  # sets cut to max_ball jobs (chunks of centres with their nearest)
         # the job set of the previous call, by id (the dicts hold the objects, so ids stay unique)
         self._jobs: dict[int, PeriodicJob] = {}
         self._links: dict[int, list[tuple[Link, float]]] = {}
@@ -799,18 +819,35 @@ class PeriodicFluidModel:
                 refreshed.update(comp)
                 self._times.update(zip(comp, self._answer(comp), strict=True))
                 continue
-            # one hop beyond the ball tells whether the group ends inside it, without walking a large group
-            reach = self._distances([s], self.radius + 1)
-            if max(reach.values()) <= self.radius:  # the whole group lies within the ball: exact
-                comp = self._ordered(reach)
+            limit = self.max_ball
+            # the ball around s, and whether a job in it has a partner outside (the walk stops at the first): whether the
+            # group ends inside it, without walking a large group
+            near = self._distances([s], self.radius)
+            if (limit is None or len(near) <= limit) and not self._beyond(near):  # the whole group lies within the ball: exact
+                comp = self._ordered(near)
                 done.update(comp)
                 refreshed.update(comp)
                 self._times.update(zip(comp, self._answer(comp), strict=True))
                 continue
-            # the group reaches beyond: simulate the ball around the changed jobs near s, refresh its interior
-            centres = [k for k in live if k in reach and k not in done]
+            # the group reaches beyond: simulate the ball around the changed jobs near s (within radius + 1 hops: in the
+            # ball, or next to it), refresh its interior
+            centres = [k for k in live if k not in done and (k in near or any(q in near for q in self._distances([k], 1)))]
             done.update(centres)
             dist = self._distances(centres, self.radius)
+            if limit is not None and len(dist) > limit:  # too many to simulate together: each chunk of centres with its nearest
+                centres = self._ordered(centres)
+                step = max(1, limit // 2)
+                for c in range(0, len(centres), step):
+                    chunk = centres[c : c + step]
+                    ball = self._nearest(chunk, limit)
+                    self.capped += 1
+                    inside = set(chunk)
+                    answer = self._answer(ball, watch=[p for p, k in enumerate(ball) if k in inside])
+                    for k, a in zip(ball, answer, strict=True):
+                        if k in inside:
+                            self._times[k] = a
+                            refreshed.add(k)
+                continue
             ball = self._ordered(dist)
             interior = [p for p, k in enumerate(ball) if dist[k] < self.radius]
             for k, a in zip(ball, self._answer(ball, watch=interior), strict=True):
@@ -822,8 +859,10 @@ class PeriodicFluidModel:
     def _update_binding(self, link: Link, joined: int | None = None) -> None:
         """Re-evaluate whether ``link`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
         us = self._users[link]
-        now = _can_saturate(list(us.values()), self.capacity[link])
         before = self._binding.get(link, False)
+        # a sum of non-negative demands in joining order only grows when one joins (it is added last) and only shrinks when
+        # one leaves: a link that could saturate still can after a join, one that could not still cannot after a leave
+        now = before if (joined is not None) == before else _can_saturate(list(us.values()), self.capacity[link])
         self._binding[link] = now
         if now and not before:
             for k in us:
@@ -849,6 +888,27 @@ class PeriodicFluidModel:
             frontier = nxt
         return dist
 
+    def _beyond(self, ball: Mapping[int, int]) -> bool:
+        """Whether a job of ``ball`` has a binding-link partner outside it."""
+        for i in ball:
+            for link in self._bind_links[i]:
+                for k in self._users[link]:
+                    if k not in ball:
+                        return True
+        return False
+
+    def _nearest(self, chunk: list[int], limit: int) -> list[int]:
+        """``chunk`` and the ``limit - len(chunk)`` jobs within ``radius`` hops nearest to it (see ``max_ball``), in joining order."""
+        dist = self._distances(chunk, self.radius)
+        weight: dict[int, float] = {}
+        for i in chunk:
+            for link in self._bind_links[i]:
+                cap = self.capacity[link]
+                for k, d in self._users[link].items():
+                    weight[k] = weight.get(k, 0.0) + d / cap
+        others = sorted((k for k in dist if dist[k] > 0), key=lambda k: (dist[k], -weight.get(k, 0.0), self._serial[k]))
+        return self._ordered([*chunk, *others[: limit - len(chunk)]])
+
     def _group(self, seed: int) -> list[int]:
         """The jobs linked to ``seed`` through binding links (in the current set)."""
         comp, stack = {seed}, [seed]
@@ -867,10 +927,16 @@ class PeriodicFluidModel:
 
     def _coupling(self, comp: list[int]) -> _Coupling:
         """The coupling of the jobs ``comp`` on their own (a ball may hold only some users of a link), from the kept state."""
-        pos = {k: p for p, k in enumerate(comp)}
         links = set().union(*(self._bind_links[k] for k in comp))
-        return _Coupling.of([self._own[k] for k in comp],
-                            ((self.capacity[link], [(pos[k], d) for k, d in self._users[link].items() if k in pos]) for link in links))
+        # each link's users among comp, from the jobs' side: a link of a scattered job may have many users outside a small ball.
+        # comp is in joining order, which is the order of every link's users (the order _Coupling.of sums their demands in)
+        users: dict[Link, list[tuple[int, float]]] = {link: [] for link in links}
+        for p, k in enumerate(comp):
+            binding = self._bind_links[k]
+            for link, d in self._links[k]:
+                if link in binding:
+                    users[link].append((p, d))
+        return _Coupling.of([self._own[k] for k in comp], ((self.capacity[link], users[link]) for link in links))
 
     def _answer(self, comp: list[int], watch: list[int] | None = None) -> list[float]:
         if len(comp) == 1:

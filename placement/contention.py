@@ -76,16 +76,18 @@ def link_capacities(topo: Topology) -> dict[Edge, float]:
 class FluidSlowdown:
     """Job-level fluid model of emu (:class:`emu.fluid.PeriodicFluidModel`) over placed jobs.
 
-    ``phase_quantum`` and ``radius`` are the approximations of
-    :class:`~emu.fluid.PeriodicFluidModel` (both off by default: every answer
-    is exact for the model); ``bench/bench_placement.py`` measures their error.
+    ``phase_quantum``, ``radius`` and ``max_ball`` (with ``radius``: the most
+    jobs one simulation holds) are the approximations of
+    :class:`~emu.fluid.PeriodicFluidModel` (all off by default: every answer
+    is exact for the model); ``bench/bench_placement.py`` measures the error
+    of ``radius``, ``bench/bench_scale.py --section error`` that of ``max_ball``.
     """
 
     def __init__(self, capacity: Mapping[Edge, float] | Topology, *, iterations: int = 4, phase_quantum: float = 0.0,
-                 radius: int | None = None, cache_limit: int = 200_000):
+                 radius: int | None = None, max_ball: int | None = None, cache_limit: int = 200_000):
         self.capacity = link_capacities(capacity) if isinstance(capacity, Topology) else dict(capacity)
         self.model = PeriodicFluidModel(self.capacity, iterations=max(2, iterations), phase_quantum=phase_quantum, radius=radius,
-                                        cache_limit=cache_limit)
+                                        max_ball=max_ball, cache_limit=cache_limit)
         self._jobs: dict[int, tuple[CommProfile, float, PeriodicJob]] = {}
         self._current: dict[str, PeriodicJob] = {}  # the job set of the last call, by name
 

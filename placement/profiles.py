@@ -180,21 +180,21 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
     link_bytes: dict[Edge, float] = {}
     comm_s = 0.0
     if spec.grad_bytes > 0 and spec.dp > 1:
-        from topology.collectives import collective_flows, collective_time
+        from topology.collectives import plan_collective, schedule_time
         from topology.routing import route_flows
 
         nbytes = spec.grad_bytes / (spec.tp * spec.pp)
         flows: list[tuple[str, str, float]] = []
         for group in groups:
+            plan = plan_collective(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm)  # its flows and its time: planned once
             # identical consecutive steps (a ring's 2(n-1)) are one list object: route each distinct step once
             counts: dict[int, tuple[list, int]] = {}
-            for step in collective_flows(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm):
+            for step in plan.steps:
                 seen = counts.get(id(step))
                 counts[id(step)] = (step, 1 if seen is None else seen[1] + 1)
             for step, n in counts.values():
                 flows.extend((f.src, f.dst, float(f.nbytes) * n) for f in step)
-            cost = collective_time(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm, policy=policy)
-            comm_s = max(comm_s, float(cost.time_s))
+            comm_s = max(comm_s, float(schedule_time(topo, plan, policy).time_s))
         g = topo.graph
         for e, b in route_flows(topo, flows, policy).items():
             if g.edges[e]["kind"] == LinkKind.NETWORK and b > 0:

@@ -238,6 +238,7 @@ class Replay:
         self._ov_users: dict[Edge, dict[str, tuple[CommProfile, float]]] = {}
         self._ov_link: dict[Edge, float] = {}
         self._ov_load: dict[Edge, float] = {}  # per shared link: its users' demands summed as they come and go (see _over_capacity)
+        self._ov_keys: dict[Edge, list[tuple]] = {}  # per shared link: its users' rounded timings and demand, sorted (_link_overload's key)
         # hived+cassini: the running jobs on each link (the candidates' link-sharing neighbours without a scan of all jobs)
         self._link_jobs: dict[Edge, dict[str, None]] | None = {} if policy == "hived+cassini" else None
         # the event loop's incremental state: the jobs started or stopped since the last recompute (in the order of their
@@ -578,6 +579,8 @@ class Replay:
             for e, rate in prof.link_rates.items():
                 del self._ov_users[e][name]
                 self._ov_load[e] -= rate
+                keys = self._ov_keys[e]
+                del keys[bisect.bisect_left(keys, _overload_key(prof, ready, rate))]
                 touched.add(e)
         for name, (prof, ready) in current.items():
             if name in self._ov_jobs:
@@ -586,6 +589,7 @@ class Replay:
             for e, rate in prof.link_rates.items():
                 self._ov_users.setdefault(e, {})[name] = (prof, ready)
                 self._ov_load[e] = self._ov_load.get(e, 0.0) + rate
+                bisect.insort(self._ov_keys.setdefault(e, []), _overload_key(prof, ready, rate))
                 touched.add(e)
         for e in touched:
             users = self._ov_users.get(e)
@@ -593,6 +597,7 @@ class Replay:
             if not users:
                 self._ov_users.pop(e, None)
                 self._ov_load.pop(e, None)
+                self._ov_keys.pop(e, None)
             if share > 0:
                 self._ov_link[e] = share
             else:
@@ -611,8 +616,7 @@ class Replay:
         cap = self.capacity[e]
         if len(users) < 2 or not self._over_capacity(e, users, cap * (1 + 1e-9)):
             return 0.0
-        key = (tuple(sorted((round(p.compute_s, 9), round(p.comm_s, 9), round(ready % p.period_s, 4), round(p.link_rates[e], 6))
-                            for p, ready in users.values())), round(cap, 6))
+        key = (tuple(self._ov_keys[e]), round(cap, 6))  # the users' rounded circles, kept sorted as they come and go
         hit = self._overload_cache.get(key)
         if hit is None:
             per = unified_perimeter([p.period_s for p, _ in users.values()])
@@ -734,6 +738,11 @@ class Replay:
         if isinstance(self.slowdown, FluidSlowdown):
             metrics["slowdown_cache"] = {"calls": self.slowdown.calls, "hits": self.slowdown.hits, "simulations": self.slowdown.simulations}
         return ReplayResult(self.policy, rows, metrics)
+
+
+def _overload_key(p: CommProfile, ready: float, rate: float) -> tuple[float, float, float, float]:
+    """A user's part of a link's overload-cache key: its timings, its phase on its circle and its demand on the link, rounded."""
+    return (round(p.compute_s, 9), round(p.comm_s, 9), round(ready % p.period_s, 4), round(rate, 6))
 
 
 def replay(topo: Topology, trace: Sequence[TraceJob], policy: str = "hived", **options: Any) -> ReplayResult:

@@ -339,6 +339,28 @@ def test_radius_model_is_exact_when_the_ball_holds_the_group_and_local_otherwise
         PeriodicFluidModel(capacity, radius=0)
 
 
+def test_max_ball_simulates_each_changed_job_with_its_strongest_partners():
+    # a star: the hub shares one binding link with each of six spokes; spoke k loads it at 4 + k (hub 8, capacity 10)
+    capacity = {f"l{k}": 10.0 for k in range(6)}
+    spokes = [_job(f"s{k}", 0.03 + 0.004 * k, 0.02, {f"l{k}": 4.0 + k}, 0.002 * k) for k in range(6)]
+    hub = _job("hub", 0.035, 0.025, dict.fromkeys(capacity, 8.0), 0.001)
+    unlimited, limited = PeriodicFluidModel(capacity, radius=1), PeriodicFluidModel(capacity, radius=1, max_ball=3)
+    assert limited(spokes) == unlimited(spokes)  # no binding link yet: every spoke alone
+    got = limited([*spokes, hub])
+    assert limited.capped == 1
+    # the hub with the two spokes of the largest demand/capacity on its links (s5, s4), simulated until the hub is done
+    ball = simulate_periodic([spokes[4], spokes[5], hub], capacity, iterations=4, watch=[2]).mean_iteration_s()
+    assert got["hub"] == pytest.approx(ball["hub"], rel=1e-9)
+    exact = unlimited([*spokes, hub])["hub"]
+    assert hub.period_s < got["hub"] < exact  # fewer partners: slowed, but less than by all six
+    # a ball within the limit is simulated as without it
+    small = PeriodicFluidModel(capacity, radius=1, max_ball=7)
+    assert small([*spokes, hub]) == pytest.approx(unlimited([*spokes, hub]), rel=1e-12) and small.capped == 0
+    for bad in ({"max_ball": 3}, {"radius": 1, "max_ball": 1}):
+        with pytest.raises(ValueError):
+            PeriodicFluidModel(capacity, **bad)
+
+
 
 SANITIZED_RUN = """
 import random
