@@ -33,6 +33,7 @@ True
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -161,7 +162,9 @@ def dp_groups(gpus: Sequence[str], tp: int, pp: int = 1) -> list[list[str]]:
     return [[gpus[(s * dp + d) * tp + t] for d in range(dp)] for s in range(pp) for t in range(tp)]
 
 
-_PROFILE_CACHE: dict[tuple, CommProfile] = {}
+# one cache per topology graph, dropped with the graph: keying a shared dict by id(graph) let a new topology
+# that reused a freed one's id (same size, other bandwidths) read the old topology's profiles
+_PROFILE_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple, CommProfile]] = weakref.WeakKeyDictionary()
 _CACHE_LIMIT = 50_000
 
 
@@ -170,8 +173,11 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
 
     Results are cached per (topology, job shape, GPUs, policy).
     """
-    key = (id(topo.graph), len(topo.graph), spec.gpus, spec.tp, spec.pp, spec.compute_s, spec.grad_bytes, spec.algorithm, tuple(gpus), policy)
-    hit = _PROFILE_CACHE.get(key)
+    cache = _PROFILE_CACHE.get(topo.graph)
+    if cache is None:
+        cache = _PROFILE_CACHE[topo.graph] = {}
+    key = (len(topo.graph), spec.gpus, spec.tp, spec.pp, spec.compute_s, spec.grad_bytes, spec.algorithm, tuple(gpus), policy)
+    hit = cache.get(key)
     if hit is not None:
         return hit if hit.job == spec.name else CommProfile(spec.name, hit.gpus, hit.compute_s, hit.comm_s, hit.link_rates, hit.link_bytes)
     if len(gpus) != spec.gpus:
@@ -204,9 +210,9 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
             comm_s = max(comm_s, max(b / g.edges[e]["bw"] for e, b in link_bytes.items()))
     rates = {e: b / comm_s for e, b in link_bytes.items()} if comm_s > 0 else {}
     prof = CommProfile(spec.name, tuple(gpus), float(spec.compute_s), comm_s, rates, link_bytes)
-    if len(_PROFILE_CACHE) > _CACHE_LIMIT:
-        _PROFILE_CACHE.clear()
-    _PROFILE_CACHE[key] = prof
+    if len(cache) > _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = prof
     return prof
 
 

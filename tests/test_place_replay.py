@@ -111,3 +111,27 @@ def test_phase_shifted_jobs_progress_after_their_shift(cluster):
     res = rp.run()
     assert res.jobs[0]["jct_s"] == pytest.approx(10.0)
     assert PlacedJob(comm_profile(cluster, JobSpec("z", 1), cluster.gpus()[:1]), 0.0).name == "z"
+
+
+def test_comm_profile_cache_belongs_to_its_topology():
+    """Profiles are cached per topology graph and dropped with it, so a later topology of the same size (whose graph
+    may reuse a freed one's id) never reads another's profiles."""
+    import gc
+    import weakref
+
+    from placement import profiles
+
+    spec = JobSpec("j", 16, compute_s=0.1, grad_bytes=1e9)
+    times = {}
+    for gbps in (100, 400, 100, 50):
+        topo = topology.build_cluster(4, node_options={"nic_gbps": gbps})
+        gpus = sorted(n for n, d in topo.graph.nodes(data=True) if d.get("kind") == "gpu")[:16]
+        times.setdefault(gbps, set()).add(comm_profile(topo, spec, gpus).comm_s)
+        assert topo.graph in profiles._PROFILE_CACHE
+        graph = weakref.ref(topo.graph)
+        del topo
+        gc.collect()
+        assert graph() is None   # nothing (the cache included) keeps a topology alive, so its entries went with it
+    assert all(len(v) == 1 for v in times.values())
+    # the ring's time is bytes over the NIC rate: a quarter of the NIC rate, four times the time
+    assert min(times[100]) == pytest.approx(4 * min(times[400]), rel=0.05) and min(times[50]) == pytest.approx(2 * min(times[100]), rel=0.05)
