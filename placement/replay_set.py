@@ -29,20 +29,22 @@ from .traces import TraceJob
 
 
 def replay_task(spec: dict[str, Any]) -> ReplayResult:
-    """One replay from a plain spec: ``topology`` (a :class:`Topology`), ``trace``, ``policy``, ``fluid_radius``, ``options``."""
+    """One replay from a plain spec: ``topology`` (a :class:`Topology`), ``trace``, ``policy``, ``fluid_radius``, ``fluid_max_ball``, ``options``."""
     from .contention import FluidSlowdown
 
     topo = spec["topology"]
-    slowdown = FluidSlowdown(topo, radius=spec.get("fluid_radius"))
+    slowdown = FluidSlowdown(topo, radius=spec.get("fluid_radius"), max_ball=spec.get("fluid_max_ball"))
     return replay(topo, spec["trace"], spec["policy"], slowdown=slowdown, **spec.get("options", {}))
 
 
 def replay_many(topo: Topology, traces: Mapping[str, Sequence[TraceJob]], policies: Sequence[str], *, executor: Any = None,
-                fluid_radius: int | None = None, progress: Any = None, **options: Any) -> dict[tuple[str, str], ReplayResult]:
+                fluid_radius: int | None = None, fluid_max_ball: int | None = None, progress: Any = None,
+                **options: Any) -> dict[tuple[str, str], ReplayResult]:
     """Replay every trace under every policy; ``{(trace name, policy): ReplayResult}`` in trace-then-policy order.
 
     ``executor`` is an :mod:`emu.sweep` executor (default: one local process);
-    ``options`` go to :class:`~placement.replay.Replay` (``routing``, ``candidates``, ...);
+    ``fluid_radius`` and ``fluid_max_ball`` are :class:`~placement.contention.FluidSlowdown`'s ``radius`` and
+    ``max_ball``; ``options`` go to :class:`~placement.replay.Replay` (``routing``, ``candidates``, ...);
     ``progress(done, total)`` hears of each finished replay.
     """
     from emu.sweep import LocalExecutor
@@ -53,7 +55,8 @@ def replay_many(topo: Topology, traces: Mapping[str, Sequence[TraceJob]], polici
     if not traces or not policies:
         raise InputError("nothing to replay: give at least one trace and one policy")
     keys = [(name, p) for name in traces for p in policies]
-    specs = [{"topology": topo, "trace": list(traces[name]), "policy": p, "fluid_radius": fluid_radius, "options": dict(options)} for name, p in keys]
+    specs = [{"topology": topo, "trace": list(traces[name]), "policy": p, "fluid_radius": fluid_radius, "fluid_max_ball": fluid_max_ball,
+              "options": dict(options)} for name, p in keys]
     results = (executor or LocalExecutor(1)).map(replay_task, specs, progress)
     return dict(zip(keys, results, strict=True))
 

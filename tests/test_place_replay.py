@@ -104,6 +104,16 @@ def test_replay_is_deterministic_and_cli_runs(tmp_path, capsys):
     assert set(data["metrics"]) == {"fifo", "hived"} and (tmp_path / "jct.png").stat().st_size > 1000
     capsys.readouterr()
     assert main(["place", "replay", "--topology", "default", "--trace", str(path), "--policy", "sjf"]) == 2
+    # a ball limit that every ball fits gives the unlimited radius model's answers; the output names the limit
+    out2 = tmp_path / "r2.json"
+    assert main(["place", "replay", "--topology", "default", "--trace", str(path), "--policy", "fifo", "--out", str(out2),
+                 "--fluid-radius", "1", "--fluid-max-ball", "1000", "--json"]) == 0
+    limited = json.loads(out2.read_text())
+    assert limited["fluid_max_ball"] == 1000 and limited["per_job"]["fifo"] == data["per_job"]["fifo"]
+    for bad, where in ((["--fluid-max-ball", "4"], "needs --fluid-radius"), (["--fluid-radius", "1", "--fluid-max-ball", "1"], "at least 2")):
+        capsys.readouterr()
+        assert main(["place", "replay", "--topology", "default", "--trace", str(path), "--policy", "fifo", *bad]) == 2
+        assert where in capsys.readouterr().err
 
 
 def test_phase_shifted_jobs_progress_after_their_shift(cluster):
