@@ -4,7 +4,8 @@ Before the NIC subtrees, aggregate mode let one flow use all eight NICs of a
 server (a 50 MB transfer took 0.15 ms instead of 1.0 ms, -20 % per job on the
 example workload). Here a rail-crossing transfer, a second transfer on another
 NIC of the same server and a direct all-to-all (two flows per NIC at once)
-run together; each phase must take the simulator's time within 15 %, the
+run together; each phase must take the simulator's time within 15 % (25 % for the
+all-to-all's, whose many TCP flows per NIC start together), the
 qdisc trees (with their NIC subtrees) must check out, and the class counters
 must hold the bytes.
 """
@@ -50,4 +51,8 @@ def test_aggregate_mode_shapes_every_nic_at_its_own_rate():
     s, e = phase_means(sim), phase_means(emu)
     assert s[("p2p", "send")] == pytest.approx(50e6 / 50e9, rel=0.01)  # one NIC's rate, not the server's eight
     for key in s:
-        assert e[key] == pytest.approx(s[key], rel=0.15), (key, s[key], e[key])
+        # the all-to-all's phases start several TCP flows per NIC at once, which the fluid model does not slow
+        # (slow start and losses at a 200-packet HTB queue): +4.5 to +10.7 % per job in the agreement suite's MoE
+        # mix, +15 % on one CI run here. 25 % still fails NICs shaped at the server's rate (several times faster).
+        tolerance = 0.25 if key[0] == "moe" else 0.15
+        assert e[key] == pytest.approx(s[key], rel=tolerance), (key, s[key], e[key])
