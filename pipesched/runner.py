@@ -200,6 +200,29 @@ def _ping_pong(torch, dist, rank: int, world: int, device: Any = "cpu", sync: An
     return small, bandwidth
 
 
+def _build_schedule(torch: Any, ts: Any, layers: list[Any], spans: list[list[int]], stage_rank: list[int], rank: int, *, builtin: str | None,
+                    csv: str | None, microbatches: int, dev: Any, records: list[list[Any]], stream_sync: Any = None,
+                    event: Any = None) -> tuple[list[Any], Any]:
+    """This rank's ``PipelineStage``s of one plan over ``layers`` (instrumented into ``records``) and its schedule.
+
+    The schedule is torch's built-in ``builtin`` class, or our ``csv`` through torch's ``_PipelineScheduleRuntime``.
+    """
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = []
+    for sid, (i, j) in enumerate(spans):
+        if stage_rank[sid] == rank:
+            stage = PipelineStage(torch.nn.Sequential(*layers[i:j]), sid, len(spans), dev)
+            _instrument(stage, sid, records, stream_sync, event)
+            stages.append(stage)
+    loss_fn = torch.nn.functional.mse_loss
+    if builtin:
+        return stages, ts.get_schedule_class(builtin)(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    sched = ts._PipelineScheduleRuntime(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    sched._load_csv(csv, format="compute_only")
+    return stages, sched
+
+
 def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     cuda = job.get("device") == "cuda"
@@ -208,7 +231,6 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as ts
 
     torch.set_num_threads(job["threads"])
@@ -229,27 +251,11 @@ def _worker(rank: int, world: int, port: int, job: dict[str, Any], queue) -> Non
                 torch.cuda.current_stream().synchronize()
         dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         layers = [layer.to(dev) for layer in _factory(job["model"])(**job["model_kwargs"])]
-        spans = job["spans"]
-        stage_rank = job["stage_rank"]
-        num_stages = len(spans)
         records: list[list[Any]] = []     # [stage, kind, mb, start, end, cpu, CUDA events or None] per action
-        stages = []
-        for sid in range(num_stages):
-            if stage_rank[sid] != rank:
-                continue
-            i, j = spans[sid]
-            stage = PipelineStage(torch.nn.Sequential(*layers[i:j]), sid, num_stages, dev)
-            _instrument(stage, sid, records, stream_sync, torch.cuda.Event if cuda else None)
-            stages.append(stage)
+        stages, sched = _build_schedule(torch, ts, layers, job["spans"], job["stage_rank"], rank, builtin=job["builtin"], csv=job["csv"],
+                                        microbatches=job["microbatches"], dev=dev, records=records, stream_sync=stream_sync,
+                                        event=torch.cuda.Event if cuda else None)
         waited = _time_message_waits(ts)
-        loss_fn = torch.nn.functional.mse_loss
-        m = job["microbatches"]
-        if job["builtin"]:
-            cls = ts.get_schedule_class(job["builtin"])
-            sched = cls(stages[0], n_microbatches=m, loss_fn=loss_fn)
-        else:
-            sched = ts._PipelineScheduleRuntime(stages, n_microbatches=m, loss_fn=loss_fn)
-            sched._load_csv(job["csv"], format="compute_only")
         # After every rank has built its model, so that the ping-pong does not compete with model construction.
         dist.barrier()
         latency, bandwidth = _ping_pong(torch, dist, rank, world, dev, sync)
@@ -620,7 +626,6 @@ def _interleaved_worker(rank: int, world: int, port: int, job: dict[str, Any], q
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     import torch
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as ts
 
     from .profile import retain_freed_memory
@@ -633,21 +638,10 @@ def _interleaved_worker(rank: int, world: int, port: int, job: dict[str, Any], q
         params = [p for layer in layers for p in layer.parameters()]
         records: list[list[Any]] = []
         waited = _time_message_waits(ts)
-        loss_fn = torch.nn.functional.mse_loss
-        m = job["microbatches"]
         scheds, firsts, lasts, stage_lists = [], [], [], []
         for k, cand in enumerate(job["candidates"]):
-            stages = []
-            for sid, (i, j) in enumerate(cand["spans"]):
-                if cand["stage_rank"][sid] == rank:
-                    stage = PipelineStage(torch.nn.Sequential(*layers[i:j]), sid, len(cand["spans"]), torch.device("cpu"))
-                    _instrument(stage, sid, records)
-                    stages.append(stage)
-            if cand["builtin"]:
-                sched = ts.get_schedule_class(cand["builtin"])(stages[0], n_microbatches=m, loss_fn=loss_fn)
-            else:
-                sched = ts._PipelineScheduleRuntime(stages, n_microbatches=m, loss_fn=loss_fn)
-                sched._load_csv(job["csv"][k], format="compute_only")
+            stages, sched = _build_schedule(torch, ts, layers, cand["spans"], cand["stage_rank"], rank, builtin=cand["builtin"], csv=job["csv"][k],
+                                            microbatches=job["microbatches"], dev=torch.device("cpu"), records=records)
             scheds.append(sched)
             stage_lists.append(stages)
             firsts.append(any(s.is_first for s in stages))
