@@ -121,12 +121,15 @@ class PeriodicRun:
 
     def mean_iteration_s(self) -> dict[str, float]:
         """Mean duration of each job's iterations after the first (all of them if it finished only one)."""
-        out = {}
-        for i, name in enumerate(self.names):
-            d = self.iteration_durations(i)
-            d = d[1:] or d
-            out[name] = float(np.mean(d)) if d else math.nan
-        return out
+        return {name: _mean_after_first(self.starts[i], self.ends[i]) for i, name in enumerate(self.names)}
+
+
+def _mean_after_first(start: float, ends: Sequence[float]) -> float:
+    """The mean duration of the iterations after the first that end at ``ends`` (the first one's if it is the only one):
+    the durations telescope, so it is the span from the first end to the last over their number."""
+    if len(ends) > 1:
+        return (ends[-1] - ends[0]) / (len(ends) - 1)
+    return ends[0] - start if ends else math.nan
 
 
 def _validate(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float], iterations: int) -> None:
@@ -927,16 +930,20 @@ class PeriodicFluidModel:
 
     def _coupling(self, comp: list[int]) -> _Coupling:
         """The coupling of the jobs ``comp`` on their own (a ball may hold only some users of a link), from the kept state."""
-        links = set().union(*(self._bind_links[k] for k in comp))
-        # each link's users among comp, from the jobs' side: a link of a scattered job may have many users outside a small ball.
-        # comp is in joining order, which is the order of every link's users (the order _Coupling.of sums their demands in)
-        users: dict[Link, list[tuple[int, float]]] = {link: [] for link in links}
+        # each binding link's users among comp, from the jobs' side (a link of a scattered job may have many users outside a
+        # small ball), in first-seen order; comp is in joining order, which is the order of every link's users (the order
+        # _Coupling.of sums their demands in). A link with one user in comp couples nobody here and is left out
+        users: dict[Link, list[tuple[int, float]]] = {}
+        all_users = self._users
         for p, k in enumerate(comp):
-            binding = self._bind_links[k]
-            for link, d in self._links[k]:
-                if link in binding:
-                    users[link].append((p, d))
-        return _Coupling.of([self._own[k] for k in comp], ((self.capacity[link], users[link]) for link in links))
+            for link in self._bind_links[k]:
+                us = users.get(link)
+                if us is None:
+                    users[link] = [(p, all_users[link][k])]
+                else:
+                    us.append((p, all_users[link][k]))
+        capacity = self.capacity
+        return _Coupling.of([self._own[k] for k in comp], ((capacity[link], us) for link, us in users.items() if len(us) > 1))
 
     def _answer(self, comp: list[int], watch: list[int] | None = None) -> list[float]:
         if len(comp) == 1:
@@ -966,8 +973,7 @@ class PeriodicFluidModel:
                             job_keys=[self._serial[i] for i in comp], watch=watch)
             self.simulations += 1
             self.events += run.events
-            means = run.mean_iteration_s()
-            answer = [means[j.name] for j in members]
+            answer = [_mean_after_first(a, b) for a, b in zip(run.starts, run.ends, strict=True)]
             if len(self.by_signature) >= self.cache_limit:
                 self.by_signature.clear()
             self.by_signature[key] = [answer[p] for p in order]

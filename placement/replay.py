@@ -234,7 +234,7 @@ class Replay:
                       "frag_wait_integral": 0.0, "wait_time": 0.0}
         self._overload_rate = 0.0
         self._overload_cache: dict[tuple, float] = {}
-        self._ov_jobs: dict[str, tuple[CommProfile, float]] = {}
+        self._ov_jobs: dict[str, tuple[CommProfile, float, dict]] = {}  # per user: profile, phase, its keys (_overload_keys)
         self._ov_users: dict[Edge, dict[str, tuple[CommProfile, float]]] = {}
         self._ov_link: dict[Edge, float] = {}
         self._ov_load: dict[Edge, float] = {}  # per shared link: its users' demands summed as they come and go (see _over_capacity)
@@ -570,39 +570,51 @@ class Replay:
             if r is not None and r.profile is not None and r.profile.comm_s > 0:
                 current[n] = (r.profile, r.ready)
         touched: set[Edge] = set()
-        for name in [n for n in changed if n in self._ov_jobs]:
-            prof, ready = self._ov_jobs[name]
+        ov_jobs, ov_users, ov_load, ov_keys = self._ov_jobs, self._ov_users, self._ov_load, self._ov_keys
+        for name in [n for n in changed if n in ov_jobs]:
+            prof, ready, keys = ov_jobs[name]
             now = current.get(name)
             if now is not None and now[0] is prof and now[1] == ready:
                 continue
-            del self._ov_jobs[name]
+            del ov_jobs[name]
             for e, rate in prof.link_rates.items():
-                del self._ov_users[e][name]
-                self._ov_load[e] -= rate
-                keys = self._ov_keys[e]
-                del keys[bisect.bisect_left(keys, _overload_key(prof, ready, rate))]
-                touched.add(e)
-        for name, (prof, ready) in current.items():
-            if name in self._ov_jobs:
+                del ov_users[e][name]
+                ov_load[e] -= rate
+                ks = ov_keys[e]
+                del ks[bisect.bisect_left(ks, keys[rate])]
+            touched.update(prof.link_rates)
+        for name, user in current.items():
+            if name in ov_jobs:
                 continue
-            self._ov_jobs[name] = (prof, ready)
+            prof, ready = user
+            keys = _overload_keys(prof, ready)
+            ov_jobs[name] = (prof, ready, keys)
             for e, rate in prof.link_rates.items():
-                self._ov_users.setdefault(e, {})[name] = (prof, ready)
-                self._ov_load[e] = self._ov_load.get(e, 0.0) + rate
-                bisect.insort(self._ov_keys.setdefault(e, []), _overload_key(prof, ready, rate))
-                touched.add(e)
+                us = ov_users.get(e)
+                if us is None:
+                    ov_users[e] = {name: user}
+                    ov_load[e] = rate
+                    ov_keys[e] = [keys[rate]]
+                else:
+                    us[name] = user
+                    ov_load[e] += rate
+                    bisect.insort(ov_keys[e], keys[rate])
+            touched.update(prof.link_rates)
+        ov_link = self._ov_link
         for e in touched:
-            users = self._ov_users.get(e)
-            share = self._link_overload(e, users) if users else 0.0
+            users = ov_users.get(e)
             if not users:
-                self._ov_users.pop(e, None)
-                self._ov_load.pop(e, None)
-                self._ov_keys.pop(e, None)
+                ov_users.pop(e, None)
+                ov_load.pop(e, None)
+                ov_keys.pop(e, None)
+                ov_link.pop(e, None)
+                continue
+            share = self._link_overload(e, users) if len(users) > 1 else 0.0
             if share > 0:
-                self._ov_link[e] = share
+                ov_link[e] = share
             else:
-                self._ov_link.pop(e, None)
-        return sum(self._ov_link.values())
+                ov_link.pop(e, None)
+        return sum(ov_link.values())
 
     def _over_capacity(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]], limit: float) -> bool:
         """Whether the users' demands on ``e`` sum above ``limit``: the running sum decides unless it is within 1e-6 of the
@@ -740,9 +752,11 @@ class Replay:
         return ReplayResult(self.policy, rows, metrics)
 
 
-def _overload_key(p: CommProfile, ready: float, rate: float) -> tuple[float, float, float, float]:
-    """A user's part of a link's overload-cache key: its timings, its phase on its circle and its demand on the link, rounded."""
-    return (round(p.compute_s, 9), round(p.comm_s, 9), round(ready % p.period_s, 4), round(rate, 6))
+def _overload_keys(p: CommProfile, ready: float) -> dict[float, tuple[float, float, float, float]]:
+    """A user's parts of its links' overload-cache keys, per demand: its timings, its phase on its circle and its demand on
+    the link, rounded (computed once per start: a job's links share the first three, and many share the demand)."""
+    base = (round(p.compute_s, 9), round(p.comm_s, 9), round(ready % p.period_s, 4))
+    return {rate: (*base, round(rate, 6)) for rate in set(p.link_rates.values())}
 
 
 def replay(topo: Topology, trace: Sequence[TraceJob], policy: str = "hived", **options: Any) -> ReplayResult:
