@@ -233,10 +233,14 @@ class Replay:
         self.stats = {"frag_integral": 0.0, "busy_integral": 0.0, "overload_link_s": 0.0, "events": 0, "preemptions": 0, "span": 0.0,
                       "frag_wait_integral": 0.0, "wait_time": 0.0}
         self._overload_rate = 0.0
-        self._overload_cache: dict[tuple, float] = {}
+        self._overload_cache: dict[tuple, int] = {}
         self._ov_jobs: dict[str, tuple[CommProfile, float, dict]] = {}  # per user: profile, phase, its keys (_overload_keys)
         self._ov_users: dict[Edge, dict[str, tuple[CommProfile, float]]] = {}
-        self._ov_link: dict[Edge, float] = {}
+        # per overloaded link: the arcs of its users' unified circle (of DEFAULT_BUCKETS) it is overloaded in, and their sum
+        # (integers: the rate is their sum over DEFAULT_BUCKETS, with no rounding drift however many links come and go)
+        self._ov_link: dict[Edge, int] = {}
+        self._ov_arcs = 0
+        self._ov_limit = {e: c * (1 + 1e-9) for e, c in self.capacity.items()}  # a link is overloaded above this
         self._ov_load: dict[Edge, float] = {}  # per shared link: its users' demands summed as they come and go (see _over_capacity)
         self._ov_keys: dict[Edge, list[tuple]] = {}  # per shared link: its users' rounded timings and demand, sorted (_link_overload's key)
         # hived+cassini: the running jobs on each link (the candidates' link-sharing neighbours without a scan of all jobs)
@@ -600,21 +604,22 @@ class Replay:
                     ov_load[e] += rate
                     bisect.insort(ov_keys[e], keys[rate])
             touched.update(prof.link_rates)
-        ov_link = self._ov_link
+        ov_link, limit = self._ov_link, self._ov_limit
         for e in touched:
             users = ov_users.get(e)
             if not users:
                 ov_users.pop(e, None)
                 ov_load.pop(e, None)
                 ov_keys.pop(e, None)
-                ov_link.pop(e, None)
+                self._ov_arcs -= ov_link.pop(e, 0)
                 continue
-            share = self._link_overload(e, users) if len(users) > 1 else 0.0
-            if share > 0:
-                ov_link[e] = share
+            arcs = self._link_overload(e, users) if len(users) > 1 and self._over_capacity(e, users, limit[e]) else 0
+            self._ov_arcs += arcs - ov_link.get(e, 0)
+            if arcs:
+                ov_link[e] = arcs
             else:
                 ov_link.pop(e, None)
-        return sum(ov_link.values())
+        return self._ov_arcs / DEFAULT_BUCKETS
 
     def _over_capacity(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]], limit: float) -> bool:
         """Whether the users' demands on ``e`` sum above ``limit``: the running sum decides unless it is within 1e-6 of the
@@ -624,16 +629,14 @@ class Replay:
             load = self._ov_load[e] = sum(p.link_rates[e] for p, _ in users.values())
         return load > limit
 
-    def _link_overload(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]]) -> float:
-        cap = self.capacity[e]
-        if len(users) < 2 or not self._over_capacity(e, users, cap * (1 + 1e-9)):
-            return 0.0
-        key = (tuple(self._ov_keys[e]), round(cap, 6))  # the users' rounded circles, kept sorted as they come and go
+    def _link_overload(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]]) -> int:
+        """The arcs of the users' unified circle (of DEFAULT_BUCKETS) during which their demands on ``e`` overload it."""
+        key = (tuple(self._ov_keys[e]), round(self.capacity[e], 6))  # the users' rounded circles, kept sorted as they come and go
         hit = self._overload_cache.get(key)
         if hit is None:
             per = unified_perimeter([p.period_s for p, _ in users.values()])
             load = sum(p.link_rates[e] * _rows(p, per, DEFAULT_BUCKETS, np.array([ready]))[0] for p, ready in users.values())
-            hit = float((load > cap * (1 + 1e-9)).mean())
+            hit = int(np.count_nonzero(load > self._ov_limit[e]))
             if len(self._overload_cache) > 100_000:
                 self._overload_cache.clear()
             self._overload_cache[key] = hit
