@@ -756,7 +756,7 @@ class PeriodicFluidModel:
         self.rate_memo: dict[tuple, list[float]] = {}
         # binding links (several users whose demands sum above the capacity), kept up to date as jobs come and go
         self._binding: dict[Link, bool] = {}
-        self._bind_links: dict[int, set[Link]] = {}
+        self._bind_links: dict[int, dict[Link, float]] = {}  # per job: its binding links and its demand on each
 
     def __call__(self, jobs: Sequence[PeriodicJob]) -> dict[str, float]:
         current = {id(j): j for j in jobs}
@@ -804,7 +804,7 @@ class PeriodicFluidModel:
             self._jobs[i], self._links[i] = j, links
             self._serial[i] = self._next_serial
             self._next_serial += 1
-            self._bind_links[i] = set()
+            self._bind_links[i] = {}
             own = 1.0
             for link, d in links:
                 self._users.setdefault(link, {})[i] = d
@@ -834,7 +834,7 @@ class PeriodicFluidModel:
                 continue
             # the group reaches beyond: simulate the ball around the changed jobs near s (within radius + 1 hops: in the
             # ball, or next to it), refresh its interior
-            centres = [k for k in live if k not in done and (k in near or any(q in near for q in self._distances([k], 1)))]
+            centres = [k for k in live if k not in done and (k in near or self._touches(k, near))]
             done.update(centres)
             dist = self._distances(centres, self.radius)
             if limit is not None and len(dist) > limit:  # too many to simulate together: each chunk of centres with its nearest
@@ -868,13 +868,13 @@ class PeriodicFluidModel:
         now = before if (joined is not None) == before else _can_saturate(list(us.values()), self.capacity[link])
         self._binding[link] = now
         if now and not before:
-            for k in us:
-                self._bind_links[k].add(link)
+            for k, d in us.items():
+                self._bind_links[k][link] = d
         elif before and not now:
             for k in us:
-                self._bind_links[k].discard(link)
+                self._bind_links[k].pop(link, None)
         elif now and joined is not None:
-            self._bind_links[joined].add(link)
+            self._bind_links[joined][link] = us[joined]
 
     def _distances(self, seeds: Sequence[int], radius: int) -> dict[int, int]:
         """Binding-link hops from the nearest seed, for the jobs at most ``radius`` hops away."""
@@ -890,6 +890,15 @@ class PeriodicFluidModel:
                             nxt.append(k)
             frontier = nxt
         return dist
+
+    def _touches(self, job: int, ball: Mapping[int, int]) -> bool:
+        """Whether ``job`` has a binding-link partner in ``ball``."""
+        users = self._users
+        for link in self._bind_links[job]:
+            for k in users[link]:
+                if k in ball:
+                    return True
+        return False
 
     def _beyond(self, ball: Mapping[int, int]) -> bool:
         """Whether a job of ``ball`` has a binding-link partner outside it."""
@@ -934,14 +943,13 @@ class PeriodicFluidModel:
         # small ball), in first-seen order; comp is in joining order, which is the order of every link's users (the order
         # _Coupling.of sums their demands in). A link with one user in comp couples nobody here and is left out
         users: dict[Link, list[tuple[int, float]]] = {}
-        all_users = self._users
         for p, k in enumerate(comp):
-            for link in self._bind_links[k]:
+            for link, d in self._bind_links[k].items():
                 us = users.get(link)
                 if us is None:
-                    users[link] = [(p, all_users[link][k])]
+                    users[link] = [(p, d)]
                 else:
-                    us.append((p, all_users[link][k]))
+                    us.append((p, d))
         capacity = self.capacity
         return _Coupling.of([self._own[k] for k in comp], ((capacity[link], us) for link, us in users.items() if len(us) > 1))
 
