@@ -918,8 +918,9 @@ class PeriodicFluidModel:
                 cap = self.capacity[link]
                 for k, d in self._users[link].items():
                     weight[k] = weight.get(k, 0.0) + d / cap
-        others = sorted((k for k in dist if dist[k] > 0), key=lambda k: (dist[k], -weight.get(k, 0.0), self._serial[k]))
-        return self._ordered([*chunk, *others[: limit - len(chunk)]])
+        serial = self._serial
+        others = heapq.nsmallest(limit - len(chunk), (k for k in dist if dist[k] > 0), key=lambda k: (dist[k], -weight.get(k, 0.0), serial[k]))
+        return self._ordered([*chunk, *others])
 
     def _group(self, seed: int) -> list[int]:
         """The jobs linked to ``seed`` through binding links (in the current set)."""

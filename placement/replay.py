@@ -242,7 +242,6 @@ class Replay:
         self._ov_arcs = 0
         self._ov_limit = {e: c * (1 + 1e-9) for e, c in self.capacity.items()}  # a link is overloaded above this
         self._ov_load: dict[Edge, float] = {}  # per shared link: its users' demands summed as they come and go (see _over_capacity)
-        self._ov_keys: dict[Edge, list[tuple]] = {}  # per shared link: its users' rounded timings and demand, sorted (_link_overload's key)
         # hived+cassini: the running jobs on each link (the candidates' link-sharing neighbours without a scan of all jobs)
         self._link_jobs: dict[Edge, dict[str, None]] | None = {} if policy == "hived+cassini" else None
         # the event loop's incremental state: the jobs started or stopped since the last recompute (in the order of their
@@ -574,9 +573,9 @@ class Replay:
             if r is not None and r.profile is not None and r.profile.comm_s > 0:
                 current[n] = (r.profile, r.ready)
         touched: set[Edge] = set()
-        ov_jobs, ov_users, ov_load, ov_keys = self._ov_jobs, self._ov_users, self._ov_load, self._ov_keys
+        ov_jobs, ov_users, ov_load = self._ov_jobs, self._ov_users, self._ov_load
         for name in [n for n in changed if n in ov_jobs]:
-            prof, ready, keys = ov_jobs[name]
+            prof, ready, _ = ov_jobs[name]
             now = current.get(name)
             if now is not None and now[0] is prof and now[1] == ready:
                 continue
@@ -584,25 +583,20 @@ class Replay:
             for e, rate in prof.link_rates.items():
                 del ov_users[e][name]
                 ov_load[e] -= rate
-                ks = ov_keys[e]
-                del ks[bisect.bisect_left(ks, keys[rate])]
             touched.update(prof.link_rates)
         for name, user in current.items():
             if name in ov_jobs:
                 continue
             prof, ready = user
-            keys = _overload_keys(prof, ready)
-            ov_jobs[name] = (prof, ready, keys)
+            ov_jobs[name] = (prof, ready, _overload_keys(prof, ready))
             for e, rate in prof.link_rates.items():
                 us = ov_users.get(e)
                 if us is None:
                     ov_users[e] = {name: user}
                     ov_load[e] = rate
-                    ov_keys[e] = [keys[rate]]
                 else:
                     us[name] = user
                     ov_load[e] += rate
-                    bisect.insort(ov_keys[e], keys[rate])
             touched.update(prof.link_rates)
         ov_link, limit = self._ov_link, self._ov_limit
         for e in touched:
@@ -610,7 +604,6 @@ class Replay:
             if not users:
                 ov_users.pop(e, None)
                 ov_load.pop(e, None)
-                ov_keys.pop(e, None)
                 self._ov_arcs -= ov_link.pop(e, 0)
                 continue
             arcs = self._link_overload(e, users) if len(users) > 1 and self._over_capacity(e, users, limit[e]) else 0
@@ -631,7 +624,8 @@ class Replay:
 
     def _link_overload(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]]) -> int:
         """The arcs of the users' unified circle (of DEFAULT_BUCKETS) during which their demands on ``e`` overload it."""
-        key = (tuple(self._ov_keys[e]), round(self.capacity[e], 6))  # the users' rounded circles, kept sorted as they come and go
+        jobs = self._ov_jobs
+        key = (tuple(sorted(jobs[n][2][p.link_rates[e]] for n, (p, _) in users.items())), round(self.capacity[e], 6))  # the users' rounded circles
         hit = self._overload_cache.get(key)
         if hit is None:
             per = unified_perimeter([p.period_s for p, _ in users.values()])
