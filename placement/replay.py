@@ -207,6 +207,14 @@ class Replay:
         self._las_level: dict[str, int] = {}
         self._las_cross: list[tuple[float, int, str]] = []
         self._las_demand = 0  # GPUs of the jobs in the order
+        # LAS's last walk of that order (see _schedule_las): the names walked, the GPUs left before each, the ones kept, the
+        # GPUs left after it, and the first position of the order changed since (positions before it walk the same way)
+        self._las_walk: list[str] = []
+        self._las_before: list[int] = []
+        self._las_keep: set[str] = set()
+        self._las_left = 0
+        self._las_dirty = 0
+        self._las_whole = True  # the next walk compares every running job with the kept set (see _schedule_las)
         self.profiles = profiles or ProfileCache(topo, routing)
         self.gpus = topo.gpus()
         self.gpu_pos = {g: i for i, g in enumerate(self.gpus)}
@@ -378,14 +386,29 @@ class Replay:
     def _las_add(self, r: _Run) -> None:
         """Enter a job (arrived) into the LAS order."""
         level = self._las_level[r.trace.name] = self._las_queue(r)
-        bisect.insort(self._las_order[level], (r.trace.arrival_s, r.trace.name))
+        self._las_insert(level, (r.trace.arrival_s, r.trace.name))
         self._las_demand += r.spec.gpus
 
     def _las_remove(self, r: _Run) -> None:
         """Take a job (finished) out of the LAS order."""
-        order = self._las_order[self._las_level.pop(r.trace.name)]
-        del order[bisect.bisect_left(order, (r.trace.arrival_s, r.trace.name))]
+        self._las_delete(self._las_level.pop(r.trace.name), (r.trace.arrival_s, r.trace.name))
         self._las_demand -= r.spec.gpus
+
+    def _las_insert(self, level: int, entry: tuple[float, str]) -> None:
+        order = self._las_order[level]
+        i = bisect.bisect_left(order, entry)
+        order.insert(i, entry)
+        self._las_touch(level, i)
+
+    def _las_delete(self, level: int, entry: tuple[float, str]) -> None:
+        order = self._las_order[level]
+        i = bisect.bisect_left(order, entry)
+        del order[i]
+        self._las_touch(level, i)
+
+    def _las_touch(self, level: int, i: int) -> None:
+        """Note a change of the order at index ``i`` of queue ``level``: the walk is redone from there on."""
+        self._las_dirty = min(self._las_dirty, sum(len(self._las_order[q]) for q in range(level)) + i)
 
     def _las_watch(self, r: _Run) -> None:
         """Note when a running job's attained service reaches its queue's threshold (when it moves down a queue)."""
@@ -412,9 +435,8 @@ class Replay:
             if level == self._las_level[name]:
                 later.append(entry)
                 continue
-            order = self._las_order[self._las_level[name]]
-            del order[bisect.bisect_left(order, (r.trace.arrival_s, name))]
-            bisect.insort(self._las_order[level], (r.trace.arrival_s, name))
+            self._las_delete(self._las_level[name], (r.trace.arrival_s, name))
+            self._las_insert(level, (r.trace.arrival_s, name))
             self._las_level[name] = level
             self._las_watch(r)
         for entry in later:
@@ -424,35 +446,66 @@ class Replay:
         """Discretised LAS: the jobs, by (queue, arrival, name), run while they fit by GPU count; the rest wait or are preempted.
 
         The order is kept across events (one arrival-sorted list per queue; running jobs move down a queue when their
-        attained service crosses a threshold, found through a heap of crossing times), so an event costs the jobs it walks,
-        not a sort of all of them; when every job fits (the sum of their GPUs is at most the cluster's) nothing is walked.
+        attained service crosses a threshold, found through a heap of crossing times), and so is the walk along it that
+        picks the jobs to run: a job is kept when its GPUs fit in what the jobs before it left, so the walk up to the
+        first position that changed since the last event (an arrival, a finish, a job moving down a queue) goes as
+        before, and only the rest is walked again (until no GPU is left). An event costs the jobs it re-walks, not all
+        the running ones; when every job fits (the sum of their GPUs is at most the cluster's) nothing is walked.
         """
         self._las_demote()
         jobs = self.jobs
         if self._las_demand <= len(self.gpus):  # everyone fits: nobody is preempted, every waiting job starts
-            keep = None
             start = sorted((jobs[n] for n in self.queue), key=lambda r: (self._las_level[r.trace.name], r.trace.arrival_s, r.trace.name))
+            preempt: list[str] = []
+            # jobs the last walk did not keep run now: the next walk starts afresh and checks every running job
+            self._las_walk, self._las_before, self._las_keep, self._las_whole = [], [], set(), True
         else:
-            budget, keep, start = len(self.gpus), set(), []
+            walk, before, keep = self._las_walk, self._las_before, self._las_keep
+            cut = min(self._las_dirty, len(walk))
+            dropped = set()  # kept by the last walk past the change: preempted unless kept again
+            if cut < len(walk):
+                budget = before[cut]
+                for name in walk[cut:]:
+                    if name in keep:
+                        keep.remove(name)
+                        dropped.add(name)
+                del walk[cut:], before[cut:]
+            else:
+                budget = self._las_left if walk else len(self.gpus)
+            start = []
+            pos = len(walk)  # the walk goes on from here (an index into the queues laid end to end)
             for order in self._las_order:
-                for _, name in order:
+                if budget == 0:
+                    break
+                if pos >= len(order):
+                    pos -= len(order)
+                    continue
+                for i in range(pos, len(order)):
+                    name = order[i][1]
                     r = jobs[name]
+                    walk.append(name)
+                    before.append(budget)
                     if r.spec.gpus <= budget:
                         keep.add(name)
+                        dropped.discard(name)
                         budget -= r.spec.gpus
                         if not r.running:
                             start.append(r)
                         if budget == 0:
                             break
-                if budget == 0:
-                    break
+                pos = 0
+            self._las_left, self._las_dirty = budget, len(walk)
+            if self._las_whole:  # after an event where all ran: any running job may be outside the kept set
+                preempt = [n for n in self.running if n not in keep]
+                self._las_whole = False
+            else:  # the running jobs are the kept ones, less those finished: only those dropped can stop
+                preempt = sorted((n for n in dropped if n in self.running), key=lambda n: self.running[n].started)
         changed = False
-        if keep is not None and len(keep) - len(start) < len(self.running):  # some running jobs were not kept
-            for name in [n for n in self.running if n not in keep]:
-                self._stop(self.running[name])
-                self.queue.append(name)
-                self.stats["preemptions"] += 1
-                changed = True
+        for name in preempt:  # in the order they started (the running jobs' order)
+            self._stop(self.running[name])
+            self.queue.append(name)
+            self.stats["preemptions"] += 1
+            changed = True
         for r in start:
             gpus = self._first_fit(r.spec.gpus)
             if gpus is None:  # cannot happen: the kept set fits by count and first-fit takes any idle GPU
