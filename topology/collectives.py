@@ -73,7 +73,7 @@ from typing import Any, NamedTuple
 
 from .errors import InputError
 from .model import Topology
-from .paths import view
+from .paths import _link_attrs, view
 from .routing import POLICIES, Edge, _nearest, _route, route_flows
 
 
@@ -401,9 +401,9 @@ def _route_latency_us(vw, s: int, t: int, policy: str) -> float:
 def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, overhead_us: float) -> tuple[float, float, Edge | None, float, float]:
     loads = route_flows(topo, step, policy)
     beta, worst, worst_bw, worst_load = 0.0, None, math.inf, 0.0
-    G = topo.graph
+    attrs = _link_attrs(vw, topo)
     for e, load in loads.items():
-        bw = G.edges[e]["bw"]
+        bw = attrs[e]["bw"]
         t = load / (bw * 1e9)
         if t > beta:
             beta, worst, worst_bw, worst_load = t, e, bw, load

@@ -60,7 +60,7 @@ from typing import Any
 
 from .errors import TopologyError
 from .model import Topology
-from .paths import _GPU, _NET, _NIC, _NVS, _SW, PathType, VEdge, _islands, _p2c_sensitive, _search, _search_all, _View, view
+from .paths import _GPU, _NET, _NIC, _NVS, _SW, PathType, VEdge, _islands, _p2c_sensitive, _search, _search_all, _View, link_attrs, view
 
 Edge = tuple[str, str, Any]
 POLICIES = ("shortest", "ecmp", "rail")
@@ -475,6 +475,21 @@ def _edge_fractions(vw: _View, s: int, t: int, policy: str) -> list[tuple[Edge, 
     return out
 
 
+def _network_fractions(vw: _View, s: int, t: int, policy: str) -> list[tuple[Edge, float]]:
+    """:func:`_edge_fractions` restricted to network links (NIC, leaf, spine), in the same order."""
+    cache = vw.cache.setdefault("network_fractions", {})
+    key = (s, t, policy)
+    out = cache.get(key)
+    if out is None:
+        if len(cache) > _CACHE_LIMIT:
+            cache.clear()
+        network = vw.cache.get("network_links")
+        if network is None:
+            network = vw.cache["network_links"] = {(u, v, k) for lst in vw.adj for e in lst if e.lk == _NET for u, v, k, _ in e.phys}
+        out = cache[key] = [(e, f) for e, f in _edge_fractions(vw, s, t, policy) if e in network]
+    return out
+
+
 def flow_paths(topo: Topology, src: str, dst: str, policy: str = "shortest") -> list[tuple[float, list[Edge]]]:
     """The physical paths a flow ``src -> dst`` takes under ``policy``, as (fraction, edges); fractions sum to 1.
 
@@ -503,10 +518,13 @@ def flow_paths(topo: Topology, src: str, dst: str, policy: str = "shortest") -> 
     return out if stages else [(1.0, [])]
 
 
-def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy: str = "shortest") -> dict[Edge, float]:
+def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy: str = "shortest", *,
+                network_only: bool = False) -> dict[Edge, float]:
     """Sum of the traffic each directed link carries when every flow ``(src, dst, volume)`` is routed by ``policy``.
 
-    Flows between the same pair are merged first; routes are cached per pair.
+    Flows between the same pair are merged first; routes are cached per pair. ``network_only``: only the
+    network links (NIC, leaf, spine), each with the same sum in the same order as the full result's (for
+    callers that drop the links inside hosts, without routing them).
 
     >>> from topology import build_node
     >>> t = build_node("dgx-h100")
@@ -523,6 +541,7 @@ def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy:
         volumes[(src, dst)] = volumes.get((src, dst), 0.0) + vol
     index = vw.index
     rep = vw.rep
+    fractions = _network_fractions if network_only else _edge_fractions
     loads: dict[Edge, float] = {}
     for (src, dst), vol in volumes.items():
         if src == dst or vol == 0:
@@ -531,7 +550,7 @@ def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy:
             s, t = index[rep.get(src, src)], index[rep.get(dst, dst)]
         except KeyError:
             raise TopologyError(f"flow {src} -> {dst}: unknown node") from None
-        for e, f in _edge_fractions(vw, s, t, policy):
+        for e, f in fractions(vw, s, t, policy):
             loads[e] = loads.get(e, 0.0) + vol * f
     return loads
 
@@ -544,8 +563,8 @@ def link_utilisation(topo: Topology, loads: dict[Edge, float]) -> list[tuple[Edg
     >>> link_utilisation(t, route_flows(t, [("node0/gpu0", "node0/nic0", 63.0)]))[0]
     (('node0/gpu0', 'node0/pcie0', 0), 1.0)
     """
-    G = topo.graph
-    out = [(e, load / G.edges[e]["bw"]) for e, load in loads.items()]
+    attrs = link_attrs(topo)
+    out = [(e, load / attrs[e]["bw"]) for e, load in loads.items()]
     out.sort(key=lambda x: (-x[1], x[0][0], x[0][1]))
     return out
 
