@@ -167,23 +167,23 @@ class ProfileCache:
         ``canon_hosts[j]`` is the canonical host of the job's ``j``-th host; leaf switches are in canonical SU ``pod``.
         """
         slot = {h: j for j, h in enumerate(canon_hosts)}
+        leaf_key = self.leaf_key
         position: dict[str, int] = {}
         nodes: list[tuple] = []
-        links = []
-        for u, v, k in prof.link_bytes:
-            ends = []
-            for node in (u, v):
-                if node not in position:
-                    position[node] = len(nodes)
-                    host, _, rest = node.partition("/")
-                    if node in self.leaf_key:
-                        nodes.append((2, *self.leaf_key[node]))
-                    elif rest and host in slot:
-                        nodes.append((1, slot[host], rest))
-                    else:
-                        nodes.append((0, node))
-                ends.append(position[node])
-            links.append((ends[0], ends[1], k))
+
+        def place(node: str) -> int:
+            position[node] = len(nodes)
+            host, _, rest = node.partition("/")
+            if node in leaf_key:
+                nodes.append((2, *leaf_key[node]))
+            elif rest and host in slot:
+                nodes.append((1, slot[host], rest))
+            else:
+                nodes.append((0, node))
+            return position[node]
+
+        get = position.get
+        links = [(get(u) if u in position else place(u), get(v) if v in position else place(v), k) for u, v, k in prof.link_bytes]
         return nodes, links
 
 

@@ -164,6 +164,32 @@ def test_send_recv_and_broadcast():
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op=st.sampled_from(OPS), data=st.data())
+def test_costs_from_warm_caches_equal_costs_from_a_fresh_view(op, data):
+    """Differential: the view caches a plan and its cost read (ring order keys, pair latencies, link table) give, once
+    warm from other groups, exactly the plan and cost computed on a freshly built view."""
+    from topology.paths import clear_cache
+
+    t = build_cluster(4, hosts_per_su=2)
+    pick = st.lists(st.sampled_from(t.gpus()), min_size=1, max_size=12, unique=True)
+    groups = [data.draw(pick) for _ in range(3)]
+    algorithm = data.draw(st.sampled_from(ALGORITHMS[op]))
+    policy = data.draw(st.sampled_from(["rail", "ecmp", "shortest"]))
+
+    def cost(gpus):
+        try:
+            plan = plan_collective(t, op, gpus, S, algorithm)
+        except InputError:  # hierarchical on unequal hosts
+            return None
+        return plan.gpus, plan.steps, collective_time(t, op, gpus, S, algorithm, policy)
+
+    warm = [cost(g) for g in groups] + [cost(g) for g in reversed(groups)]
+    for i, g in enumerate(groups):
+        clear_cache(t)
+        assert cost(g) == warm[i] == warm[len(warm) - 1 - i]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(op=st.sampled_from(OPS), hosts=st.integers(1, 3), per_host=st.integers(1, 8), data=st.data())
 def test_plans_move_the_right_number_of_bytes(op, hosts, per_host, data):
     t = CLUSTER3

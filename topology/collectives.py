@@ -74,7 +74,7 @@ from typing import Any, NamedTuple
 from .errors import InputError
 from .model import Topology
 from .paths import _link_attrs, view
-from .routing import POLICIES, Edge, _nearest, _route, route_flows
+from .routing import _CACHE_LIMIT, POLICIES, Edge, _nearest, _route, route_flows
 
 
 class P2PFlow(NamedTuple):
@@ -148,18 +148,18 @@ class CollectiveSchedule:
 def _islands_order(topo: Topology, gpus: Sequence[str]) -> list[list[str]]:
     """GPUs grouped by island in order of first appearance; inside, by (rail of nearest NIC, index, id)."""
     vw = view(topo)
+    keys = vw.cache.setdefault("ring_keys", {})  # GPU -> (its island, its place in the island's order): fixed per view
     groups: dict[int, list[str]] = {}
     for g in gpus:
-        groups.setdefault(vw.island[vw.idx(g)], []).append(g)
-
-    def key(g: str) -> tuple:
-        a = vw.idx(g)
-        p = _nearest(vw, a)
-        rail = vw.rail_attr(p) if p is not None else None
-        idx = vw.index_attr(a)
-        return (rail is None, rail if isinstance(rail, int) else 0, idx if isinstance(idx, int) else 0, g)
-
-    return [sorted(members, key=key) for members in groups.values()]
+        k = keys.get(g)
+        if k is None:
+            a = vw.idx(g)
+            p = _nearest(vw, a)
+            rail = vw.rail_attr(p) if p is not None else None
+            idx = vw.index_attr(a)
+            k = keys[g] = (vw.island[a], (rail is None, rail if isinstance(rail, int) else 0, idx if isinstance(idx, int) else 0, g))
+        groups.setdefault(k[0], []).append(g)
+    return [sorted(members, key=lambda g: keys[g][1]) for members in groups.values()]
 
 
 def _rings(islands: list[list[str]]) -> list[list[str]]:
@@ -407,10 +407,17 @@ def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, ove
         t = load / (bw * 1e9)
         if t > beta:
             beta, worst, worst_bw, worst_load = t, e, bw, load
-    if chains is None:
-        chains = [[(f.src, f.dst)] for f in step]
     alpha_us = 0.0
-    for chain in chains:
+    if chains is None:  # every flow is its own chain: the step's alpha is its slowest route
+        pair_latency = vw.cache.setdefault("pair_latency", {})
+        if len(pair_latency) > _CACHE_LIMIT:
+            pair_latency.clear()
+        for f in step:
+            lat = pair_latency.get((f.src, f.dst, policy))
+            if lat is None:
+                lat = pair_latency[(f.src, f.dst, policy)] = _route_latency_us(vw, vw.idx(f.src), vw.idx(f.dst), policy)
+            alpha_us = max(alpha_us, lat)
+    for chain in chains or ():
         lat = sum(_route_latency_us(vw, vw.idx(a), vw.idx(b), policy) for a, b in chain)
         alpha_us = max(alpha_us, lat)
     return beta, (alpha_us + overhead_us) * 1e-6, worst, worst_bw, worst_load
