@@ -191,6 +191,29 @@ def test_network_only_loads_are_the_network_links_of_the_full_loads(fabric, node
         assert list(route_flows(t, flows, policy, network_only=True).items()) == expected
 
 
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    fabric=st.sampled_from(sorted(FABRICS)),
+    nodes=st.integers(1, 3),
+    policy=st.sampled_from(POLICIES),
+    picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.0, 1e9)), min_size=0, max_size=12),
+    use_nics=st.booleans(),
+)
+def test_loads_as_arrays_equal_route_flows(fabric, nodes, policy, picks, use_nics):
+    """Differential: the array form the collective cost loops read (numpy bincount) is route_flows' dict, the same
+    floats in the same order, with merged pairs, self flows and zero volumes."""
+    from topology.paths import view
+    from topology.routing import _link_ids, _route_loads
+
+    t = FABRICS[fabric][nodes]
+    ends = t.gpus() + (t.nodes(NodeKind.NIC) + t.switches() if use_nics else [])
+    flows = [(ends[a % len(ends)], ends[b % len(ends)], vol) for a, b, vol in picks]
+    flows += flows[: len(flows) // 2]   # repeated pairs are merged first
+    links, loads = _route_loads(t, flows, policy)
+    edges = _link_ids(view(t), t)[1]
+    assert [(edges[i], x) for i, x in zip(links.tolist(), loads.tolist(), strict=True)] == list(route_flows(t, flows, policy).items())
+
+
 def test_link_attrs_are_the_graphs_own_dicts_and_follow_changes():
     t = build_cluster(2)
     table = link_attrs(t)

@@ -71,10 +71,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .errors import InputError
 from .model import Topology
 from .paths import _link_attrs, view
-from .routing import _CACHE_LIMIT, POLICIES, Edge, _nearest, _route, route_flows
+from .routing import _CACHE_LIMIT, POLICIES, Edge, _link_ids, _nearest, _route, _route_loads
 
 
 class P2PFlow(NamedTuple):
@@ -399,14 +401,16 @@ def _route_latency_us(vw, s: int, t: int, policy: str) -> float:
 
 
 def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, overhead_us: float) -> tuple[float, float, Edge | None, float, float]:
-    loads = route_flows(topo, step, policy)
+    # beta: the most loaded link's load / bw, the first such link in route_flows' order (as arrays: same floats)
+    links, loads = _route_loads(topo, step, policy)
     beta, worst, worst_bw, worst_load = 0.0, None, math.inf, 0.0
-    attrs = _link_attrs(vw, topo)
-    for e, load in loads.items():
-        bw = attrs[e]["bw"]
-        t = load / (bw * 1e9)
-        if t > beta:
-            beta, worst, worst_bw, worst_load = t, e, bw, load
+    if len(links):
+        _, edges, bws = _link_ids(vw, topo)
+        times = loads / (bws[links] * 1e9)
+        i = int(np.argmax(times))
+        if times[i] > 0:
+            worst = edges[links[i]]
+            beta, worst_bw, worst_load = float(times[i]), _link_attrs(vw, topo)[worst]["bw"], float(loads[i])
     alpha_us = 0.0
     if chains is None:  # every flow is its own chain: the step's alpha is its slowest route
         pair_latency = vw.cache.setdefault("pair_latency", {})
