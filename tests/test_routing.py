@@ -136,14 +136,11 @@ def _cluster(kind: str, nodes: int):
 FABRICS = {k: {n: _cluster(k, n) for n in (1, 2, 3)} for k in ("rail", "leaf-spine", "fat-tree")}
 
 
+ROUTED = {"fabric": st.sampled_from(sorted(FABRICS)), "nodes": st.integers(1, 3), "policy": st.sampled_from(POLICIES), "use_nics": st.booleans()}
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    fabric=st.sampled_from(sorted(FABRICS)),
-    nodes=st.integers(1, 3),
-    policy=st.sampled_from(POLICIES),
-    picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.5, 100.0)), min_size=1, max_size=6),
-    use_nics=st.booleans(),
-)
+@given(**ROUTED, picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.5, 100.0)), min_size=1, max_size=6))
 def test_loads_conserve_traffic(fabric, nodes, policy, picks, use_nics):
     t = FABRICS[fabric][nodes]
     ends = t.gpus() + (t.nodes(NodeKind.NIC) + t.switches() if use_nics else [])
@@ -172,36 +169,11 @@ def test_loads_conserve_traffic(fabric, nodes, policy, picks, use_nics):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    fabric=st.sampled_from(sorted(FABRICS)),
-    nodes=st.integers(1, 3),
-    policy=st.sampled_from(POLICIES),
-    picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.0, 1e9)), min_size=1, max_size=12),
-    use_nics=st.booleans(),
-)
-def test_network_only_loads_are_the_network_links_of_the_full_loads(fabric, nodes, policy, picks, use_nics):
-    """Differential: route_flows(network_only=True) is the full result with the links inside hosts dropped, the same
-    floats in the same order (each link's terms are added in the same order), also when routes are already cached."""
-    t = FABRICS[fabric][nodes]
-    ends = t.gpus() + (t.nodes(NodeKind.NIC) + t.switches() if use_nics else [])
-    flows = [(ends[a % len(ends)], ends[b % len(ends)], vol) for a, b, vol in picks]
-    for _ in range(2):
-        full = route_flows(t, flows, policy)
-        expected = [(e, x) for e, x in full.items() if t.graph.edges[e]["kind"] == LinkKind.NETWORK]
-        assert list(route_flows(t, flows, policy, network_only=True).items()) == expected
-
-
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    fabric=st.sampled_from(sorted(FABRICS)),
-    nodes=st.integers(1, 3),
-    policy=st.sampled_from(POLICIES),
-    picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.0, 1e9)), min_size=0, max_size=12),
-    use_nics=st.booleans(),
-)
-def test_loads_as_arrays_equal_route_flows(fabric, nodes, policy, picks, use_nics):
-    """Differential: the array form the collective cost loops read (numpy bincount) is route_flows' dict, the same
-    floats in the same order, with merged pairs, self flows and zero volumes."""
+@given(**ROUTED, picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.0, 1e9)), max_size=12))
+def test_network_only_and_array_loads_equal_route_flows(fabric, nodes, policy, picks, use_nics):
+    """Differentials, the same floats in the same order (each link's terms are added in the same order), with merged
+    pairs, self flows and zero volumes, cold and cached: route_flows(network_only=True) is the full result with the links
+    inside hosts dropped, and the array form the collective cost loops read (numpy bincount) is the full result."""
     from topology.paths import view
     from topology.routing import _link_ids, _route_loads
 
@@ -209,9 +181,13 @@ def test_loads_as_arrays_equal_route_flows(fabric, nodes, policy, picks, use_nic
     ends = t.gpus() + (t.nodes(NodeKind.NIC) + t.switches() if use_nics else [])
     flows = [(ends[a % len(ends)], ends[b % len(ends)], vol) for a, b, vol in picks]
     flows += flows[: len(flows) // 2]   # repeated pairs are merged first
-    links, loads = _route_loads(t, flows, policy)
-    edges = _link_ids(view(t), t)[1]
-    assert [(edges[i], x) for i, x in zip(links.tolist(), loads.tolist(), strict=True)] == list(route_flows(t, flows, policy).items())
+    for _ in range(2):
+        full = route_flows(t, flows, policy)
+        expected = [(e, x) for e, x in full.items() if t.graph.edges[e]["kind"] == LinkKind.NETWORK]
+        assert list(route_flows(t, flows, policy, network_only=True).items()) == expected
+        links, loads = _route_loads(t, flows, policy)
+        edges = _link_ids(view(t), t)[1]
+        assert [(edges[i], x) for i, x in zip(links.tolist(), loads.tolist(), strict=True)] == list(full.items())
 
 
 def test_link_attrs_are_the_graphs_own_dicts_and_follow_changes():

@@ -461,34 +461,35 @@ def _route(vw: _View, s: int, t: int, policy: str) -> list[Stage]:
     return stages
 
 
+def _remember(vw: _View, name: str, key: tuple, value: Any) -> Any:
+    """Keep ``value`` under ``key`` in the view's per-pair cache ``name`` (emptied past ``_CACHE_LIMIT`` entries)."""
+    cache = vw.cache[name]
+    if len(cache) > _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _edge_fractions(vw: _View, s: int, t: int, policy: str) -> list[tuple[Edge, float]]:
-    cache = vw.cache.setdefault("fractions", {})
-    key = (s, t, policy)
-    out = cache.get(key)
+    out = vw.cache.setdefault("fractions", {}).get((s, t, policy))
     if out is None:
-        if len(cache) > _CACHE_LIMIT:
-            cache.clear()
         acc: dict[Edge, float] = {}
         for stage in _route(vw, s, t, policy):
             for f, edges in stage:
                 for e in edges:
                     acc[e] = acc.get(e, 0.0) + f
-        out = cache[key] = list(acc.items())
+        out = _remember(vw, "fractions", (s, t, policy), list(acc.items()))
     return out
 
 
 def _network_fractions(vw: _View, s: int, t: int, policy: str) -> list[tuple[Edge, float]]:
     """:func:`_edge_fractions` restricted to network links (NIC, leaf, spine), in the same order."""
-    cache = vw.cache.setdefault("network_fractions", {})
-    key = (s, t, policy)
-    out = cache.get(key)
+    out = vw.cache.setdefault("network_fractions", {}).get((s, t, policy))
     if out is None:
-        if len(cache) > _CACHE_LIMIT:
-            cache.clear()
         network = vw.cache.get("network_links")
         if network is None:
             network = vw.cache["network_links"] = {(u, v, k) for lst in vw.adj for e in lst if e.lk == _NET for u, v, k, _ in e.phys}
-        out = cache[key] = [(e, f) for e, f in _edge_fractions(vw, s, t, policy) if e in network]
+        out = _remember(vw, "network_fractions", (s, t, policy), [(e, f) for e, f in _edge_fractions(vw, s, t, policy) if e in network])
     return out
 
 
@@ -576,15 +577,11 @@ def _link_ids(vw: _View, topo: Topology) -> tuple[dict[Edge, int], list[Edge], n
 
 def _fraction_arrays(vw: _View, topo: Topology, s: int, t: int, policy: str) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_edge_fractions` as (link numbers, fractions) arrays."""
-    cache = vw.cache.setdefault("fraction_arrays", {})
-    key = (s, t, policy)
-    out = cache.get(key)
+    out = vw.cache.setdefault("fraction_arrays", {}).get((s, t, policy))
     if out is None:
-        if len(cache) > _CACHE_LIMIT:
-            cache.clear()
         number = _link_ids(vw, topo)[0]
         fr = _edge_fractions(vw, s, t, policy)
-        out = cache[key] = (np.array([number[e] for e, _ in fr], dtype=np.intp), np.array([f for _, f in fr], dtype=float))
+        out = _remember(vw, "fraction_arrays", (s, t, policy), (np.array([number[e] for e, _ in fr], dtype=np.intp), np.array([f for _, f in fr])))
     return out
 
 
