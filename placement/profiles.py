@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from topology.errors import InputError
-from topology.model import LinkKind, Topology
+from topology.model import Topology
 from topology.units import parse_duration, parse_size
 
 Edge = tuple[str, str, Any]
@@ -187,6 +187,7 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
     comm_s = 0.0
     if spec.grad_bytes > 0 and spec.dp > 1:
         from topology.collectives import plan_collective, schedule_time
+        from topology.paths import link_attrs
         from topology.routing import route_flows
 
         nbytes = spec.grad_bytes / (spec.tp * spec.pp)
@@ -201,13 +202,13 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
             for step, n in counts.values():
                 flows.extend((f.src, f.dst, float(f.nbytes) * n) for f in step)
             comm_s = max(comm_s, float(schedule_time(topo, plan, policy).time_s))
-        g = topo.graph
-        for e, b in route_flows(topo, flows, policy).items():
-            if g.edges[e]["kind"] == LinkKind.NETWORK and b > 0:
+        for e, b in route_flows(topo, flows, policy, network_only=True).items():
+            if b > 0:
                 link_bytes[e] = b / 1e9  # GB
         # the phase can be no shorter than its busiest shared link allows
         if link_bytes:
-            comm_s = max(comm_s, max(b / g.edges[e]["bw"] for e, b in link_bytes.items()))
+            attrs = link_attrs(topo)
+            comm_s = max(comm_s, max(b / attrs[e]["bw"] for e, b in link_bytes.items()))
     rates = {e: b / comm_s for e, b in link_bytes.items()} if comm_s > 0 else {}
     prof = CommProfile(spec.name, tuple(gpus), float(spec.compute_s), comm_s, rates, link_bytes)
     if len(cache) > _CACHE_LIMIT:

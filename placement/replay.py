@@ -82,6 +82,12 @@ class ProfileCache:
     GPU indices), profiled once on a canonical placement of that shape, and
     translated back by renaming hosts and leaf switches. Elsewhere the exact
     GPU list is the key.
+
+    The renaming of a shape's links is decided once, when the shape is first
+    profiled: each distinct node of the canonical profile is a node of the job's
+    ``j``-th host, the leaf of a rail in the job's ``c``-th SU, or a node that
+    keeps its name (a spine). A hit then names each distinct node once and
+    builds the link keys from those names, in the canonical profile's order.
     """
 
     def __init__(self, topo: Topology, routing: str = "rail"):
@@ -104,9 +110,12 @@ class ProfileCache:
                 self.leaf = {(g.nodes[s].get("pod"), g.nodes[s].get("rail")): s for s in topo.switches(SwitchTier.LEAF)}
                 self.leaf_key = {s: k for k, s in self.leaf.items()}
                 self.gpu_at = {(self.host_of[n], self.index[n]): n for n in topo.gpus()}
+                # per canonical profile: its distinct nodes as (0, name) kept, (1, job host j, rest) or (2, job SU c, rail),
+                # and its links as (node position, node position, key); see _renaming
+                self.renamings: dict[tuple, tuple[list[tuple], list[tuple[int, int, Any]]]] = {}
 
     def profile(self, spec: JobSpec, gpus: Sequence[str]) -> CommProfile:
-        shape_key = (spec.gpus, spec.tp, spec.compute_s, spec.grad_bytes, spec.algorithm)
+        shape_key = (spec.gpus, spec.tp, spec.pp, spec.compute_s, spec.grad_bytes, spec.algorithm)
         if not self.symmetric:
             key = (*shape_key, tuple(gpus))
             hit = self.cache.get(key)
@@ -116,41 +125,66 @@ class ProfileCache:
             else:
                 self.hits += 1
             return CommProfile(spec.name, tuple(gpus), hit.compute_s, hit.comm_s, hit.link_rates, hit.link_bytes)
-        hosts = list(dict.fromkeys(self.host_of[x] for x in gpus))
-        su_map: dict[int, int] = {}
+        host_of, index, su_of = self.host_of, self.index, self.su_of
+        per_host: dict[str, list[int]] = {}  # the job's hosts in order of first appearance -> local GPU indices in rank order
+        for x in gpus:
+            h = host_of[x]
+            if h in per_host:
+                per_host[h].append(index[x])
+            else:
+                per_host[h] = [index[x]]
+        hosts = list(per_host)
+        su_map: dict[int, int] = {}  # the job's SUs -> canonical SU (order of first appearance)
         for h in hosts:
-            su_map.setdefault(self.su_of[h], len(su_map))
-        shape = tuple((su_map[self.su_of[h]], tuple(self.index[x] for x in gpus if self.host_of[x] == h)) for h in hosts)
-        # canonical hosts: in canonical SU c, the hosts of the job in that SU become its first hosts, in rank order
-        used: dict[int, int] = {}
-        canon_host = {}
-        for h in hosts:
-            c = su_map[self.su_of[h]]
-            canon_host[h] = self.su_hosts[c][used.get(c, 0)]
-            used[c] = used.get(c, 0) + 1
-        key = (*shape_key, shape)
+            su_map.setdefault(su_of[h], len(su_map))
+        key = (*shape_key, tuple((su_map[su_of[h]], tuple(ix)) for h, ix in per_host.items()))
         hit = self.cache.get(key)
         if hit is None:
             self.misses += 1
-            canon = [self.gpu_at[(canon_host[self.host_of[x]], self.index[x])] for x in gpus]
+            # canonical hosts: in canonical SU c, the hosts of the job in that SU become its first hosts, in rank order
+            used: dict[int, int] = {}
+            canon_host = {}
+            for h in hosts:
+                c = su_map[su_of[h]]
+                canon_host[h] = self.su_hosts[c][used.get(c, 0)]
+                used[c] = used.get(c, 0) + 1
+            canon = [self.gpu_at[(canon_host[host_of[x]], index[x])] for x in gpus]
             hit = self.cache[key] = comm_profile(self.topo, spec, canon, policy=self.routing)
+            self.renamings[key] = self._renaming(hit, list(canon_host.values()))
         else:
             self.hits += 1
-        back_host = {canon_host[h]: h for h in hosts}
-        back_su = {c: s for s, c in su_map.items()}
-
-        def rename(node: str) -> str:
-            if node in self.leaf_key:
-                pod, rail = self.leaf_key[node]
-                return self.leaf[(back_su[pod], rail)]
-            host, _, rest = node.partition("/")
-            if rest and host in back_host:
-                return f"{back_host[host]}/{rest}"
-            return node
-
-        rates = {(rename(u), rename(v), k): r for (u, v, k), r in hit.link_rates.items()}
-        nbytes = {(rename(u), rename(v), k): b for (u, v, k), b in hit.link_bytes.items()}
+        nodes, links = self.renamings[key]
+        sus = list(su_map)
+        names = [n[1] if n[0] == 0 else f"{hosts[n[1]]}/{n[2]}" if n[0] == 1 else self.leaf[(sus[n[1]], n[2])] for n in nodes]
+        keys = [(names[u], names[v], k) for u, v, k in links]
+        nbytes = dict(zip(keys, hit.link_bytes.values(), strict=True))
+        rates = dict(zip(keys, hit.link_rates.values(), strict=True)) if hit.link_rates else {}
         return CommProfile(spec.name, tuple(gpus), hit.compute_s, hit.comm_s, rates, nbytes)
+
+    def _renaming(self, prof: CommProfile, canon_hosts: list[str]) -> tuple[list[tuple], list[tuple[int, int, Any]]]:
+        """How a canonical profile's links are renamed for a placement of its shape: (distinct nodes, links by node position).
+
+        ``canon_hosts[j]`` is the canonical host of the job's ``j``-th host; leaf switches are in canonical SU ``pod``.
+        """
+        slot = {h: j for j, h in enumerate(canon_hosts)}
+        leaf_key = self.leaf_key
+        position: dict[str, int] = {}
+        nodes: list[tuple] = []
+
+        def place(node: str) -> int:
+            position[node] = len(nodes)
+            host, _, rest = node.partition("/")
+            if node in leaf_key:
+                nodes.append((2, *leaf_key[node]))
+            elif rest and host in slot:
+                nodes.append((1, slot[host], rest))
+            else:
+                nodes.append((0, node))
+            return position[node]
+
+        get = position.get
+        links = [(get(u) if u in position else place(u), get(v) if v in position else place(v), k) for u, v, k in prof.link_bytes]
+        return nodes, links
 
 
 @dataclass

@@ -164,6 +164,53 @@ def test_send_recv_and_broadcast():
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op=st.sampled_from(OPS), policy=st.sampled_from(["rail", "ecmp", "shortest"]), data=st.data())
+def test_step_beta_equals_the_loop_over_route_flows(op, policy, data):
+    """Differential: a step's beta, bottleneck link, its bw and load (read from arrays) equal the plain loop over
+    route_flows' loads and the graph's bandwidths, ties going to the first link in route_flows' order."""
+    from topology.collectives import _step_cost
+    from topology.paths import view
+
+    t = CLUSTER3
+    gpus = data.draw(st.lists(st.sampled_from(t.gpus()), min_size=2, max_size=16, unique=True))
+    algorithm = data.draw(st.sampled_from([a for a in ALGORITHMS[op] if a != "hierarchical"]))
+    for step in plan_collective(t, op, gpus, S, algorithm).steps[:2]:
+        beta, worst, worst_bw, worst_load = 0.0, None, float("inf"), 0.0
+        for e, load in route_flows(t, step, policy).items():
+            bw = t.graph.edges[e]["bw"]
+            if load / (bw * 1e9) > beta:
+                beta, worst, worst_bw, worst_load = load / (bw * 1e9), e, bw, load
+        got = _step_cost(t, view(t), step, None, policy, 0.0)
+        assert (got[0], got[2], got[3], got[4]) == (beta, worst, worst_bw, worst_load)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(op=st.sampled_from(OPS), data=st.data())
+def test_costs_from_warm_caches_equal_costs_from_a_fresh_view(op, data):
+    """Differential: the view caches a plan and its cost read (ring order keys, pair latencies, link table) give, once
+    warm from other groups, exactly the plan and cost computed on a freshly built view."""
+    from topology.paths import clear_cache
+
+    t = build_cluster(4, hosts_per_su=2)
+    pick = st.lists(st.sampled_from(t.gpus()), min_size=1, max_size=12, unique=True)
+    groups = [data.draw(pick) for _ in range(3)]
+    algorithm = data.draw(st.sampled_from(ALGORITHMS[op]))
+    policy = data.draw(st.sampled_from(["rail", "ecmp", "shortest"]))
+
+    def cost(gpus):
+        try:
+            plan = plan_collective(t, op, gpus, S, algorithm)
+        except InputError:  # hierarchical on unequal hosts
+            return None
+        return plan.gpus, plan.steps, collective_time(t, op, gpus, S, algorithm, policy)
+
+    warm = [cost(g) for g in groups] + [cost(g) for g in reversed(groups)]
+    for i, g in enumerate(groups):
+        clear_cache(t)
+        assert cost(g) == warm[i] == warm[len(warm) - 1 - i]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(op=st.sampled_from(OPS), hosts=st.integers(1, 3), per_host=st.integers(1, 8), data=st.data())
 def test_plans_move_the_right_number_of_bytes(op, hosts, per_host, data):
     t = CLUSTER3

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import topology
 from netweave.cli import main
@@ -86,6 +88,88 @@ def test_profile_cache_uses_fabric_symmetry():
     direct = comm_profile(topo, spec, g[32:40] + g[48:56])
     assert b.link_rates == pytest.approx(direct.link_rates) and set(b.link_rates) == set(direct.link_rates)
     assert b.comm_s == pytest.approx(direct.comm_s) and a.comm_s == pytest.approx(b.comm_s)
+
+
+def _renamed_reference(cache: ProfileCache, spec: JobSpec, gpus: list[str]):
+    """The profile cache's translation as first written (one rename per link end): the reference for its cheap renaming."""
+    hosts = list(dict.fromkeys(cache.host_of[x] for x in gpus))
+    su_map: dict[int, int] = {}
+    for h in hosts:
+        su_map.setdefault(cache.su_of[h], len(su_map))
+    used: dict[int, int] = {}
+    canon_host = {}
+    for h in hosts:
+        c = su_map[cache.su_of[h]]
+        canon_host[h] = cache.su_hosts[c][used.get(c, 0)]
+        used[c] = used.get(c, 0) + 1
+    canon = comm_profile(cache.topo, spec, [cache.gpu_at[(canon_host[cache.host_of[x]], cache.index[x])] for x in gpus])
+    back_host = {canon_host[h]: h for h in hosts}
+    back_su = {c: s for s, c in su_map.items()}
+
+    def rename(node: str) -> str:
+        if node in cache.leaf_key:
+            pod, rail = cache.leaf_key[node]
+            return cache.leaf[(back_su[pod], rail)]
+        host, _, rest = node.partition("/")
+        return f"{back_host[host]}/{rest}" if rest and host in back_host else node
+
+    return (canon.comm_s, [((rename(u), rename(v), k), r) for (u, v, k), r in canon.link_rates.items()],
+            [((rename(u), rename(v), k), b) for (u, v, k), b in canon.link_bytes.items()])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_profile_cache_renaming_equals_renaming_every_link(data):
+    """Differential, over random placements and their images under random SU and host permutations: the cache's
+    per-node renaming gives exactly (floats, link order) the per-link renaming of the canonical profile, hit or miss;
+    images of one placement share one key; and the translated profile equals profiling the placement directly."""
+    topo = _SYMMETRIC
+    cache = ProfileCache(topo)
+    per = len(cache.su_hosts[0])
+    n_hosts = data.draw(st.integers(1, 5))
+    hosts = data.draw(st.lists(st.sampled_from(topo.hosts()), min_size=n_hosts, max_size=n_hosts, unique=True))
+    k = data.draw(st.sampled_from([1, 2, 4, 8]))
+    local = [data.draw(st.permutations(range(8)))[:k] for _ in hosts]
+    gpus = [cache.gpu_at[(h, i)] for h, ix in zip(hosts, local, strict=True) for i in ix]
+    if data.draw(st.booleans()):
+        gpus = data.draw(st.permutations(gpus))   # ranks not grouped by host
+    tp = data.draw(st.sampled_from([t for t in (1, 2) if len(gpus) % t == 0]))
+    spec = JobSpec("j", len(gpus), compute_s=0.05, grad_bytes=data.draw(st.sampled_from([1e8, 3.1e9])), tp=tp,
+                   algorithm=data.draw(st.sampled_from(["ring", "tree"])))
+    su_perm = data.draw(st.permutations(range(len(cache.su_hosts))))
+    host_perm = [data.draw(st.permutations(range(per))) for _ in cache.su_hosts]
+
+    def image(x: str) -> str:  # the same GPU index on the permuted host of the permuted SU
+        h = cache.host_of[x]
+        su, pos = cache.su_of[h], cache.su_hosts[cache.su_of[h]].index(h)
+        return cache.gpu_at[(cache.su_hosts[su_perm[su]][host_perm[su][pos]], cache.index[x])]
+
+    for placement in (gpus, [image(x) for x in gpus], gpus):
+        got = cache.profile(spec, placement)
+        comm_s, rates, nbytes = _renamed_reference(cache, spec, placement)
+        assert got.comm_s == comm_s and list(got.link_rates.items()) == rates and list(got.link_bytes.items()) == nbytes
+        assert got.gpus == tuple(placement) and got.job == "j"
+        direct = comm_profile(topo, spec, placement)
+        assert got.link_bytes.keys() == direct.link_bytes.keys() and got.comm_s == pytest.approx(direct.comm_s, rel=1e-12)
+        assert got.link_rates == pytest.approx(direct.link_rates, rel=1e-12)
+    assert cache.misses == 1 and cache.hits == 2
+
+
+def test_profile_cache_key_has_the_pipeline_degree():
+    """pp splits the gradient into per-stage groups: a placement profiled for pp=1 is not reused for pp=2."""
+    for topo in (_SYMMETRIC, topology.default_cluster()):
+        cache = ProfileCache(topo)
+        g = topo.gpus()
+        gpus = g[0:8] + g[16:24]
+        for pp in (1, 2):
+            spec = JobSpec("x", 16, compute_s=0.05, grad_bytes=1e9, pp=pp)
+            got = cache.profile(spec, gpus)
+            direct = comm_profile(topo, spec, gpus)
+            assert got.comm_s == direct.comm_s and got.link_bytes == direct.link_bytes
+        assert cache.misses == 2
+
+
+_SYMMETRIC = topology.build_cluster(8, hosts_per_su=2)
 
 
 def test_replay_is_deterministic_and_cli_runs(tmp_path, capsys):

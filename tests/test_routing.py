@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_paths import _random_topology  # tests/ is on sys.path under pytest
 
-from topology import InputError, NodeKind, SwitchTier, TopologyError, build_cluster, build_node
-from topology.paths import PathType, device_path
+from topology import InputError, LinkKind, NodeKind, SwitchTier, TopologyError, build_cluster, build_node
+from topology.paths import PathType, device_path, link_attrs
 from topology.routing import POLICIES, flow_paths, link_utilisation, nearest_port, route_flows
 
 
@@ -136,14 +136,11 @@ def _cluster(kind: str, nodes: int):
 FABRICS = {k: {n: _cluster(k, n) for n in (1, 2, 3)} for k in ("rail", "leaf-spine", "fat-tree")}
 
 
+ROUTED = {"fabric": st.sampled_from(sorted(FABRICS)), "nodes": st.integers(1, 3), "policy": st.sampled_from(POLICIES), "use_nics": st.booleans()}
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    fabric=st.sampled_from(sorted(FABRICS)),
-    nodes=st.integers(1, 3),
-    policy=st.sampled_from(POLICIES),
-    picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.5, 100.0)), min_size=1, max_size=6),
-    use_nics=st.booleans(),
-)
+@given(**ROUTED, picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.5, 100.0)), min_size=1, max_size=6))
 def test_loads_conserve_traffic(fabric, nodes, policy, picks, use_nics):
     t = FABRICS[fabric][nodes]
     ends = t.gpus() + (t.nodes(NodeKind.NIC) + t.switches() if use_nics else [])
@@ -169,6 +166,37 @@ def test_loads_conserve_traffic(fabric, nodes, policy, picks, use_nics):
             expected[dst] -= vol
     for node in set(net) | set(expected):
         assert net.get(node, 0.0) == pytest.approx(expected.get(node, 0.0), abs=1e-6)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**ROUTED, picks=st.lists(st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.floats(0.0, 1e9)), max_size=12))
+def test_network_only_and_array_loads_equal_route_flows(fabric, nodes, policy, picks, use_nics):
+    """Differentials, the same floats in the same order (each link's terms are added in the same order), with merged
+    pairs, self flows and zero volumes, cold and cached: route_flows(network_only=True) is the full result with the links
+    inside hosts dropped, and the array form the collective cost loops read (numpy bincount) is the full result."""
+    from topology.paths import view
+    from topology.routing import _link_ids, _route_loads
+
+    t = FABRICS[fabric][nodes]
+    ends = t.gpus() + (t.nodes(NodeKind.NIC) + t.switches() if use_nics else [])
+    flows = [(ends[a % len(ends)], ends[b % len(ends)], vol) for a, b, vol in picks]
+    flows += flows[: len(flows) // 2]   # repeated pairs are merged first
+    for _ in range(2):
+        full = route_flows(t, flows, policy)
+        expected = [(e, x) for e, x in full.items() if t.graph.edges[e]["kind"] == LinkKind.NETWORK]
+        assert list(route_flows(t, flows, policy, network_only=True).items()) == expected
+        links, loads = _route_loads(t, flows, policy)
+        edges = _link_ids(view(t), t)[1]
+        assert [(edges[i], x) for i, x in zip(links.tolist(), loads.tolist(), strict=True)] == list(full.items())
+
+
+def test_link_attrs_are_the_graphs_own_dicts_and_follow_changes():
+    t = build_cluster(2)
+    table = link_attrs(t)
+    assert len(table) == t.graph.number_of_edges()
+    assert all(table[(u, v, k)] is d for u, v, k, d in t.graph.edges(keys=True, data=True))
+    t.add_link("node0/nic0", "su0/leaf1", LinkKind.NETWORK, 25.0)   # a change through the topology: a new table
+    assert link_attrs(t)[("node0/nic0", "su0/leaf1", 0)]["bw"] == 25.0 and len(link_attrs(t)) == len(table) + 2  # both directions
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

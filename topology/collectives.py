@@ -71,10 +71,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from .errors import InputError
 from .model import Topology
-from .paths import view
-from .routing import POLICIES, Edge, _nearest, _route, route_flows
+from .paths import _link_attrs, view
+from .routing import _CACHE_LIMIT, POLICIES, Edge, _link_ids, _nearest, _route, _route_loads
 
 
 class P2PFlow(NamedTuple):
@@ -148,18 +150,18 @@ class CollectiveSchedule:
 def _islands_order(topo: Topology, gpus: Sequence[str]) -> list[list[str]]:
     """GPUs grouped by island in order of first appearance; inside, by (rail of nearest NIC, index, id)."""
     vw = view(topo)
+    keys = vw.cache.setdefault("ring_keys", {})  # GPU -> (its island, its place in the island's order): fixed per view
     groups: dict[int, list[str]] = {}
     for g in gpus:
-        groups.setdefault(vw.island[vw.idx(g)], []).append(g)
-
-    def key(g: str) -> tuple:
-        a = vw.idx(g)
-        p = _nearest(vw, a)
-        rail = vw.rail_attr(p) if p is not None else None
-        idx = vw.index_attr(a)
-        return (rail is None, rail if isinstance(rail, int) else 0, idx if isinstance(idx, int) else 0, g)
-
-    return [sorted(members, key=key) for members in groups.values()]
+        k = keys.get(g)
+        if k is None:
+            a = vw.idx(g)
+            p = _nearest(vw, a)
+            rail = vw.rail_attr(p) if p is not None else None
+            idx = vw.index_attr(a)
+            k = keys[g] = (vw.island[a], (rail is None, rail if isinstance(rail, int) else 0, idx if isinstance(idx, int) else 0, g))
+        groups.setdefault(k[0], []).append(g)
+    return [sorted(members, key=lambda g: keys[g][1]) for members in groups.values()]
 
 
 def _rings(islands: list[list[str]]) -> list[list[str]]:
@@ -399,18 +401,27 @@ def _route_latency_us(vw, s: int, t: int, policy: str) -> float:
 
 
 def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, overhead_us: float) -> tuple[float, float, Edge | None, float, float]:
-    loads = route_flows(topo, step, policy)
+    # beta: the most loaded link's load / bw, the first such link in route_flows' order (as arrays: same floats)
+    links, loads = _route_loads(topo, step, policy)
     beta, worst, worst_bw, worst_load = 0.0, None, math.inf, 0.0
-    G = topo.graph
-    for e, load in loads.items():
-        bw = G.edges[e]["bw"]
-        t = load / (bw * 1e9)
-        if t > beta:
-            beta, worst, worst_bw, worst_load = t, e, bw, load
-    if chains is None:
-        chains = [[(f.src, f.dst)] for f in step]
+    if len(links):
+        _, edges, bws = _link_ids(vw, topo)
+        times = loads / (bws[links] * 1e9)
+        i = int(np.argmax(times))
+        if times[i] > 0:
+            worst = edges[links[i]]
+            beta, worst_bw, worst_load = float(times[i]), _link_attrs(vw, topo)[worst]["bw"], float(loads[i])
     alpha_us = 0.0
-    for chain in chains:
+    if chains is None:  # every flow is its own chain: the step's alpha is its slowest route
+        pair_latency = vw.cache.setdefault("pair_latency", {})
+        if len(pair_latency) > _CACHE_LIMIT:
+            pair_latency.clear()
+        for f in step:
+            lat = pair_latency.get((f.src, f.dst, policy))
+            if lat is None:
+                lat = pair_latency[(f.src, f.dst, policy)] = _route_latency_us(vw, vw.idx(f.src), vw.idx(f.dst), policy)
+            alpha_us = max(alpha_us, lat)
+    for chain in chains or ():
         lat = sum(_route_latency_us(vw, vw.idx(a), vw.idx(b), policy) for a, b in chain)
         alpha_us = max(alpha_us, lat)
     return beta, (alpha_us + overhead_us) * 1e-6, worst, worst_bw, worst_load

@@ -202,6 +202,29 @@ def view(topo: Topology, *, check: bool = True) -> _View:
     return v
 
 
+def link_attrs(topo: Topology) -> dict[tuple[str, str, Any], dict[str, Any]]:
+    """Every link's attribute dict keyed ``(u, v, key)``: the graph's own dicts, read without networkx's edge views.
+
+    ``link_attrs(topo)[e]`` is the very dict ``topo.graph.edges[e]`` returns, at a third of the cost; the table is
+    built once and kept with the cached view (see :func:`clear_cache`), for the loops that read the ``bw`` or
+    ``kind`` of every link a routing touched.
+
+    >>> from topology import build_node
+    >>> t = build_node("dgx-h100")
+    >>> e = ("node0/gpu0", "node0/pcie0", 0)
+    >>> link_attrs(t)[e] is t.graph.edges[e], link_attrs(t)[e]["bw"]
+    (True, 63.0)
+    """
+    return _link_attrs(view(topo), topo)
+
+
+def _link_attrs(vw: _View, topo: Topology) -> dict[tuple[str, str, Any], dict[str, Any]]:
+    table = vw.cache.get("link_attrs")
+    if table is None:
+        table = vw.cache["link_attrs"] = {(u, v, k): d for u, v, k, d in topo.graph.edges(keys=True, data=True)}
+    return table
+
+
 def _build_view(topo: Topology) -> _View:
     G = topo.graph
     rep: dict[str, str] = {}
@@ -1039,5 +1062,5 @@ def bisection_bandwidth(topo: Topology) -> dict[str, Any]:
 
 __all__ = [
     "LOC_BW", "BandwidthMatrix", "GpuPath", "PathType", "bandwidth_classes", "bandwidth_matrix", "bisection_bandwidth",
-    "clear_cache", "device_path", "gpu_path",
+    "clear_cache", "device_path", "gpu_path", "link_attrs",
 ]

@@ -58,9 +58,11 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from .errors import TopologyError
 from .model import Topology
-from .paths import _GPU, _NET, _NIC, _NVS, _SW, PathType, VEdge, _islands, _p2c_sensitive, _search, _search_all, _View, view
+from .paths import _GPU, _NET, _NIC, _NVS, _SW, PathType, VEdge, _islands, _link_attrs, _p2c_sensitive, _search, _search_all, _View, view
 
 Edge = tuple[str, str, Any]
 POLICIES = ("shortest", "ecmp", "rail")
@@ -459,19 +461,35 @@ def _route(vw: _View, s: int, t: int, policy: str) -> list[Stage]:
     return stages
 
 
+def _remember(vw: _View, name: str, key: tuple, value: Any) -> Any:
+    """Keep ``value`` under ``key`` in the view's per-pair cache ``name`` (emptied past ``_CACHE_LIMIT`` entries)."""
+    cache = vw.cache[name]
+    if len(cache) > _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def _edge_fractions(vw: _View, s: int, t: int, policy: str) -> list[tuple[Edge, float]]:
-    cache = vw.cache.setdefault("fractions", {})
-    key = (s, t, policy)
-    out = cache.get(key)
+    out = vw.cache.setdefault("fractions", {}).get((s, t, policy))
     if out is None:
-        if len(cache) > _CACHE_LIMIT:
-            cache.clear()
         acc: dict[Edge, float] = {}
         for stage in _route(vw, s, t, policy):
             for f, edges in stage:
                 for e in edges:
                     acc[e] = acc.get(e, 0.0) + f
-        out = cache[key] = list(acc.items())
+        out = _remember(vw, "fractions", (s, t, policy), list(acc.items()))
+    return out
+
+
+def _network_fractions(vw: _View, s: int, t: int, policy: str) -> list[tuple[Edge, float]]:
+    """:func:`_edge_fractions` restricted to network links (NIC, leaf, spine), in the same order."""
+    out = vw.cache.setdefault("network_fractions", {}).get((s, t, policy))
+    if out is None:
+        network = vw.cache.get("network_links")
+        if network is None:
+            network = vw.cache["network_links"] = {(u, v, k) for lst in vw.adj for e in lst if e.lk == _NET for u, v, k, _ in e.phys}
+        out = _remember(vw, "network_fractions", (s, t, policy), [(e, f) for e, f in _edge_fractions(vw, s, t, policy) if e in network])
     return out
 
 
@@ -503,10 +521,13 @@ def flow_paths(topo: Topology, src: str, dst: str, policy: str = "shortest") -> 
     return out if stages else [(1.0, [])]
 
 
-def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy: str = "shortest") -> dict[Edge, float]:
+def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy: str = "shortest", *,
+                network_only: bool = False) -> dict[Edge, float]:
     """Sum of the traffic each directed link carries when every flow ``(src, dst, volume)`` is routed by ``policy``.
 
-    Flows between the same pair are merged first; routes are cached per pair.
+    Flows between the same pair are merged first; routes are cached per pair. ``network_only``: only the
+    network links (NIC, leaf, spine), each with the same sum in the same order as the full result's (for
+    callers that drop the links inside hosts, without routing them).
 
     >>> from topology import build_node
     >>> t = build_node("dgx-h100")
@@ -516,6 +537,16 @@ def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy:
     """
     _check_policy(policy)
     vw = view(topo)
+    fractions = _network_fractions if network_only else _edge_fractions
+    loads: dict[Edge, float] = {}
+    for s, t, vol in _pairs(vw, flows):
+        for e, f in fractions(vw, s, t, policy):
+            loads[e] = loads.get(e, 0.0) + vol * f
+    return loads
+
+
+def _pairs(vw: _View, flows: Iterable[tuple[str, str, float]]) -> list[tuple[int, int, float]]:
+    """The flows merged per (src, dst) in order of first appearance, as view positions; empty and self flows dropped."""
     volumes: dict[tuple[str, str], float] = {}
     for src, dst, vol in flows:
         if vol < 0:
@@ -523,17 +554,54 @@ def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy:
         volumes[(src, dst)] = volumes.get((src, dst), 0.0) + vol
     index = vw.index
     rep = vw.rep
-    loads: dict[Edge, float] = {}
+    out = []
     for (src, dst), vol in volumes.items():
         if src == dst or vol == 0:
             continue
         try:
-            s, t = index[rep.get(src, src)], index[rep.get(dst, dst)]
+            out.append((index[rep.get(src, src)], index[rep.get(dst, dst)], vol))
         except KeyError:
             raise TopologyError(f"flow {src} -> {dst}: unknown node") from None
-        for e, f in _edge_fractions(vw, s, t, policy):
-            loads[e] = loads.get(e, 0.0) + vol * f
-    return loads
+    return out
+
+
+def _link_ids(vw: _View, topo: Topology) -> tuple[dict[Edge, int], list[Edge], np.ndarray]:
+    """Links numbered in :func:`~topology.paths.link_attrs` order: (number of each link, the links, their ``bw`` as an array)."""
+    ids = vw.cache.get("link_ids")
+    if ids is None:
+        table = _link_attrs(vw, topo)
+        edges = list(table)
+        ids = vw.cache["link_ids"] = ({e: i for i, e in enumerate(edges)}, edges, np.array([d["bw"] for d in table.values()], dtype=float))
+    return ids
+
+
+def _fraction_arrays(vw: _View, topo: Topology, s: int, t: int, policy: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_edge_fractions` as (link numbers, fractions) arrays."""
+    out = vw.cache.setdefault("fraction_arrays", {}).get((s, t, policy))
+    if out is None:
+        number = _link_ids(vw, topo)[0]
+        fr = _edge_fractions(vw, s, t, policy)
+        out = _remember(vw, "fraction_arrays", (s, t, policy), (np.array([number[e] for e, _ in fr], dtype=np.intp), np.array([f for _, f in fr])))
+    return out
+
+
+def _route_loads(topo: Topology, flows: Iterable[tuple[str, str, float]], policy: str) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`route_flows` as arrays: (link numbers in :func:`_link_ids`, loads), in the order ``route_flows`` lists them.
+
+    Each load is the same float: every term ``volume * fraction`` is the same product, and ``np.bincount`` adds a
+    link's terms one after another in the order the loop does (for the cost loops that read every loaded link).
+    """
+    _check_policy(policy)
+    vw = view(topo)
+    parts = [(ids, vol * f) for s, t, vol in _pairs(vw, flows) for ids, f in (_fraction_arrays(vw, topo, s, t, policy),)]
+    if not parts:
+        return np.zeros(0, dtype=np.intp), np.zeros(0)
+    ids = np.concatenate([p[0] for p in parts])
+    weights = np.concatenate([p[1] for p in parts])
+    links, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
+    loads = np.bincount(inverse, weights=weights, minlength=len(links))
+    order = np.argsort(first, kind="stable")  # the order of first use, as the dict's insertion order
+    return links[order], loads[order]
 
 
 def link_utilisation(topo: Topology, loads: dict[Edge, float]) -> list[tuple[Edge, float]]:
@@ -544,8 +612,8 @@ def link_utilisation(topo: Topology, loads: dict[Edge, float]) -> list[tuple[Edg
     >>> link_utilisation(t, route_flows(t, [("node0/gpu0", "node0/nic0", 63.0)]))[0]
     (('node0/gpu0', 'node0/pcie0', 0), 1.0)
     """
-    G = topo.graph
-    out = [(e, load / G.edges[e]["bw"]) for e, load in loads.items()]
+    attrs = _link_attrs(view(topo), topo)
+    out = [(e, load / attrs[e]["bw"]) for e, load in loads.items()]
     out.sort(key=lambda x: (-x[1], x[0][0], x[0][1]))
     return out
 
