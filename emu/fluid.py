@@ -589,14 +589,10 @@ def _c_engine() -> Any:
                     lib = None
             except OSError as e:
                 why, lib = f"{path}: {e}", None
-        if lib is not None:  # numpy arrays go straight in (C-contiguous, of these dtypes)
-            def arr(dtype: Any) -> Any:
-                return np.ctypeslib.ndpointer(dtype=dtype, flags="C_CONTIGUOUS")
-
-            i, d = arr(np.int32), arr(np.float64)
-            lib.nw_fluid_simulate.restype = ctypes.c_int
-            lib.nw_fluid_simulate.argtypes = [ctypes.c_int, d, d, d, d, arr(np.uint8), ctypes.c_int, ctypes.c_int, d,
-                                              i, i, d, i, i, ctypes.c_int, d, i, arr(np.int64)]
+        if lib is not None:  # pointers as addresses into numpy arrays (C-contiguous, of the C types; see _simulate_c)
+            ptr, c_int = ctypes.c_void_p, ctypes.c_int
+            lib.nw_fluid_simulate.restype = c_int
+            lib.nw_fluid_simulate.argtypes = [c_int, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr, ptr, ptr]
         _lib_state["lib"], _lib_state["why"] = lib, why
     return _lib_state["lib"]
 
@@ -616,22 +612,28 @@ def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[f
     if lib is None:
         raise RuntimeError(f"the C fluid engine is not available: {_lib_state['why']}")
     n = len(jobs)
-    f64 = np.float64
-    compute = np.array([j.compute_s for j in jobs], dtype=f64)
-    comm = np.array([j.comm_s for j in jobs], dtype=f64)
-    start = np.array(starts, dtype=f64)
-    own = np.array(coupling.own_cap, dtype=f64)
+    # the inputs laid end to end in one float64 and one int32 array (two conversions per call, not one per argument):
+    # per job compute, comm, start and own cap, per link its capacity, per (job, link) the demand; the index arrays
+    job_links, link_users, nl = coupling.job_links, coupling.link_users, len(coupling.cap_list)
+    jl_ptr, jl_link, jl_dem = [0], [], []
+    for ls in job_links:
+        for k, d in ls:
+            jl_link.append(k)
+            jl_dem.append(d)
+        jl_ptr.append(len(jl_link))
+    lu_ptr, lu_job = [0], []
+    for us in link_users:
+        lu_job.extend(us)
+        lu_ptr.append(len(lu_job))
+    floats = np.array([*(j.compute_s for j in jobs), *(j.comm_s for j in jobs), *starts, *coupling.own_cap, *coupling.cap_list, *jl_dem],
+                      dtype=np.float64)
+    ints = np.array([*jl_ptr, *jl_link, *lu_ptr, *lu_job], dtype=np.int32)
+    fa, ia = floats.ctypes.data, ints.ctypes.data
+    f_at = [fa + 8 * k for k in (0, n, 2 * n, 3 * n, 4 * n, 4 * n + nl)]  # compute, comm, start, own, cap, jl_dem
+    i_at = [ia + 4 * k for k in (0, n + 1, n + 1 + len(jl_link), n + 1 + len(jl_link) + nl + 1)]  # jl_ptr, jl_link, lu_ptr, lu_job
     watched = np.zeros(n, dtype=np.uint8)
     for i in (range(n) if watch is None else watch):
         watched[i] = jobs[i].comm_s > 0
-    cap = np.array(coupling.cap_list, dtype=f64)
-    jl_ptr = np.zeros(n + 1, dtype=np.int32)
-    jl_ptr[1:] = np.cumsum([len(ls) for ls in coupling.job_links])
-    jl_link = np.array([k for ls in coupling.job_links for k, _ in ls], dtype=np.int32)
-    jl_dem = np.array([d for ls in coupling.job_links for _, d in ls], dtype=f64)
-    lu_ptr = np.zeros(len(cap) + 1, dtype=np.int32)
-    lu_ptr[1:] = np.cumsum([len(us) for us in coupling.link_users])
-    lu_job = np.array([i for us in coupling.link_users for i in us], dtype=np.int32)
     periods = [j.period_s for j in jobs if j.comm_s > 0]
     # iterations a fast job finishes while a slow one does its own: a first guess, retried larger when short
     ends_cap = iterations * (2 + math.ceil(max(periods) / max(min(periods), 1e-300) if periods else 1)) + 2
@@ -639,9 +641,9 @@ def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[f
     stats = np.zeros(2, dtype=np.int64)
 
     while True:
-        ends = np.zeros(max(n * ends_cap, 1), dtype=f64)
-        rc = lib.nw_fluid_simulate(n, compute, comm, start, own, watched, iterations, len(cap), cap, jl_ptr, jl_link, jl_dem, lu_ptr,
-                                   lu_job, ends_cap, ends, count, stats)
+        ends = np.zeros(max(n * ends_cap, 1), dtype=np.float64)
+        rc = lib.nw_fluid_simulate(n, f_at[0], f_at[1], f_at[2], f_at[3], watched.ctypes.data, iterations, nl, f_at[4], i_at[0], i_at[1],
+                                   f_at[5], i_at[2], i_at[3], ends_cap, ends.ctypes.data, count.ctypes.data, stats.ctypes.data)
         if rc != 0:
             raise RuntimeError(f"nw_fluid_simulate failed with code {rc} ({'out of memory' if rc == -2 else 'invalid arguments'})")
         most = int(count.max())
