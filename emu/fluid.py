@@ -790,16 +790,18 @@ class PeriodicFluidModel:
             _validate([current[i] for i in new], self.capacity, self.iterations)
         refreshed: set[int] = set()
         seeds: list[int] = list(new)
+        users, binding, capacity = self._users, self._binding, self.capacity
         for i in gone:
             for link, _ in self._links[i]:
-                us = self._users[link]
-                if self._binding[link]:  # its partners there may now be freer
+                us = users[link]
+                bound = binding[link]
+                if bound:  # its partners there may now be freer
                     seeds.extend(k for k in us if k != i)
                 del us[i]
-                if us:
+                if not us:
+                    del users[link], binding[link]
+                elif bound:  # a link that could not saturate still cannot after a leave
                     self._update_binding(link)
-                else:
-                    del self._users[link], self._binding[link]
             for store in (self._jobs, self._links, self._own, self._times, self._serial, self._bind_links):
                 del store[i]
         for i in new:
@@ -808,12 +810,20 @@ class PeriodicFluidModel:
             self._jobs[i], self._links[i] = j, links
             self._serial[i] = self._next_serial
             self._next_serial += 1
-            self._bind_links[i] = {}
+            bind = self._bind_links[i] = {}
             own = 1.0
             for link, d in links:
-                self._users.setdefault(link, {})[i] = d
-                self._update_binding(link, joined=i)
-                own = min(own, self.capacity[link] / d)
+                us = users.get(link)
+                if us is None:  # its only user: it caps the job but couples nobody
+                    users[link] = {i: d}
+                    binding[link] = False
+                else:
+                    us[i] = d
+                    if binding[link]:  # a link that could saturate still can after a join
+                        bind[link] = d
+                    else:
+                        self._update_binding(link, joined=i)
+                own = min(own, capacity[link] / d)
             self._own[i] = own
         done: set[int] = set()
         live = [s for s in dict.fromkeys(seeds) if s in self._jobs]
