@@ -241,6 +241,7 @@ class Replay:
         self._las_level: dict[str, int] = {}
         self._las_cross: list[tuple[float, int, str]] = []
         self._las_demand = 0  # GPUs of the jobs in the order
+        self._las_gpus: dict[str, int] = {}  # and each one's GPUs
         # LAS's last walk of that order (see _schedule_las): the names walked, the GPUs left before each, the ones kept, the
         # GPUs left after it, and the first position of the order changed since (positions before it walk the same way)
         self._las_walk: list[str] = []
@@ -420,12 +421,14 @@ class Replay:
     def _las_add(self, r: _Run) -> None:
         """Enter a job (arrived) into the LAS order."""
         level = self._las_level[r.trace.name] = self._las_queue(r)
+        self._las_gpus[r.trace.name] = r.spec.gpus
         self._las_insert(level, (r.trace.arrival_s, r.trace.name))
         self._las_demand += r.spec.gpus
 
     def _las_remove(self, r: _Run) -> None:
         """Take a job (finished) out of the LAS order."""
         self._las_delete(self._las_level.pop(r.trace.name), (r.trace.arrival_s, r.trace.name))
+        del self._las_gpus[r.trace.name]
         self._las_demand -= r.spec.gpus
 
     def _las_insert(self, level: int, entry: tuple[float, str]) -> None:
@@ -496,17 +499,19 @@ class Replay:
         else:
             walk, before, keep = self._las_walk, self._las_before, self._las_keep
             cut = min(self._las_dirty, len(walk))
-            dropped = set()  # kept by the last walk past the change: preempted unless kept again
+            dropped = []  # kept by the last walk past the change: preempted unless kept again
             if cut < len(walk):
                 budget = before[cut]
                 for name in walk[cut:]:
                     if name in keep:
                         keep.remove(name)
-                        dropped.add(name)
+                        dropped.append(name)
                 del walk[cut:], before[cut:]
             else:
                 budget = self._las_left if walk else len(self.gpus)
             start = []
+            gpus_of, running = self._las_gpus, self.running
+            walk_add, before_add, keep_add = walk.append, before.append, keep.add
             pos = len(walk)  # the walk goes on from here (an index into the queues laid end to end)
             for order in self._las_order:
                 if budget == 0:
@@ -516,24 +521,23 @@ class Replay:
                     continue
                 for i in range(pos, len(order)):
                     name = order[i][1]
-                    r = jobs[name]
-                    walk.append(name)
-                    before.append(budget)
-                    if r.spec.gpus <= budget:
-                        keep.add(name)
-                        dropped.discard(name)
-                        budget -= r.spec.gpus
-                        if not r.running:
-                            start.append(r)
+                    walk_add(name)
+                    before_add(budget)
+                    g = gpus_of[name]
+                    if g <= budget:
+                        keep_add(name)
+                        budget -= g
+                        if name not in running:
+                            start.append(jobs[name])
                         if budget == 0:
                             break
                 pos = 0
             self._las_left, self._las_dirty = budget, len(walk)
             if self._las_whole:  # after an event where all ran: any running job may be outside the kept set
-                preempt = [n for n in self.running if n not in keep]
+                preempt = [n for n in running if n not in keep]
                 self._las_whole = False
             else:  # the running jobs are the kept ones, less those finished: only those dropped can stop
-                preempt = sorted((n for n in dropped if n in self.running), key=lambda n: self.running[n].started)
+                preempt = sorted((n for n in dropped if n not in keep and n in running), key=lambda n: running[n].started)
         changed = False
         for name in preempt:  # in the order they started (the running jobs' order)
             self._stop(self.running[name])
