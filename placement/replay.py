@@ -50,6 +50,7 @@ unified circles of the jobs sharing it).
 from __future__ import annotations
 
 import bisect
+import gc
 import heapq
 import math
 import time
@@ -773,6 +774,23 @@ class Replay:
         return [r.trace.name for r in sorted(out, key=lambda r: r.started)]
 
     def run(self) -> ReplayResult:
+        """Replay the trace to its end (see the module docstring).
+
+        Python's cyclic garbage collector is paused while it runs (and resumed after, if it was on): the loop makes
+        millions of short-lived objects, freed by reference counting, and the collector would keep rescanning the
+        long-lived caches beside them (about a tenth of a 25,000-job FIFO replay's time and more as the caches grow);
+        the loop's own objects form almost no cycles (a 10,000-job replay leaves about 3,000 objects for the next
+        collection).
+        """
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run()
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self) -> ReplayResult:
         wall = time.perf_counter()
         i = 0
         while i < len(self.arrivals) or self.queue or self.running:
