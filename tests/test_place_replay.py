@@ -229,3 +229,25 @@ def test_comm_profile_cache_belongs_to_its_topology():
     assert all(len(v) == 1 for v in times.values())
     # the ring's time is bytes over the NIC rate: a quarter of the NIC rate, four times the time
     assert min(times[100]) == pytest.approx(4 * min(times[400]), rel=0.05) and min(times[50]) == pytest.approx(2 * min(times[100]), rel=0.05)
+
+
+@pytest.mark.parametrize("collecting", [True, False])
+def test_replay_pauses_the_garbage_collector_and_restores_it(collecting):
+    import gc
+
+    topo = topology.build_cluster(2)
+    seen = []
+    rp = Replay(topo, synthetic_trace(5, seed=1), "fifo")
+    step = rp._schedule
+
+    def schedule():
+        seen.append(gc.isenabled())
+        return step()
+
+    rp._schedule = schedule
+    (gc.enable if collecting else gc.disable)()
+    try:
+        rp.run()
+        assert seen and not any(seen) and gc.isenabled() is collecting
+    finally:
+        gc.enable()

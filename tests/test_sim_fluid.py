@@ -396,3 +396,16 @@ def test_c_event_loop_is_clean_under_asan_and_ubsan():
     res = subprocess.run([sys.executable, "-c", SANITIZED_RUN], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "clean 300" in res.stdout
+
+
+@given(start=st.floats(0, 10), steps=st.lists(st.floats(1e-6, 5.0), min_size=0, max_size=20))
+@settings(max_examples=200, deadline=None)
+def test_mean_after_first_is_numpys_mean_of_the_durations(start, steps):
+    """The model's mean iteration time has np.mean's floats (the replay's schedules hang on the last bit)."""
+    from emu.fluid import _mean_after_first
+
+    ends = list(np.cumsum([start, *steps])[1:])
+    durations = [b - a for a, b in zip([start, *ends], ends, strict=False)]
+    want = float(np.mean(durations[1:] or durations)) if durations else math.nan
+    got = _mean_after_first(start, ends)
+    assert (math.isnan(got) and math.isnan(want)) or got == want
