@@ -487,8 +487,9 @@ class Replay:
         attained service crosses a threshold, found through a heap of crossing times), and so is the walk along it that
         picks the jobs to run: a job is kept when its GPUs fit in what the jobs before it left, so the walk up to the
         first position that changed since the last event (an arrival, a finish, a job moving down a queue) goes as
-        before, and only the rest is walked again (until no GPU is left). An event costs the jobs it re-walks, not all
-        the running ones; when every job fits (the sum of their GPUs is at most the cluster's) nothing is walked.
+        before, and only the rest is walked again (until no GPU is left). An event costs the jobs it re-walks: few after
+        a change low in the order, but an arrival enters the top queue, so in a full cluster it re-walks every job below
+        it. When every job fits (the sum of their GPUs is at most the cluster's) nothing is walked.
         """
         self._las_demote()
         jobs = self.jobs
