@@ -127,21 +127,23 @@ def test_gpu_paths_refuse_clearly_without_a_gpu():
 
 @pytest.mark.parametrize("is_last", [True, False], ids=["last stage (loss)", "inner stage"])
 def test_replay_runs_real_backwards_and_leaves_no_gradients(is_last):
-    """The replay's backwards do the work (about twice a forward's CPU on wide blocks) and drop what they accumulate."""
+    """The replay's backwards do the work (about twice a forward's CPU on wide blocks; more than one forward's is asked,
+    as sub-millisecond timings on the busy 2-core machine came out at 1.14x once; a skipped backward is ~0) and drop
+    what they accumulate."""
     from types import SimpleNamespace
 
     from pipesched.models import mlp_chain
     from pipesched.runner import _replay
 
     torch.set_num_threads(1)
-    module = torch.nn.Sequential(*mlp_chain([512, 512], 64))
+    module = torch.nn.Sequential(*mlp_chain([1024, 1024], 64))
     stage = SimpleNamespace(stage_index=0, submod=module, is_first=False, is_last=is_last)
-    job = {"batch": 64, "microbatches": 4, "dim": 64}
-    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    job = {"batch": 128, "microbatches": 4, "dim": 64}
+    x, y = torch.randn(128, 64), torch.randn(128, 64)
     actions = [[0, "F", k] for k in range(4)] + [[0, "B", k] for k in range(4)]
     times = _replay(torch, [stage], actions, x, y, job)
     assert set(times) == {"0 F", "0 B"}
-    assert times["0 B"] > 1.2 * times["0 F"] > 0
+    assert times["0 B"] > times["0 F"] > 0
     assert all(p.grad is None for p in module.parameters())
 
 
