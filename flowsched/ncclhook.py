@@ -56,6 +56,7 @@ PLUGIN_NAME = "netweave"
 PLUGIN_LIB = "libnccl-net-netweave.so"
 MARK_LIB = "libnetweave-mark.so"
 FLUID_LIB = "libnetweave-fluid.so"  # emu.fluid's C event loop, built by the same Makefile
+REPLAY_LIB = "libnetweave-replay.so"  # and placement.replay's LAS walk
 NUM_CLASSES = 8
 
 ALGORITHMS = ("tree", "ring", "collnet_direct", "collnet_chain", "nvls", "nvls_tree", "pat")
@@ -75,7 +76,7 @@ def build(*, sanitize: bool = False, force: bool = False, quiet: bool = True) ->
     ``sanitize=True`` builds the ASan/UBSan variant into ``csrc/build/sanitize``.
     """
     out = BUILD / "sanitize" if sanitize else BUILD
-    wanted = [out / PLUGIN_LIB, out / "net_harness", out / "ring_harness", out / "plan_check", out / FLUID_LIB]
+    wanted = [out / PLUGIN_LIB, out / "net_harness", out / "ring_harness", out / "plan_check", out / FLUID_LIB, out / REPLAY_LIB]
     wanted += [] if sanitize else [out / MARK_LIB]
     sources = list(CSRC.glob("*.c")) + list(CSRC.glob("*.h")) + list(CSRC.glob("include/*.h")) + list(CSRC.glob("tests/*.c"))
     newest = max((p.stat().st_mtime for p in sources), default=0.0)

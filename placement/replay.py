@@ -50,6 +50,7 @@ unified circles of the jobs sharing it).
 from __future__ import annotations
 
 import bisect
+import ctypes
 import gc
 import heapq
 import math
@@ -60,6 +61,7 @@ from typing import Any
 
 import numpy as np
 
+from topology.clib import library_path, load_library
 from topology.errors import InputError
 from topology.model import SwitchTier, Topology
 
@@ -237,20 +239,17 @@ class Replay:
         self.slowdown = slowdown or FluidSlowdown(topo)
         self.candidates, self.las_thresholds = candidates, tuple(las_thresholds)
         self._las_sorted = sorted(self.las_thresholds)
-        # LAS's order across events: per queue, (arrival, name) sorted; each job's queue; crossing heap (time, start, name)
+        # LAS's order across events: per queue, (arrival, name) sorted; each job's queue; crossing heap (time, start, name).
+        # The queues laid end to end, position by position: each job's GPUs and whether it holds them (the last walk kept
+        # it), in arrays with room to grow, for the walk (see _schedule_las)
         self._las_order: list[list[tuple[float, str]]] = [[] for _ in range(len(self._las_sorted) + 1)]
         self._las_level: dict[str, int] = {}
         self._las_cross: list[tuple[float, int, str]] = []
-        self._las_demand = 0  # GPUs of the jobs in the order
-        self._las_gpus: dict[str, int] = {}  # and each one's GPUs
-        # LAS's last walk of that order (see _schedule_las): the names walked, the GPUs left before each, the ones kept, the
-        # GPUs left after it, and the first position of the order changed since (positions before it walk the same way)
-        self._las_walk: list[str] = []
-        self._las_before: list[int] = []
-        self._las_keep: set[str] = set()
-        self._las_left = 0
-        self._las_dirty = 0
-        self._las_whole = True  # the next walk compares every running job with the kept set (see _schedule_las)
+        self._las_n = 0
+        self._las_size = np.zeros(0, dtype=np.int32)
+        self._las_on = np.zeros(0, dtype=np.uint8)
+        self._las_flips = np.zeros(0, dtype=np.int32)
+        self._las_lib = _replay_library() if policy == "las" else None
         self.profiles = profiles or ProfileCache(topo, routing)
         self.gpus = topo.gpus()
         self.gpu_pos = {g: i for i, g in enumerate(self.gpus)}
@@ -422,31 +421,45 @@ class Replay:
     def _las_add(self, r: _Run) -> None:
         """Enter a job (arrived) into the LAS order."""
         level = self._las_level[r.trace.name] = self._las_queue(r)
-        self._las_gpus[r.trace.name] = r.spec.gpus
-        self._las_insert(level, (r.trace.arrival_s, r.trace.name))
-        self._las_demand += r.spec.gpus
+        self._las_insert(level, (r.trace.arrival_s, r.trace.name), r.spec.gpus, 0)
 
     def _las_remove(self, r: _Run) -> None:
         """Take a job (finished) out of the LAS order."""
         self._las_delete(self._las_level.pop(r.trace.name), (r.trace.arrival_s, r.trace.name))
-        del self._las_gpus[r.trace.name]
-        self._las_demand -= r.spec.gpus
 
-    def _las_insert(self, level: int, entry: tuple[float, str]) -> None:
+    def _las_position(self, level: int, i: int) -> int:
+        return sum(len(self._las_order[q]) for q in range(level)) + i
+
+    def _las_insert(self, level: int, entry: tuple[float, str], gpus: int, on: int) -> None:
         order = self._las_order[level]
         i = bisect.bisect_left(order, entry)
         order.insert(i, entry)
-        self._las_touch(level, i)
+        at, n = self._las_position(level, i), self._las_n
+        if n == len(self._las_size):  # full: twice the room
+            room = max(64, 2 * n)
+            for name in ("_las_size", "_las_on", "_las_flips"):
+                old = getattr(self, name)
+                new = np.zeros(room, dtype=old.dtype)
+                new[:n] = old[:n]
+                setattr(self, name, new)
+        size, flag = self._las_size, self._las_on
+        size[at + 1 : n + 1] = size[at:n]  # numpy copies overlapping slices safely
+        flag[at + 1 : n + 1] = flag[at:n]
+        size[at], flag[at] = gpus, on
+        self._las_n = n + 1
 
-    def _las_delete(self, level: int, entry: tuple[float, str]) -> None:
+    def _las_delete(self, level: int, entry: tuple[float, str]) -> int:
+        """Take ``entry`` out of queue ``level``; return whether it held GPUs (its flag)."""
         order = self._las_order[level]
         i = bisect.bisect_left(order, entry)
         del order[i]
-        self._las_touch(level, i)
-
-    def _las_touch(self, level: int, i: int) -> None:
-        """Note a change of the order at index ``i`` of queue ``level``: the walk is redone from there on."""
-        self._las_dirty = min(self._las_dirty, sum(len(self._las_order[q]) for q in range(level)) + i)
+        at, n = self._las_position(level, i), self._las_n
+        size, flag = self._las_size, self._las_on
+        on = int(flag[at])
+        size[at : n - 1] = size[at + 1 : n]
+        flag[at : n - 1] = flag[at + 1 : n]
+        self._las_n = n - 1
+        return on
 
     def _las_watch(self, r: _Run) -> None:
         """Note when a running job's attained service reaches its queue's threshold (when it moves down a queue)."""
@@ -473,8 +486,8 @@ class Replay:
             if level == self._las_level[name]:
                 later.append(entry)
                 continue
-            self._las_delete(self._las_level[name], (r.trace.arrival_s, name))
-            self._las_insert(level, (r.trace.arrival_s, name))
+            on = self._las_delete(self._las_level[name], (r.trace.arrival_s, name))
+            self._las_insert(level, (r.trace.arrival_s, name), r.spec.gpus, on)
             self._las_level[name] = level
             self._las_watch(r)
         for entry in later:
@@ -484,77 +497,46 @@ class Replay:
         """Discretised LAS: the jobs, by (queue, arrival, name), run while they fit by GPU count; the rest wait or are preempted.
 
         The order is kept across events (one arrival-sorted list per queue; running jobs move down a queue when their
-        attained service crosses a threshold, found through a heap of crossing times), and so is the walk along it that
-        picks the jobs to run: a job is kept when its GPUs fit in what the jobs before it left, so the walk up to the
-        first position that changed since the last event (an arrival, a finish, a job moving down a queue) goes as
-        before, and only the rest is walked again (until no GPU is left). An event costs the jobs it re-walks: few after
-        a change low in the order, but an arrival enters the top queue, so in a full cluster it re-walks every job below
-        it. When every job fits (the sum of their GPUs is at most the cluster's) nothing is walked.
+        attained service crosses a threshold, found through a heap of crossing times), with each position's GPUs and
+        whether its job holds GPUs in two arrays. The walk along it (a job is kept when its GPUs fit in what the jobs
+        before it left) is redone whole at every event by ``nw_las_walk`` (``csrc/replay.c``; the same loop in Python
+        when the library is not built): a few microseconds for the few thousand jobs of a full cluster, where an
+        arrival near the front changes the walk of every job behind it. The positions whose flag changed are the jobs
+        to start (in the order's order) and to preempt (in the order they started).
         """
         self._las_demote()
-        jobs = self.jobs
-        if self._las_demand <= len(self.gpus):  # everyone fits: nobody is preempted, every waiting job starts
-            start = sorted((jobs[n] for n in self.queue), key=lambda r: (self._las_level[r.trace.name], r.trace.arrival_s, r.trace.name))
-            preempt: list[str] = []
-            # jobs the last walk did not keep run now: the next walk starts afresh and checks every running job
-            self._las_walk, self._las_before, self._las_keep, self._las_whole = [], [], set(), True
+        n, size, flag, flips = self._las_n, self._las_size, self._las_on, self._las_flips
+        if self._las_lib is not None:
+            count = self._las_lib.nw_las_walk(n, size.ctypes.data, flag.ctypes.data, len(self.gpus), flips.ctypes.data)
+            if count < 0:
+                raise RuntimeError(f"nw_las_walk failed with code {count} (invalid arguments)")
+            changed_at = flips[:count].tolist()
         else:
-            walk, before, keep = self._las_walk, self._las_before, self._las_keep
-            cut = min(self._las_dirty, len(walk))
-            dropped = []  # kept by the last walk past the change: preempted unless kept again
-            if cut < len(walk):
-                budget = before[cut]
-                for name in walk[cut:]:
-                    if name in keep:
-                        keep.remove(name)
-                        dropped.append(name)
-                del walk[cut:], before[cut:]
-            else:
-                budget = self._las_left if walk else len(self.gpus)
-            start = []
-            gpus_of, running = self._las_gpus, self.running
-            walk_add, before_add, keep_add = walk.append, before.append, keep.add
-            pos = len(walk)  # the walk goes on from here (an index into the queues laid end to end)
-            for order in self._las_order:
-                if budget == 0:
-                    break
-                if pos >= len(order):
-                    pos -= len(order)
-                    continue
-                for i in range(pos, len(order)):
-                    name = order[i][1]
-                    walk_add(name)
-                    before_add(budget)
-                    g = gpus_of[name]
-                    if g <= budget:
-                        keep_add(name)
-                        budget -= g
-                        if name not in running:
-                            start.append(jobs[name])
-                        if budget == 0:
-                            break
-                pos = 0
-            self._las_left, self._las_dirty = budget, len(walk)
-            if self._las_whole:  # after an event where all ran: any running job may be outside the kept set
-                preempt = [n for n in running if n not in keep]
-                self._las_whole = False
-            else:  # the running jobs are the kept ones, less those finished: only those dropped can stop
-                preempt = sorted((n for n in dropped if n not in keep and n in running), key=lambda n: running[n].started)
-        changed = False
-        for name in preempt:  # in the order they started (the running jobs' order)
-            self._stop(self.running[name])
-            self.queue.append(name)
+            changed_at = _las_walk(size, flag, n, len(self.gpus))
+        if not changed_at:
+            return False
+        jobs, orders = self.jobs, self._las_order
+        start: list[_Run] = []
+        preempt: list[_Run] = []
+        level, base = 0, 0
+        for at in changed_at:  # ascending: map each position to its queue and index
+            while at - base >= len(orders[level]):
+                base += len(orders[level])
+                level += 1
+            r = jobs[orders[level][at - base][1]]
+            (start if flag[at] else preempt).append(r)
+        for r in sorted(preempt, key=lambda r: r.started):  # in the order they started (the running jobs' order)
+            self._stop(r)
+            self.queue.append(r.trace.name)
             self.stats["preemptions"] += 1
-            changed = True
         for r in start:
             gpus = self._first_fit(r.spec.gpus)
-            if gpus is None:  # cannot happen: the kept set fits by count and first-fit takes any idle GPU
-                continue
+            if gpus is None:  # the kept jobs fit by count and first-fit takes any idle GPU
+                raise RuntimeError(f"LAS kept {r.trace.name!r} but {self.n_idle} idle GPUs cannot hold its {r.spec.gpus}")
             self.queue.remove(r.trace.name)
             self._start(r, gpus)
             self._las_watch(r)
-            changed = True
-        return changed
+        return True
 
     def _place_hived(self, r: _Run) -> bool:
         vc = r.spec.vc if self.use_vcs else None
@@ -857,6 +839,36 @@ class Replay:
         if isinstance(self.slowdown, FluidSlowdown):
             metrics["slowdown_cache"] = {"calls": self.slowdown.calls, "hits": self.slowdown.hits, "simulations": self.slowdown.simulations}
         return ReplayResult(self.policy, rows, metrics)
+
+
+REPLAY_ABI = 1  # the nw_replay_version() this module speaks
+_replay_lib: dict[str, Any] = {}
+
+
+def _replay_library() -> Any:
+    """``csrc/replay.c``'s library (``$NETWEAVE_REPLAY_LIB`` or ``csrc/build/``), or None when it is not built; loaded once."""
+    if "lib" not in _replay_lib:
+        lib, why = load_library(library_path("libnetweave-replay.so", "NETWEAVE_REPLAY_LIB"), "nw_replay_version", REPLAY_ABI)
+        if lib is not None:  # arrays by address (C-contiguous numpy arrays of the C types)
+            ptr = ctypes.c_void_p
+            lib.nw_las_walk.restype = ctypes.c_int
+            lib.nw_las_walk.argtypes = [ctypes.c_int, ptr, ptr, ctypes.c_int64, ptr]
+        _replay_lib["lib"], _replay_lib["why"] = lib, why
+    return _replay_lib["lib"]
+
+
+def _las_walk(size: np.ndarray, flag: np.ndarray, n: int, budget: int) -> list[int]:
+    """``nw_las_walk`` in Python: keep each of the first ``n`` jobs whose ``size`` fits in what those before left; set
+    ``flag`` to whether it is kept and return the positions whose flag changed, ascending."""
+    changed = []
+    for i, (g, on) in enumerate(zip(size[:n].tolist(), flag[:n].tolist(), strict=True)):
+        keep = g <= budget
+        if keep:
+            budget -= g
+        if keep != on:
+            flag[i] = keep
+            changed.append(i)
+    return changed
 
 
 def _overload_keys(p: CommProfile, ready: float) -> dict[float, tuple[float, float, float, float]]:

@@ -8,6 +8,7 @@ took each event's share off a job's remaining iterations and so rounded differen
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -26,6 +27,8 @@ from emu.sim import simulate
 from placement.contention import FluidSlowdown
 from placement.replay import Replay, replay
 from placement.traces import TraceJob, synthetic_trace
+
+replay_module = importlib.import_module("placement.replay")  # the module (placement exports a function of its name)
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = json.loads((ROOT / "tests" / "data" / "scale_golden.json").read_text())
@@ -174,6 +177,63 @@ def test_las_by_hand():
     want = {"a": (0.0, 220.0), "b": (60.0, 160.0), "c": (160.0, 180.0)}
     assert {k: pytest.approx(v, rel=1e-12) for k, v in want.items()} == got
     assert runs[0].metrics["preemptions"] == 1
+
+
+def _greedy_kept(sizes: list[int], budget: int) -> list[bool]:
+    """LAS's walk by its definition: a job is kept when its GPUs fit in what the jobs kept before it left."""
+    kept = []
+    for g in sizes:
+        kept.append(g <= budget - sum(h for h, k in zip(sizes, kept, strict=False) if k))
+    return kept
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 64), max_size=60), budget=st.integers(0, 256), data=st.data())
+def test_las_walk_c_and_python_keep_the_greedy_set(sizes, budget, data):
+    """nw_las_walk (csrc/replay.c) and its Python twin: the flags become the definition's kept set, and the positions
+    returned are exactly those whose flag changed, ascending."""
+    import numpy as np
+
+    lib = replay_module._replay_library()
+    assert lib is not None, replay_module._replay_lib["why"]  # make test builds csrc
+    before = data.draw(st.lists(st.booleans(), min_size=len(sizes), max_size=len(sizes)))
+    want = _greedy_kept(sizes, budget)
+    flipped = [i for i, (a, b) in enumerate(zip(before, want, strict=True)) if a != b]
+    size = np.array(sizes + [7], dtype=np.int32)  # room past n is never read
+    for walk in ("c", "python"):
+        flag = np.array(before + [1], dtype=np.uint8)
+        if walk == "c":
+            out = np.zeros(len(size), dtype=np.int32)
+            count = lib.nw_las_walk(len(sizes), size.ctypes.data, flag.ctypes.data, budget, out.ctypes.data)
+            got = out[:count].tolist()
+        else:
+            got = replay_module._las_walk(size, flag, len(sizes), budget)
+        assert got == flipped and flag[: len(sizes)].astype(bool).tolist() == want and flag[-1] == 1
+
+
+def test_las_walk_refuses_bad_arguments():
+    import numpy as np
+
+    lib = replay_module._replay_library()
+    size, flag, out = np.array([2, 0, 1], dtype=np.int32), np.array([1, 1, 0], dtype=np.uint8), np.zeros(3, dtype=np.int32)
+    assert lib.nw_las_walk(3, size.ctypes.data, flag.ctypes.data, 4, out.ctypes.data) == -1  # a job of 0 GPUs
+    assert flag.tolist() == [1, 1, 0]  # refused before any flag changed
+    assert lib.nw_las_walk(2, size.ctypes.data, flag.ctypes.data, -1, out.ctypes.data) == -1
+    assert lib.nw_las_walk(-1, size.ctypes.data, flag.ctypes.data, 4, out.ctypes.data) == -1
+    assert lib.nw_las_walk(1, None, flag.ctypes.data, 4, out.ctypes.data) == -1
+
+
+def test_las_without_the_c_walk_is_the_same(replay_case, monkeypatch):
+    """A build without libnetweave-replay.so walks in Python: the very same replay."""
+
+    topo, trace = replay_case
+    with_c = replay(topo, trace, "las", slowdown=FluidSlowdown(topo, radius=1), las_thresholds=(600.0, 6000.0))
+    monkeypatch.setenv("NETWEAVE_REPLAY_LIB", "/nonexistent/libnetweave-replay.so")
+    monkeypatch.setattr(replay_module, "_replay_lib", {})
+    assert replay_module._replay_library() is None and "not built" in replay_module._replay_lib["why"]
+    without = replay(topo, trace, "las", slowdown=FluidSlowdown(topo, radius=1), las_thresholds=(600.0, 6000.0))
+    _same(with_c, without)
+    assert with_c.metrics["preemptions"] > 0
 
 
 def test_fluid_update_equals_call():
