@@ -93,12 +93,13 @@ def effective_period(period: float, perimeter: float) -> float:
     return perimeter / max(1, round(perimeter / period))
 
 
-def _up_matrix(period: float, comm_start: float, perimeter: float, buckets: int, shifts: np.ndarray) -> np.ndarray:
-    """``M[s, b] = 1`` when arc ``b`` falls in the communication phase of the job shifted by ``shifts[s]``."""
+def _up_matrix(period: float | np.ndarray, comm_start: float | np.ndarray, perimeter: float, buckets: int, shifts: np.ndarray) -> np.ndarray:
+    """``M[s, b] = 1`` when arc ``b`` falls in the communication phase of the job shifted by ``shifts[s]`` (``period`` and
+    ``comm_start`` may also be arrays, one per row: each row a job of its own)."""
     width = perimeter / buckets
     t = (np.arange(buckets) + 0.5) * width
-    phase = np.mod(t[None, :] - shifts[:, None], period)
-    return (phase >= comm_start).astype(np.float64)
+    phase = np.mod(t[None, :] - shifts[:, None], np.reshape(period, (-1, 1)))
+    return (phase >= np.reshape(comm_start, (-1, 1))).astype(np.float64)
 
 
 def _rows(profile: CommProfile, perimeter: float, buckets: int, shifts: np.ndarray) -> np.ndarray:
@@ -113,6 +114,23 @@ def demand(profile: CommProfile, link: Edge, shift: float, perimeter: float, buc
     if rate == 0 or profile.comm_s == 0:
         return np.zeros(buckets)
     return rate * _rows(profile, perimeter, buckets, np.array([shift]))[0]
+
+
+def summed_demand(profiles: Sequence[CommProfile], shifts: Sequence[float], link: Edge, perimeter: float,
+                  buckets: int = DEFAULT_BUCKETS) -> np.ndarray:
+    """The jobs' demands (GB/s) on ``link`` in each arc of the unified circle, summed: ``sum(demand(p, link, s, perimeter))``
+    over the jobs, to the last bit (one matrix of indicators; its rows are added in the jobs' order, as that sum adds them).
+    Every job must load ``link``.
+
+    >>> from placement.profiles import CommProfile
+    >>> a = CommProfile("a", (), 0.5, 0.5, {"l": 10.0}, {})
+    >>> summed_demand([a, a], [0.0, 0.5], "l", 1.0, buckets=4).tolist()
+    [10.0, 10.0, 10.0, 10.0]
+    """
+    period = np.array([effective_period(p.period_s, perimeter) for p in profiles])
+    comm_start = np.array([p.compute_s for p in profiles]) * period / np.array([p.period_s for p in profiles])
+    up = _up_matrix(period, comm_start, perimeter, buckets, np.asarray(shifts, dtype=np.float64))
+    return (np.array([p.link_rates[link] for p in profiles])[:, None] * up).sum(axis=0)
 
 
 def compatibility_score(demands: np.ndarray, capacity: float) -> float:

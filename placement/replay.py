@@ -65,7 +65,7 @@ from topology.clib import library_path, load_library
 from topology.errors import InputError
 from topology.model import SwitchTier, Topology
 
-from .cassini import DEFAULT_BUCKETS, _rows, rank_candidates, unified_perimeter
+from .cassini import DEFAULT_BUCKETS, rank_candidates, summed_demand, unified_perimeter
 from .contention import FluidSlowdown, PlacedJob
 from .hived import HivedScheduler
 from .planner import rank_order
@@ -703,8 +703,8 @@ class Replay:
         key = (tuple(sorted(jobs[n][2][p.link_rates[e]] for n, (p, _) in users.items())), round(self.capacity[e], 6))  # the users' rounded circles
         hit = self._overload_cache.get(key)
         if hit is None:
-            per = unified_perimeter([p.period_s for p, _ in users.values()])
-            load = sum(p.link_rates[e] * _rows(p, per, DEFAULT_BUCKETS, np.array([ready]))[0] for p, ready in users.values())
+            profs = [p for p, _ in users.values()]
+            load = summed_demand(profs, [ready for _, ready in users.values()], e, unified_perimeter([p.period_s for p in profs]))
             hit = int(np.count_nonzero(load > self._ov_limit[e]))
             if len(self._overload_cache) > 100_000:
                 self._overload_cache.clear()

@@ -6,6 +6,8 @@ import random
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import topology
 from placement.cassini import (
@@ -15,6 +17,7 @@ from placement.cassini import (
     predicted_iteration_times,
     rank_candidates,
     shared_links,
+    summed_demand,
     time_shifts,
     unified_perimeter,
 )
@@ -50,6 +53,20 @@ def test_demand_is_the_up_arc():
     d = demand(p, e, 0.0, 0.1, buckets=4)
     assert d.tolist() == [0.0, 0.0, 0.0, 4.0]
     assert demand(p, e, 0.025, 0.1, buckets=4).tolist() == [4.0, 0.0, 0.0, 0.0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(jobs=st.lists(st.tuples(st.floats(1e-4, 2.0), st.floats(1e-4, 2.0), st.floats(1e-3, 400.0), st.floats(0.0, 1e4)), min_size=1, max_size=12),
+       buckets=st.integers(1, 400))
+def test_summed_demand_is_the_sum_of_demands_bit_for_bit(jobs, buckets):
+    """The replay's overloaded-link metric counts arcs above capacity from summed_demand: it must be the sum of the
+    per-job demands to the last bit, or a sum at the capacity would count differently."""
+    e = ("x", "y", 0)
+    profiles = [prof(f"j{i}", compute, comm, [e], rate=rate) for i, (compute, comm, rate, _) in enumerate(jobs)]
+    shifts = [shift for *_, shift in jobs]
+    per = unified_perimeter([p.period_s for p in profiles])
+    want = sum(demand(p, e, s, per, buckets) for p, s in zip(profiles, shifts, strict=True))
+    assert summed_demand(profiles, shifts, e, per, buckets).tolist() == want.tolist()
 
 
 def _brute_best_score(profiles, e, cap, buckets):
