@@ -277,6 +277,7 @@ class Replay:
                       "frag_wait_integral": 0.0, "wait_time": 0.0}
         self._overload_rate = 0.0
         self._overload_cache: dict[tuple, int] = {}
+        self.overload_cache_limit = 100_000  # entries; then it is emptied
         self._ov_jobs: dict[str, tuple[CommProfile, float, dict]] = {}  # per user: profile, phase, its keys (_overload_keys)
         self._ov_users: dict[Edge, dict[str, tuple[CommProfile, float]]] = {}
         # per overloaded link: the arcs of its users' unified circle (of DEFAULT_BUCKETS) it is overloaded in, and their sum
@@ -647,7 +648,9 @@ class Replay:
             r = self.running.get(n)
             if r is not None and r.profile is not None and r.profile.comm_s > 0:
                 current[n] = (r.profile, r.ready)
-        touched: set[Edge] = set()
+        # the links to re-evaluate, in a fixed order (a set of edge tuples would follow the process's string hashing, and the
+        # order decides which entries the overload cache holds when it is emptied, hence which rounded key answers later)
+        touched: dict[Edge, None] = {}
         ov_jobs, ov_users, ov_load = self._ov_jobs, self._ov_users, self._ov_load
         for name in [n for n in changed if n in ov_jobs]:
             prof, ready, _ = ov_jobs[name]
@@ -658,7 +661,7 @@ class Replay:
             for e, rate in prof.link_rates.items():
                 del ov_users[e][name]
                 ov_load[e] -= rate
-            touched.update(prof.link_rates)
+                touched[e] = None
         for name, user in current.items():
             if name in ov_jobs:
                 continue
@@ -672,7 +675,7 @@ class Replay:
                 else:
                     us[name] = user
                     ov_load[e] += rate
-            touched.update(prof.link_rates)
+                touched[e] = None
         ov_link, limit = self._ov_link, self._ov_limit
         for e in touched:
             users = ov_users.get(e)
@@ -706,7 +709,7 @@ class Replay:
             profs = [p for p, _ in users.values()]
             load = summed_demand(profs, [ready for _, ready in users.values()], e, unified_perimeter([p.period_s for p in profs]))
             hit = int(np.count_nonzero(load > self._ov_limit[e]))
-            if len(self._overload_cache) > 100_000:
+            if len(self._overload_cache) > self.overload_cache_limit:
                 self._overload_cache.clear()
             self._overload_cache[key] = hit
         return hit
