@@ -751,16 +751,23 @@ class PeriodicFluidModel:
         self.capped = 0  # sets cut to max_ball jobs (chunks of centres with their nearest)
         # the job set of the previous call, by id (the dicts hold the objects, so ids stay unique)
         self._jobs: dict[int, PeriodicJob] = {}
-        self._links: dict[int, list[tuple[Link, float]]] = {}
-        self._users: dict[Link, dict[int, float]] = {}
+        self._links: dict[int, list[tuple[int, float]]] = {}  # per job: (link number, demand) of its links
         self._own: dict[int, float] = {}
         self._times: dict[int, float] = {}
         self._serial: dict[int, int] = {}  # a number per job object, never reused: names its demands in the rate memo
         self._next_serial = 0
         self.rate_memo: dict[tuple, list[float]] = {}
-        # binding links (several users whose demands sum above the capacity), kept up to date as jobs come and go
-        self._binding: dict[Link, bool] = {}
-        self._bind_links: dict[int, dict[Link, float]] = {}  # per job: its binding links and its demand on each
+        # per link, by a number given at its first use (small ints hash and compare faster than link tuples; the numbers
+        # follow the joining order, so they are the same in every process): capacity, users (job -> demand, in joining
+        # order), whether it is binding (several users whose demands sum above the capacity), and a running sum of the
+        # users' demands with a bound on its rounding error (see _saturates)
+        self._link_number: dict[Link, int] = {}
+        self._cap: list[float] = []
+        self._users: list[dict[int, float]] = []
+        self._binding: list[bool] = []
+        self._sum: list[float] = []
+        self._sum_err: list[float] = []
+        self._bind_links: dict[int, dict[int, float]] = {}  # per job: its binding links and its demand on each
 
     def __call__(self, jobs: Sequence[PeriodicJob]) -> dict[str, float]:
         current = {id(j): j for j in jobs}
@@ -790,40 +797,55 @@ class PeriodicFluidModel:
             _validate([current[i] for i in new], self.capacity, self.iterations)
         refreshed: set[int] = set()
         seeds: list[int] = list(new)
-        users, binding, capacity = self._users, self._binding, self.capacity
+        users, binding, sums, errs = self._users, self._binding, self._sum, self._sum_err
         for i in gone:
-            for link, _ in self._links[i]:
-                us = users[link]
-                bound = binding[link]
+            for lid, d in self._links[i]:
+                us = users[lid]
+                bound = binding[lid]
                 if bound:  # its partners there may now be freer
                     seeds.extend(k for k in us if k != i)
                 del us[i]
                 if not us:
-                    del users[link], binding[link]
-                elif bound:  # a link that could not saturate still cannot after a leave
-                    self._update_binding(link)
+                    sums[lid] = errs[lid] = 0.0
+                    continue
+                sums[lid] = left = sums[lid] - d
+                errs[lid] += abs(left) * _EPS
+                if bound:  # a link that could not saturate still cannot after a leave
+                    self._update_binding(lid)
             for store in (self._jobs, self._links, self._own, self._times, self._serial, self._bind_links):
                 del store[i]
+        numbers, cap = self._link_number, self._cap
         for i in new:
             j = current[i]
-            links = [(link, float(d)) for link, d in j.demand.items() if d > 0] if j.comm_s > 0 else []
+            links = []
+            if j.comm_s > 0:
+                for link, d in j.demand.items():
+                    if d > 0:
+                        lid = numbers.get(link)
+                        if lid is None:
+                            lid = numbers[link] = len(cap)
+                            cap.append(self.capacity[link])
+                            users.append({})
+                            binding.append(False)
+                            sums.append(0.0)
+                            errs.append(0.0)
+                        links.append((lid, float(d)))
             self._jobs[i], self._links[i] = j, links
             self._serial[i] = self._next_serial
             self._next_serial += 1
             bind = self._bind_links[i] = {}
             own = 1.0
-            for link, d in links:
-                us = users.get(link)
-                if us is None:  # its only user: it caps the job but couples nobody
-                    users[link] = {i: d}
-                    binding[link] = False
-                else:
-                    us[i] = d
-                    if binding[link]:  # a link that could saturate still can after a join
-                        bind[link] = d
+            for lid, d in links:
+                us = users[lid]
+                us[i] = d
+                sums[lid] = total = sums[lid] + d
+                errs[lid] += total * _EPS
+                if len(us) > 1:  # with one user it caps the job but couples nobody
+                    if binding[lid]:  # a link that could saturate still can after a join
+                        bind[lid] = d
                     else:
-                        self._update_binding(link, joined=i)
-                own = min(own, capacity[link] / d)
+                        self._update_binding(lid, joined=i)
+                own = min(own, cap[lid] / d)
             self._own[i] = own
         done: set[int] = set()
         live = [s for s in dict.fromkeys(seeds) if s in self._jobs]
@@ -873,22 +895,44 @@ class PeriodicFluidModel:
                     refreshed.add(k)
         return {self._jobs[i].name: self._times[i] for i in refreshed}
 
-    def _update_binding(self, link: Link, joined: int | None = None) -> None:
-        """Re-evaluate whether ``link`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
-        us = self._users[link]
-        before = self._binding.get(link, False)
+    def _update_binding(self, lid: int, joined: int | None = None) -> None:
+        """Re-evaluate whether link ``lid`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
+        us = self._users[lid]
+        before = self._binding[lid]
         # a sum of non-negative demands in joining order only grows when one joins (it is added last) and only shrinks when
         # one leaves: a link that could saturate still can after a join, one that could not still cannot after a leave
-        now = before if (joined is not None) == before else _can_saturate(list(us.values()), self.capacity[link])
-        self._binding[link] = now
+        now = before if (joined is not None) == before else self._saturates(lid)
+        self._binding[lid] = now
         if now and not before:
             for k, d in us.items():
-                self._bind_links[k][link] = d
+                self._bind_links[k][lid] = d
         elif before and not now:
             for k in us:
-                self._bind_links[k].pop(link, None)
+                self._bind_links[k].pop(lid, None)
         elif now and joined is not None:
-            self._bind_links[joined][link] = us[joined]
+            self._bind_links[joined][lid] = us[joined]
+
+    def _saturates(self, lid: int) -> bool:
+        """``_can_saturate`` of link ``lid``'s users' demands (summed in joining order), exactly, without the sum when it can.
+
+        The running sum differs from the exact sum of the demands by at most ``_sum_err`` (each addition or subtraction
+        rounds by at most ``_EPS`` times its result), and ``_can_saturate``'s sum of ``n`` non-negative terms differs from
+        the exact one by at most ``(n - 1) * _EPS / 2`` times it: when the running sum is further from the capacity than
+        both bounds (with a margin of 8), both sums lie on the same side of it. Nearer, the demands are summed afresh.
+        """
+        us = self._users[lid]
+        n = len(us)
+        if n < 2:
+            return False
+        total, cap = self._sum[lid], self._cap[lid]
+        tol = 2.0 * self._sum_err[lid] + (n + 2) * 8.0 * _EPS * (total + cap)
+        if total - cap > tol:
+            return True
+        if cap - total > tol:
+            return False
+        total = sum(us.values())
+        self._sum[lid], self._sum_err[lid] = total, n * _EPS * total
+        return total > cap
 
     def _distances(self, seeds: Sequence[int], radius: int) -> dict[int, int]:
         """Binding-link hops from the nearest seed, for the jobs at most ``radius`` hops away."""
@@ -897,8 +941,8 @@ class PeriodicFluidModel:
         for d in range(1, radius + 1):
             nxt = []
             for i in frontier:
-                for link in self._bind_links[i]:
-                    for k in self._users[link]:
+                for lid in self._bind_links[i]:
+                    for k in self._users[lid]:
                         if k not in dist:
                             dist[k] = d
                             nxt.append(k)
@@ -908,8 +952,8 @@ class PeriodicFluidModel:
     def _touches(self, job: int, ball: Mapping[int, int]) -> bool:
         """Whether ``job`` has a binding-link partner in ``ball``."""
         users = self._users
-        for link in self._bind_links[job]:
-            for k in users[link]:
+        for lid in self._bind_links[job]:
+            for k in users[lid]:
                 if k in ball:
                     return True
         return False
@@ -917,8 +961,8 @@ class PeriodicFluidModel:
     def _beyond(self, ball: Mapping[int, int]) -> bool:
         """Whether a job of ``ball`` has a binding-link partner outside it."""
         for i in ball:
-            for link in self._bind_links[i]:
-                for k in self._users[link]:
+            for lid in self._bind_links[i]:
+                for k in self._users[lid]:
                     if k not in ball:
                         return True
         return False
@@ -928,9 +972,9 @@ class PeriodicFluidModel:
         dist = self._distances(chunk, self.radius)
         weight: dict[int, float] = {}
         for i in chunk:
-            for link in self._bind_links[i]:
-                cap = self.capacity[link]
-                for k, d in self._users[link].items():
+            for lid in self._bind_links[i]:
+                cap = self._cap[lid]
+                for k, d in self._users[lid].items():
                     weight[k] = weight.get(k, 0.0) + d / cap
         serial = self._serial
         others = heapq.nsmallest(limit - len(chunk), (k for k in dist if dist[k] > 0), key=lambda k: (dist[k], -weight.get(k, 0.0), serial[k]))
@@ -940,8 +984,8 @@ class PeriodicFluidModel:
         """The jobs linked to ``seed`` through binding links (in the current set)."""
         comp, stack = {seed}, [seed]
         while stack:
-            for link in self._bind_links[stack.pop()]:
-                for k in self._users[link]:
+            for lid in self._bind_links[stack.pop()]:
+                for k in self._users[lid]:
                     if k not in comp:
                         comp.add(k)
                         stack.append(k)
@@ -957,16 +1001,16 @@ class PeriodicFluidModel:
         # each binding link's users among comp, from the jobs' side (a link of a scattered job may have many users outside a
         # small ball), in first-seen order; comp is in joining order, which is the order of every link's users (the order
         # _Coupling.of sums their demands in). A link with one user in comp couples nobody here and is left out
-        users: dict[Link, list[tuple[int, float]]] = {}
+        users: dict[int, list[tuple[int, float]]] = {}
         for p, k in enumerate(comp):
-            for link, d in self._bind_links[k].items():
-                us = users.get(link)
+            for lid, d in self._bind_links[k].items():
+                us = users.get(lid)
                 if us is None:
-                    users[link] = [(p, d)]
+                    users[lid] = [(p, d)]
                 else:
                     us.append((p, d))
-        capacity = self.capacity
-        return _Coupling.of([self._own[k] for k in comp], ((capacity[link], us) for link, us in users.items() if len(us) > 1))
+        cap = self._cap
+        return _Coupling.of([self._own[k] for k in comp], ((cap[lid], us) for lid, us in users.items() if len(us) > 1))
 
     def _answer(self, comp: list[int], watch: list[int] | None = None) -> list[float]:
         if len(comp) == 1:
@@ -1027,6 +1071,9 @@ class PeriodicFluidModel:
                 per_link[c].append((rank[p], _r9(d)))
         columns = [(tuple(sorted(us)), _r9(cap)) for us, cap in zip(per_link, coupling.cap_list, strict=True)]
         return (tuple(r[:4] for r in rows), tuple(sorted(columns))), order
+
+
+_EPS = 2.0**-52  # twice the unit roundoff of a float64: a bound on the relative rounding error of one addition
 
 
 def _r9(v: float) -> float:

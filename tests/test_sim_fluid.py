@@ -361,6 +361,38 @@ def test_max_ball_simulates_each_changed_job_with_its_strongest_partners():
             PeriodicFluidModel(capacity, **bad)
 
 
+# demands whose float sums land on or next to the capacities (0.1 + 0.2 + 0.3 > 0.6 but 0.3 + 0.2 + 0.1 == 0.6): the binding
+# test must sum them in joining order as _can_saturate does, whatever its running sums say
+_TIE_DEMANDS = [0.1, 0.2, 0.3, 0.4, 1 / 3, 0.7, 2.0**-60, 1e-9]
+_TIE_CAPACITY = {"a": 0.6, "b": 1.0, "c": 0.3, "d": 1 / 3 + 1 / 3}
+
+
+@given(ops=st.lists(st.one_of(st.dictionaries(st.sampled_from(sorted(_TIE_CAPACITY)), st.sampled_from(_TIE_DEMANDS), min_size=1),
+                              st.integers(0, 7)), min_size=1, max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_incremental_binding_state_is_a_fresh_can_saturate_after_any_joins_and_leaves(ops):
+    """The model's binding flags (kept with running sums) equal _can_saturate of each link's users now, in joining order."""
+    from emu.fluid import _can_saturate
+
+    model = PeriodicFluidModel(_TIE_CAPACITY, iterations=1, radius=1, max_ball=4)
+    live: list[PeriodicJob] = []
+    for step, op in enumerate(ops):
+        if isinstance(op, dict):
+            job = _job(f"j{step}", 0.01, 0.01, op, 0.001 * step)
+            live.append(job)
+            model.update([job], [])
+        elif live:
+            model.update([], [live.pop(op % len(live))])
+        for link, lid in model._link_number.items():
+            users = model._users[lid]
+            demands = [d for j in live for name, d in j.demand.items() if name == link]
+            assert list(users.values()) == demands  # joining order
+            assert model._binding[lid] == _can_saturate(demands, _TIE_CAPACITY[link])
+        for j in live:
+            i = id(j)
+            assert model._bind_links[i] == {lid: d for lid, d in model._links[i] if model._binding[lid]}
+
+
 
 SANITIZED_RUN = """
 import random
