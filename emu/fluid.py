@@ -141,15 +141,29 @@ def _validate(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float], itera
     if len(set(names)) != len(names):
         raise ValueError("job names must be unique")
     for j in jobs:
-        if not (j.compute_s >= 0 and j.comm_s >= 0 and math.isfinite(j.compute_s) and math.isfinite(j.comm_s)):
-            raise ValueError(f"job {j.name}: compute_s and comm_s must be finite and >= 0")
+        _check_timings(j)
         for link, d in j.demand.items():
-            if not (d >= 0 and math.isfinite(d)):
-                raise ValueError(f"job {j.name}: demand on {link!r} must be finite and >= 0, got {d}")
-            if d > 0 and link not in capacity:
-                raise ValueError(f"job {j.name}: link {link!r} has no capacity")
-            if d > 0 and not capacity[link] > 0:
-                raise ValueError(f"job {j.name}: link {link!r} has capacity {capacity[link]}, expected > 0")
+            if not 0.0 <= d < math.inf:
+                raise _demand_error(j, link, d)
+            if d > 0:
+                _check_capacity(j, link, capacity)
+
+
+def _check_timings(j: PeriodicJob) -> None:
+    if not (0.0 <= j.compute_s < math.inf and 0.0 <= j.comm_s < math.inf):
+        raise ValueError(f"job {j.name}: compute_s and comm_s must be finite and >= 0")
+
+
+def _demand_error(j: PeriodicJob, link: Link, d: float) -> ValueError:
+    return ValueError(f"job {j.name}: demand on {link!r} must be finite and >= 0, got {d}")
+
+
+def _check_capacity(j: PeriodicJob, link: Link, capacity: Mapping[Link, float]) -> None:
+    """That ``link``, loaded by ``j``, has a positive capacity."""
+    if link not in capacity:
+        raise ValueError(f"job {j.name}: link {link!r} has no capacity")
+    if not capacity[link] > 0:
+        raise ValueError(f"job {j.name}: link {link!r} has capacity {capacity[link]}, expected > 0")
 
 
 def _users(jobs: Sequence[PeriodicJob]) -> dict[Link, list[tuple[int, float]]]:
@@ -768,6 +782,9 @@ class PeriodicFluidModel:
         self._sum: list[float] = []
         self._sum_err: list[float] = []
         self._bind_links: dict[int, dict[int, float]] = {}  # per job: its binding links and its demand on each
+        # the signature's rounded values: per job its row (timings, start, own cap), and demands and capacities (all > 0)
+        self._rows: dict[int, tuple[float, float, float, float]] = {}
+        self._r9: dict[float, float] = {}
 
     def __call__(self, jobs: Sequence[PeriodicJob]) -> dict[str, float]:
         current = {id(j): j for j in jobs}
@@ -793,8 +810,9 @@ class PeriodicFluidModel:
         gone = sorted((id(j) for j in removed if id(j) in self._jobs), key=self._serial.__getitem__)  # the order the set listed them
         new = [id(j) for j in added if id(j) not in self._jobs]
         current = {id(j): j for j in added}
-        if new:
-            _validate([current[i] for i in new], self.capacity, self.iterations)
+        if len({current[i].name for i in new}) != len(new):
+            raise ValueError("job names must be unique")
+        new_links = [self._checked_links(current[i]) for i in new]  # validated before any change (numbering a link is none)
         refreshed: set[int] = set()
         seeds: list[int] = list(new)
         users, binding, sums, errs = self._users, self._binding, self._sum, self._sum_err
@@ -814,23 +832,10 @@ class PeriodicFluidModel:
                     self._update_binding(lid)
             for store in (self._jobs, self._links, self._own, self._times, self._serial, self._bind_links):
                 del store[i]
-        numbers, cap = self._link_number, self._cap
-        for i in new:
-            j = current[i]
-            links = []
-            if j.comm_s > 0:
-                for link, d in j.demand.items():
-                    if d > 0:
-                        lid = numbers.get(link)
-                        if lid is None:
-                            lid = numbers[link] = len(cap)
-                            cap.append(self.capacity[link])
-                            users.append({})
-                            binding.append(False)
-                            sums.append(0.0)
-                            errs.append(0.0)
-                        links.append((lid, float(d)))
-            self._jobs[i], self._links[i] = j, links
+            self._rows.pop(i, None)
+        cap = self._cap
+        for i, links in zip(new, new_links, strict=True):
+            self._jobs[i], self._links[i] = current[i], links
             self._serial[i] = self._next_serial
             self._next_serial += 1
             bind = self._bind_links[i] = {}
@@ -894,6 +899,26 @@ class PeriodicFluidModel:
                     self._times[k] = a
                     refreshed.add(k)
         return {self._jobs[i].name: self._times[i] for i in refreshed}
+
+    def _checked_links(self, j: PeriodicJob) -> list[tuple[int, float]]:
+        """``j``'s links (numbers) and demands where it communicates; raises ValueError on inputs that ``_validate`` refuses."""
+        _check_timings(j)
+        numbers, links = self._link_number, []
+        for link, d in j.demand.items():
+            if not 0.0 <= d < math.inf:
+                raise _demand_error(j, link, d)
+            if d > 0:
+                lid = numbers.get(link)
+                if lid is None:  # a link seen for the first time: checked once
+                    _check_capacity(j, link, self.capacity)
+                    lid = numbers[link] = len(self._cap)
+                    self._cap.append(self.capacity[link])
+                    self._users.append({})
+                    self._binding.append(False)
+                    self._sum.append(0.0)
+                    self._sum_err.append(0.0)
+                links.append((lid, float(d)))
+        return links if j.comm_s > 0 else []
 
     def _update_binding(self, lid: int, joined: int | None = None) -> None:
         """Re-evaluate whether link ``lid`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
@@ -1001,16 +1026,24 @@ class PeriodicFluidModel:
         # each binding link's users among comp, from the jobs' side (a link of a scattered job may have many users outside a
         # small ball), in first-seen order; comp is in joining order, which is the order of every link's users (the order
         # _Coupling.of sums their demands in). A link with one user in comp couples nobody here and is left out
+        bind = self._bind_links
+        seen: set[int] = set()
+        shared: set[int] = set()  # the links of several jobs of comp (most links of a scattered job have one user here)
+        for k in comp:
+            links = bind[k]
+            shared.update(seen.intersection(links))
+            seen.update(links)
         users: dict[int, list[tuple[int, float]]] = {}
         for p, k in enumerate(comp):
-            for lid, d in self._bind_links[k].items():
+            links = bind[k]
+            for lid in [lid for lid in links if lid in shared]:
                 us = users.get(lid)
                 if us is None:
-                    users[lid] = [(p, d)]
+                    users[lid] = [(p, links[lid])]
                 else:
-                    us.append((p, d))
+                    us.append((p, links[lid]))
         cap = self._cap
-        return _Coupling.of([self._own[k] for k in comp], ((cap[lid], us) for lid, us in users.items() if len(us) > 1))
+        return _Coupling.of([self._own[k] for k in comp], ((cap[lid], us) for lid, us in users.items()))
 
     def _answer(self, comp: list[int], watch: list[int] | None = None) -> list[float]:
         if len(comp) == 1:
@@ -1051,25 +1084,39 @@ class PeriodicFluidModel:
 
     def _signature(self, comp: list[int], coupling: _Coupling) -> tuple[tuple, list[int]]:
         """A name- and link-free key of the group's simulation, and the group positions in key order."""
-        q = self.phase_quantum
+        q, cached = self.phase_quantum, self._rows
         rows = []
         for p, i in enumerate(comp):
-            j = self._jobs[i]
-            start = j.start_s()
-            if q > 0 and j.period_s > 0:
-                bins = max(1, round(1 / q))
-                start = (round(start / j.period_s * bins) % bins) / bins * j.period_s
-            rows.append((_r9(j.compute_s), _r9(j.comm_s), _r9(start), _r9(coupling.own_cap[p]), p))
+            row = cached.get(i)
+            if row is None:  # a job's row is fixed while it runs: rounded once
+                j = self._jobs[i]
+                start = j.start_s()
+                if q > 0 and j.period_s > 0:
+                    bins = max(1, round(1 / q))
+                    start = (round(start / j.period_s * bins) % bins) / bins * j.period_s
+                row = cached[i] = (_r9(j.compute_s), _r9(j.comm_s), _r9(start), _r9(self._own[i]))
+            rows.append((*row, p))
         rows.sort()
         order = [r[4] for r in rows]
         rank = [0] * len(comp)
         for r, p in enumerate(order):
             rank[p] = r
+        r9 = self._r9
+        if len(r9) > self.cache_limit:
+            r9.clear()
         per_link: list[list[tuple[int, float]]] = [[] for _ in coupling.cap_list]
         for p, ls in enumerate(coupling.job_links):
             for c, d in ls:
-                per_link[c].append((rank[p], _r9(d)))
-        columns = [(tuple(sorted(us)), _r9(cap)) for us, cap in zip(per_link, coupling.cap_list, strict=True)]
+                rd = r9.get(d)
+                if rd is None:
+                    rd = r9[d] = _r9(d)
+                per_link[c].append((rank[p], rd))
+        columns = []
+        for us, cap in zip(per_link, coupling.cap_list, strict=True):
+            rc = r9.get(cap)
+            if rc is None:
+                rc = r9[cap] = _r9(cap)
+            columns.append((tuple(sorted(us)), rc))
         return (tuple(r[:4] for r in rows), tuple(sorted(columns))), order
 
 
