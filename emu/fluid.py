@@ -877,8 +877,8 @@ class PeriodicFluidModel:
             # ball, or next to it), refresh its interior
             centres = [k for k in live if k not in done and (k in near or self._touches(k, near))]
             done.update(centres)
-            dist = self._distances(centres, self.radius)
-            if limit is not None and len(dist) > limit:  # too many to simulate together: each chunk of centres with its nearest
+            dist = self._distances(centres, self.radius, limit)
+            if dist is None:  # too many to simulate together: each chunk of centres with its nearest
                 centres = self._ordered(centres)
                 step = max(1, limit // 2)
                 for c in range(0, len(centres), step):
@@ -959,9 +959,12 @@ class PeriodicFluidModel:
         self._sum[lid], self._sum_err[lid] = total, n * _EPS * total
         return total > cap
 
-    def _distances(self, seeds: Sequence[int], radius: int) -> dict[int, int]:
-        """Binding-link hops from the nearest seed, for the jobs at most ``radius`` hops away."""
+    def _distances(self, seeds: Sequence[int], radius: int, limit: int | None = None) -> dict[int, int] | None:
+        """Binding-link hops from the nearest seed, for the jobs at most ``radius`` hops away; None once they are more than
+        ``limit`` (the walk stops there)."""
         dist = dict.fromkeys(seeds, 0)
+        if limit is not None and len(dist) > limit:
+            return None
         frontier = list(seeds)
         for d in range(1, radius + 1):
             nxt = []
@@ -971,6 +974,8 @@ class PeriodicFluidModel:
                         if k not in dist:
                             dist[k] = d
                             nxt.append(k)
+                if limit is not None and len(dist) > limit:
+                    return None
             frontier = nxt
         return dist
 
@@ -994,7 +999,6 @@ class PeriodicFluidModel:
 
     def _nearest(self, chunk: list[int], limit: int) -> list[int]:
         """``chunk`` and the ``limit - len(chunk)`` jobs within ``radius`` hops nearest to it (see ``max_ball``), in joining order."""
-        dist = self._distances(chunk, self.radius)
         weight: dict[int, float] = {}
         for i in chunk:
             for lid in self._bind_links[i]:
@@ -1002,8 +1006,13 @@ class PeriodicFluidModel:
                 for k, d in self._users[lid].items():
                     weight[k] = weight.get(k, 0.0) + d / cap
         serial = self._serial
-        others = heapq.nsmallest(limit - len(chunk), (k for k in dist if dist[k] > 0), key=lambda k: (dist[k], -weight.get(k, 0.0), serial[k]))
-        return self._ordered([*chunk, *others])
+        if self.radius == 1:  # the jobs one hop away are the users of the chunk's binding links: those weighed
+            inside = set(chunk)
+            ranked = [(-w, serial[k], k) for k, w in weight.items() if k not in inside]
+        else:
+            dist = self._distances(chunk, self.radius)
+            ranked = [(dist[k], -weight.get(k, 0.0), serial[k], k) for k in dist if dist[k] > 0]
+        return self._ordered([*chunk, *(r[-1] for r in heapq.nsmallest(limit - len(chunk), ranked))])
 
     def _group(self, seed: int) -> list[int]:
         """The jobs linked to ``seed`` through binding links (in the current set)."""
