@@ -105,7 +105,12 @@ class PeriodicJob:
 
 @dataclass
 class PeriodicRun:
-    """The outcome of :func:`simulate_periodic`: per job the end time of every finished iteration, and counters."""
+    """The outcome of :func:`simulate_periodic`: per job the end time of every finished iteration, and counters.
+
+    ``means``: each job's mean iteration time, set instead of the communicating
+    jobs' ``ends`` when the C loop was asked for means only (the incremental
+    model's simulations; ``_simulate(..., means_only=True)``).
+    """
 
     names: list[str]
     starts: list[float]
@@ -114,6 +119,7 @@ class PeriodicRun:
     solves: int = 0
     memo_hits: int = 0
     engine: str = ""  # "python" or "c": which event loop ran (empty when no job communicates)
+    means: list[float] | None = None
 
     def iteration_durations(self, i: int) -> list[float]:
         marks = [self.starts[i], *self.ends[i]]
@@ -121,6 +127,8 @@ class PeriodicRun:
 
     def mean_iteration_s(self) -> dict[str, float]:
         """Mean duration of each job's iterations after the first (all of them if it finished only one)."""
+        if self.means is not None:
+            return dict(zip(self.names, self.means, strict=True))
         return {name: _mean_after_first(self.starts[i], self.ends[i]) for i, name in enumerate(self.names)}
 
 
@@ -352,8 +360,10 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
 
 
 def _simulate(jobs: Sequence[PeriodicJob], coupling: _Coupling, *, iterations: int, rate_memo: dict[tuple, list[float]] | None = None,
-              job_keys: Sequence[Hashable] | None = None, watch: Sequence[int] | None = None, engine: str = "auto") -> PeriodicRun:
-    """:func:`simulate_periodic` of validated jobs whose coupling is already known."""
+              job_keys: Sequence[Hashable] | None = None, watch: Sequence[int] | None = None, engine: str = "auto",
+              means_only: bool = False) -> PeriodicRun:
+    """:func:`simulate_periodic` of validated jobs whose coupling is already known; ``means_only``: when the C loop runs,
+    it returns the mean iteration times (``run.means``) instead of the iteration ends."""
     n = len(jobs)
     starts = [j.start_s() for j in jobs]
     run = PeriodicRun([j.name for j in jobs], starts, [[] for _ in range(n)])
@@ -367,7 +377,7 @@ def _simulate(jobs: Sequence[PeriodicJob], coupling: _Coupling, *, iterations: i
     if watch is not None and not any(jobs[i].comm_s > 0 for i in watch):
         return run  # the watched jobs do not communicate: their compute-only iterations are known already
     if use_c:
-        _simulate_c(jobs, coupling, starts, iterations, watch, run)
+        _simulate_c(jobs, coupling, starts, iterations, watch, run, means_only)
         return run
     run.engine = "python"
     compute = [j.compute_s for j in jobs]
@@ -576,7 +586,7 @@ def simulate_periodic_reference(jobs: Sequence[PeriodicJob], capacity: Mapping[L
 
 
 # ------------------------------------------------------------------ the C event loop (csrc/fluid.c) --
-FLUID_ABI = 1  # the nw_fluid_version() this module speaks
+FLUID_ABI = 2  # the nw_fluid_version() this module speaks
 _LIB_NAME = "libnetweave-fluid.so"
 _lib_state: dict[str, Any] = {}
 
@@ -607,6 +617,8 @@ def _c_engine() -> Any:
             ptr, c_int = ctypes.c_void_p, ctypes.c_int
             lib.nw_fluid_simulate.restype = c_int
             lib.nw_fluid_simulate.argtypes = [c_int, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr, ptr, ptr]
+            lib.nw_fluid_simulate_means.restype = c_int
+            lib.nw_fluid_simulate_means.argtypes = [c_int, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         _lib_state["lib"], _lib_state["why"] = lib, why
     return _lib_state["lib"]
 
@@ -621,7 +633,7 @@ def fluid_engine() -> str:
 
 
 def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[float], iterations: int,
-                watch: Sequence[int] | None, run: PeriodicRun) -> None:
+                watch: Sequence[int] | None, run: PeriodicRun, means_only: bool = False) -> None:
     lib = _c_engine()
     if lib is None:
         raise RuntimeError(f"the C fluid engine is not available: {_lib_state['why']}")
@@ -648,12 +660,23 @@ def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[f
     watched = np.zeros(n, dtype=np.uint8)
     for i in (range(n) if watch is None else watch):
         watched[i] = jobs[i].comm_s > 0
+    count = np.zeros(n, dtype=np.int32)
+    stats = np.zeros(2, dtype=np.int64)
+    if means_only:  # the loop keeps every iteration end (growing its buffer) and hands back the means
+        means = np.empty(n, dtype=np.float64)
+        rc = lib.nw_fluid_simulate_means(n, f_at[0], f_at[1], f_at[2], f_at[3], watched.ctypes.data, iterations, nl, f_at[4], i_at[0],
+                                         i_at[1], f_at[5], i_at[2], i_at[3], means.ctypes.data, count.ctypes.data, stats.ctypes.data)
+        if rc != 0:
+            raise RuntimeError(f"nw_fluid_simulate_means failed with code {rc} ({'out of memory' if rc == -2 else 'invalid arguments'})")
+        run.means = means.tolist()
+        for i, j in enumerate(jobs):
+            if j.comm_s <= 0:  # not simulated: its compute-only iterations
+                run.means[i] = _mean_after_first(starts[i], run.ends[i])
+        run.events, run.solves, run.engine = int(stats[0]), int(stats[1]), "c"
+        return
     periods = [j.period_s for j in jobs if j.comm_s > 0]
     # iterations a fast job finishes while a slow one does its own: a first guess, retried larger when short
     ends_cap = iterations * (2 + math.ceil(max(periods) / max(min(periods), 1e-300) if periods else 1)) + 2
-    count = np.zeros(n, dtype=np.int32)
-    stats = np.zeros(2, dtype=np.int64)
-
     while True:
         ends = np.zeros(max(n * ends_cap, 1), dtype=np.float64)
         rc = lib.nw_fluid_simulate(n, f_at[0], f_at[1], f_at[2], f_at[3], watched.ctypes.data, iterations, nl, f_at[4], i_at[0], i_at[1],
@@ -1079,10 +1102,10 @@ class PeriodicFluidModel:
             if len(self.rate_memo) >= 5 * self.cache_limit:
                 self.rate_memo.clear()
             run = _simulate(members, coupling, iterations=self.iterations, rate_memo=self.rate_memo,
-                            job_keys=[self._serial[i] for i in comp], watch=watch)
+                            job_keys=[self._serial[i] for i in comp], watch=watch, means_only=True)
             self.simulations += 1
             self.events += run.events
-            answer = [_mean_after_first(a, b) for a, b in zip(run.starts, run.ends, strict=True)]
+            answer = run.means if run.means is not None else [_mean_after_first(a, b) for a, b in zip(run.starts, run.ends, strict=True)]
             if len(self.by_signature) >= self.cache_limit:
                 self.by_signature.clear()
             self.by_signature[key] = [answer[p] for p in order]
