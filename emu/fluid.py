@@ -782,8 +782,10 @@ class PeriodicFluidModel:
         self.iterations = iterations
         self.phase_quantum = phase_quantum
         self.cache_limit = cache_limit
-        self.by_signature: dict[tuple, list[float]] = {}
-        self.by_identity: dict[tuple, tuple[tuple[PeriodicJob, ...], list[float]]] = {}
+        # answers are kept as tuples of floats: the garbage collector stops tracking those, and full collections walk every
+        # tracked object (hundreds of thousands of cached answers late in a long replay)
+        self.by_signature: dict[tuple, tuple[float, ...]] = {}
+        self.by_identity: dict[tuple, tuple[tuple[PeriodicJob, ...], tuple[float, ...]]] = {}
         self.calls = self.hits = self.simulations = self.events = 0
         self.capped = 0  # sets cut to max_ball jobs (chunks of centres with their nearest)
         # the job set of the previous call, by id (the dicts hold the objects, so ids stay unique)
@@ -1077,10 +1079,10 @@ class PeriodicFluidModel:
         cap = self._cap
         return _Coupling.of([self._own[k] for k in comp], ((cap[lid], us) for lid, us in users.items()))
 
-    def _answer(self, comp: list[int], watch: list[int] | None = None) -> list[float]:
+    def _answer(self, comp: list[int], watch: list[int] | None = None) -> Sequence[float]:
         if len(comp) == 1:
             j = self._jobs[comp[0]]
-            return [j.compute_s + j.comm_s / self._own[comp[0]]]
+            return (j.compute_s + j.comm_s / self._own[comp[0]],)
         self.calls += 1
         members = tuple(self._jobs[i] for i in comp)
         ident = (tuple(comp), None if watch is None else tuple(watch))
@@ -1095,9 +1097,10 @@ class PeriodicFluidModel:
         cached = self.by_signature.get(key)
         if cached is not None:
             self.hits += 1
-            answer = [0.0] * len(comp)
+            unsorted = [0.0] * len(comp)
             for r, p in enumerate(order):
-                answer[p] = cached[r]
+                unsorted[p] = cached[r]
+            answer = tuple(unsorted)
         else:
             if len(self.rate_memo) >= 5 * self.cache_limit:
                 self.rate_memo.clear()
@@ -1105,10 +1108,10 @@ class PeriodicFluidModel:
                             job_keys=[self._serial[i] for i in comp], watch=watch, means_only=True)
             self.simulations += 1
             self.events += run.events
-            answer = run.means if run.means is not None else [_mean_after_first(a, b) for a, b in zip(run.starts, run.ends, strict=True)]
+            answer = tuple(run.means if run.means is not None else map(_mean_after_first, run.starts, run.ends))
             if len(self.by_signature) >= self.cache_limit:
                 self.by_signature.clear()
-            self.by_signature[key] = [answer[p] for p in order]
+            self.by_signature[key] = tuple(answer[p] for p in order)
         if len(self.by_identity) >= self.cache_limit:
             self.by_identity.clear()
         self.by_identity[ident] = (members, answer)  # holding the jobs keeps their ids from being reused
