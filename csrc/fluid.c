@@ -148,6 +148,19 @@ static int cmp_int(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
+/* Sort a[0..m) ascending: insertion sort for the few jobs of a typical component (qsort's calls cost more there). */
+static void sort_ints(int *a, int m) {
+    if (m > 32) {
+        qsort(a, (size_t)m, sizeof(int), cmp_int);
+        return;
+    }
+    for (int i = 1; i < m; i++) {
+        int v = a[i], j = i;
+        for (; j > 0 && a[j - 1] > v; j--) a[j] = a[j - 1];
+        a[j] = v;
+    }
+}
+
 /* The communicating jobs coupled to seed through links that their current demands overload; sorted. */
 static int component(sim_t *s, int seed) {
     int gen = ++s->comp_gen, m = 0, top = 0;
@@ -169,7 +182,7 @@ static int component(sim_t *s, int seed) {
             }
         }
     }
-    qsort(s->comp, (size_t)m, sizeof(int), cmp_int);
+    sort_ints(s->comp, m);
     return m;
 }
 
@@ -360,7 +373,7 @@ static int simulate(int n, const double *compute, const double *comm, const doub
                     }
                 }
             }
-            qsort(s.seeds, (size_t)ns, sizeof(int), cmp_int);
+            sort_ints(s.seeds, ns);
             if ((rc = resolve(&s, s.seeds, ns, t, -1))) goto out;
         } else if (s.state[i] == 1) { /* compute done: communicate */
             s.state[i] = 2;
