@@ -9,8 +9,14 @@
  * into answers. The Python loop memoises rates because a solve costs it
  * ~0.3 ms; here a solve costs microseconds, so every one is recomputed.
  *
+ * nw_fluid_simulate_means() runs the same loop and returns each job's mean
+ * iteration time (emu.fluid._mean_after_first, with numpy's pairwise sum):
+ * what the incremental model needs, without a retry when a fast job outruns
+ * the ends buffer (it grows) and without handing every iteration end back.
+ *
  * Versioned like NCCL's plugin tables: nw_fluid_version() names the ABI of
- * nw_fluid_simulate(); emu.fluid refuses a library of another version.
+ * nw_fluid_simulate() and nw_fluid_simulate_means(); emu.fluid refuses a
+ * library of another version.
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,7 +24,7 @@
 #include <string.h>
 
 #define NW_FLUID_API __attribute__((visibility("default")))
-#define NW_FLUID_ABI 1
+#define NW_FLUID_ABI 2
 
 enum { NW_FLUID_OK = 0, NW_FLUID_EINVAL = -1, NW_FLUID_ENOMEM = -2 };
 
@@ -48,6 +54,9 @@ typedef struct {
     int *act_ptr, *act_link;
     double *act_dem;
     int comp_gen, done_gen, load_gen, sat_gen;
+    /* iteration ends: ends[i * ends_cap + c]; grown (and owned) when grow is set, else ends past ends_cap are only counted */
+    double *ends;
+    int ends_cap, grow;
     /* event heap */
     event_t *heap;
     size_t heap_len, heap_cap;
@@ -92,9 +101,64 @@ static event_t heap_pop(sim_t *s) {
     return top;
 }
 
+/* Record the end of job i's iteration at t. */
+static int record_end(sim_t *s, int i, double t) {
+    if (s->count[i] >= s->ends_cap && s->grow) {
+        int cap = s->ends_cap > 0 ? 2 * s->ends_cap : 2 * s->iterations + 2;
+        double *e = malloc((size_t)s->n * (size_t)cap * sizeof(double));
+        if (!e) return NW_FLUID_ENOMEM;
+        for (int q = 0; q < s->n; q++) {
+            int c = s->count[q] < s->ends_cap ? s->count[q] : s->ends_cap;
+            if (c) memcpy(e + (size_t)q * (size_t)cap, s->ends + (size_t)q * (size_t)s->ends_cap, (size_t)c * sizeof(double));
+        }
+        free(s->ends);
+        s->ends = e;
+        s->ends_cap = cap;
+    }
+    if (s->count[i] < s->ends_cap) s->ends[(size_t)i * (size_t)s->ends_cap + (size_t)s->count[i]] = t;
+    s->count[i]++;
+    return NW_FLUID_OK;
+}
+
+/* numpy's sum of a[0..n) (pairwise: below 8 terms one by one, up to 128 in eight interleaved partial sums, else halves):
+ * the floats of np.add.reduce over a contiguous float64 array; below 8 terms also those of Python's sum() */
+static double pairwise_sum(const double *a, int n) {
+    if (n < 8) {
+        double r = 0.0;
+        for (int i = 0; i < n; i++) r += a[i];
+        return r;
+    }
+    if (n <= 128) {
+        double r[8];
+        int i;
+        for (int j = 0; j < 8; j++) r[j] = a[j];
+        for (i = 8; i < n - n % 8; i += 8)
+            for (int j = 0; j < 8; j++) r[j] += a[i + j];
+        double res = ((r[0] + r[1]) + (r[2] + r[3])) + ((r[4] + r[5]) + (r[6] + r[7]));
+        for (; i < n; i++) res += a[i];
+        return res;
+    }
+    int n2 = n / 2;
+    n2 -= n2 % 8;
+    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
+}
+
 static int cmp_int(const void *a, const void *b) {
     int x = *(const int *)a, y = *(const int *)b;
     return (x > y) - (x < y);
+}
+
+/* Sort a[0..m) ascending: insertion sort for the few jobs of a typical component (qsort's calls cost more there). */
+static void sort_ints(int *a, int m) {
+    if (m > 32) {
+        qsort(a, (size_t)m, sizeof(int), cmp_int);
+        return;
+    }
+    for (int i = 1; i < m; i++) {
+        int v = a[i], j = i;
+        for (; j > 0 && a[j - 1] > v; j--) a[j] = a[j - 1];
+        a[j] = v;
+    }
 }
 
 /* The communicating jobs coupled to seed through links that their current demands overload; sorted. */
@@ -118,7 +182,7 @@ static int component(sim_t *s, int seed) {
             }
         }
     }
-    qsort(s->comp, (size_t)m, sizeof(int), cmp_int);
+    sort_ints(s->comp, m);
     return m;
 }
 
@@ -236,16 +300,19 @@ NW_FLUID_API int nw_fluid_version(void) { return NW_FLUID_ABI; }
  * Out: count[i] iterations finished; ends[i*ends_cap + c] the end of iteration c for c < ends_cap (the caller
  * retries with a larger ends_cap when some count exceeds it); stats[0] events, stats[1] solves.
  */
-NW_FLUID_API int nw_fluid_simulate(int n, const double *compute, const double *comm, const double *start, const double *own,
-                                   const unsigned char *watched, int iterations, int nlinks, const double *cap,
-                                   const int *jl_ptr, const int *jl_link, const double *jl_dem, const int *lu_ptr, const int *lu_job,
-                                   int ends_cap, double *ends, int *count, int64_t *stats) {
-    if (n < 0 || nlinks < 0 || iterations < 1 || ends_cap < 0 || !compute || !comm || !start || !own || !watched || !count || !stats
-        || (ends_cap > 0 && !ends) || !jl_ptr || !lu_ptr)
+/* The loop of both entry points. With grow set, *ends and *ends_cap come back as the buffer it allocated (and grew) and
+ * its row length, for the caller to free; else *ends (ends_cap entries per job) is the caller's. */
+static int simulate(int n, const double *compute, const double *comm, const double *start, const double *own,
+                    const unsigned char *watched, int iterations, int nlinks, const double *cap,
+                    const int *jl_ptr, const int *jl_link, const double *jl_dem, const int *lu_ptr, const int *lu_job,
+                    int *ends_cap, double **ends, int grow, int *count, int64_t *stats) {
+    if (n < 0 || nlinks < 0 || iterations < 1 || *ends_cap < 0 || !compute || !comm || !start || !own || !watched || !count || !stats
+        || (*ends_cap > 0 && !grow && !*ends) || !jl_ptr || !lu_ptr)
         return NW_FLUID_EINVAL;
     sim_t s;
     memset(&s, 0, sizeof(s));
     s.n = n, s.nlinks = nlinks, s.iterations = iterations;
+    s.ends = grow ? NULL : *ends, s.ends_cap = grow ? 0 : *ends_cap, s.grow = grow;
     s.compute = compute, s.comm = comm, s.own = own, s.cap = cap;
     s.jl_ptr = jl_ptr, s.jl_link = jl_link, s.jl_dem = jl_dem, s.lu_ptr = lu_ptr, s.lu_job = lu_job;
     size_t N = (size_t)n + 1, L = (size_t)nlinks + 1, E = (size_t)jl_ptr[n] + 1;
@@ -288,8 +355,7 @@ NW_FLUID_API int nw_fluid_simulate(int n, const double *compute, const double *c
             s.in_comm[i] = 0;
             for (int e = jl_ptr[i]; e < jl_ptr[i + 1]; e++) s.comm_load[jl_link[e]] -= jl_dem[e];
             s.x[i] = 0.0;
-            if (count[i] < ends_cap) ends[(size_t)i * (size_t)ends_cap + (size_t)count[i]] = t;
-            count[i]++;
+            if ((rc = record_end(&s, i, t))) goto out;
             if (count[i] == iterations && watched[i] && !--remaining) stop = t + 1e-12;
             s.state[i] = 1;
             s.ver[i]++;
@@ -307,7 +373,7 @@ NW_FLUID_API int nw_fluid_simulate(int n, const double *compute, const double *c
                     }
                 }
             }
-            qsort(s.seeds, (size_t)ns, sizeof(int), cmp_int);
+            sort_ints(s.seeds, ns);
             if ((rc = resolve(&s, s.seeds, ns, t, -1))) goto out;
         } else if (s.state[i] == 1) { /* compute done: communicate */
             s.state[i] = 2;
@@ -328,5 +394,50 @@ out:
     free(s.comm_load), free(s.residual), free(s.load), free(s.load_mark), free(s.sat_mark), free(s.touched);
     free(s.comp), free(s.stack), free(s.seeds), free(s.active), free(s.still), free(s.act_ptr), free(s.rates), free(s.own_local);
     free(s.act_link), free(s.act_dem), free(seen), free(s.heap);
+    if (grow) *ends = s.ends, *ends_cap = s.ends_cap;
+    return rc;
+}
+
+/* Simulate until every watched job has finished `iterations` iterations (see emu.fluid.simulate_periodic).
+ *
+ * Jobs 0..n-1; only jobs with comm[i] > 0 are simulated. Binding links 0..nlinks-1 with capacity cap[k]:
+ * job i's links are jl_link[jl_ptr[i]..jl_ptr[i+1]) with demands jl_dem[...]; link k's users are
+ * lu_job[lu_ptr[k]..lu_ptr[k+1]). own[i]: job i's progress cap alone.
+ * Out: count[i] iterations finished; ends[i*ends_cap + c] the end of iteration c for c < ends_cap (the caller
+ * retries with a larger ends_cap when some count exceeds it); stats[0] events, stats[1] solves.
+ */
+NW_FLUID_API int nw_fluid_simulate(int n, const double *compute, const double *comm, const double *start, const double *own,
+                                   const unsigned char *watched, int iterations, int nlinks, const double *cap,
+                                   const int *jl_ptr, const int *jl_link, const double *jl_dem, const int *lu_ptr, const int *lu_job,
+                                   int ends_cap, double *ends, int *count, int64_t *stats) {
+    return simulate(n, compute, comm, start, own, watched, iterations, nlinks, cap, jl_ptr, jl_link, jl_dem, lu_ptr, lu_job, &ends_cap, &ends,
+                    0, count, stats);
+}
+
+/* The same simulation; out: means[i] the mean duration of job i's iterations after the first (its first's when it
+ * finished only one; NaN when none), for the jobs with comm[i] > 0 (the others' entries are left alone), count and
+ * stats as above. */
+NW_FLUID_API int nw_fluid_simulate_means(int n, const double *compute, const double *comm, const double *start, const double *own,
+                                         const unsigned char *watched, int iterations, int nlinks, const double *cap,
+                                         const int *jl_ptr, const int *jl_link, const double *jl_dem, const int *lu_ptr,
+                                         const int *lu_job, double *means, int *count, int64_t *stats) {
+    if (!means) return NW_FLUID_EINVAL;
+    double *ends = NULL, *d = NULL;
+    int ends_cap = 0, rc = simulate(n, compute, comm, start, own, watched, iterations, nlinks, cap, jl_ptr, jl_link, jl_dem, lu_ptr, lu_job,
+                                    &ends_cap, &ends, 1, count, stats);
+    if (rc == NW_FLUID_OK && ends_cap > 0 && !(d = malloc((size_t)ends_cap * sizeof(double)))) rc = NW_FLUID_ENOMEM;
+    for (int i = 0; rc == NW_FLUID_OK && i < n; i++) {
+        if (!(comm[i] > 0)) continue;
+        int c = count[i], m = 0; /* every end was kept: the buffer grows before a job's count passes it */
+        if (c > 0) {
+            const double *e = ends + (size_t)i * (size_t)ends_cap;
+            if (c > 1)
+                for (int k = 1; k < c; k++) d[m++] = e[k] - e[k - 1];
+            else
+                d[m++] = e[0] - start[i];
+        }
+        means[i] = m ? pairwise_sum(d, m) / (double)m : NAN;
+    }
+    free(d), free(ends);
     return rc;
 }

@@ -105,7 +105,12 @@ class PeriodicJob:
 
 @dataclass
 class PeriodicRun:
-    """The outcome of :func:`simulate_periodic`: per job the end time of every finished iteration, and counters."""
+    """The outcome of :func:`simulate_periodic`: per job the end time of every finished iteration, and counters.
+
+    ``means``: each job's mean iteration time, set instead of the communicating
+    jobs' ``ends`` when the C loop was asked for means only (the incremental
+    model's simulations; ``_simulate(..., means_only=True)``).
+    """
 
     names: list[str]
     starts: list[float]
@@ -114,6 +119,7 @@ class PeriodicRun:
     solves: int = 0
     memo_hits: int = 0
     engine: str = ""  # "python" or "c": which event loop ran (empty when no job communicates)
+    means: list[float] | None = None
 
     def iteration_durations(self, i: int) -> list[float]:
         marks = [self.starts[i], *self.ends[i]]
@@ -121,6 +127,8 @@ class PeriodicRun:
 
     def mean_iteration_s(self) -> dict[str, float]:
         """Mean duration of each job's iterations after the first (all of them if it finished only one)."""
+        if self.means is not None:
+            return dict(zip(self.names, self.means, strict=True))
         return {name: _mean_after_first(self.starts[i], self.ends[i]) for i, name in enumerate(self.names)}
 
 
@@ -141,15 +149,29 @@ def _validate(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float], itera
     if len(set(names)) != len(names):
         raise ValueError("job names must be unique")
     for j in jobs:
-        if not (j.compute_s >= 0 and j.comm_s >= 0 and math.isfinite(j.compute_s) and math.isfinite(j.comm_s)):
-            raise ValueError(f"job {j.name}: compute_s and comm_s must be finite and >= 0")
+        _check_timings(j)
         for link, d in j.demand.items():
-            if not (d >= 0 and math.isfinite(d)):
-                raise ValueError(f"job {j.name}: demand on {link!r} must be finite and >= 0, got {d}")
-            if d > 0 and link not in capacity:
-                raise ValueError(f"job {j.name}: link {link!r} has no capacity")
-            if d > 0 and not capacity[link] > 0:
-                raise ValueError(f"job {j.name}: link {link!r} has capacity {capacity[link]}, expected > 0")
+            if not 0.0 <= d < math.inf:
+                raise _demand_error(j, link, d)
+            if d > 0:
+                _check_capacity(j, link, capacity)
+
+
+def _check_timings(j: PeriodicJob) -> None:
+    if not (0.0 <= j.compute_s < math.inf and 0.0 <= j.comm_s < math.inf):
+        raise ValueError(f"job {j.name}: compute_s and comm_s must be finite and >= 0")
+
+
+def _demand_error(j: PeriodicJob, link: Link, d: float) -> ValueError:
+    return ValueError(f"job {j.name}: demand on {link!r} must be finite and >= 0, got {d}")
+
+
+def _check_capacity(j: PeriodicJob, link: Link, capacity: Mapping[Link, float]) -> None:
+    """That ``link``, loaded by ``j``, has a positive capacity."""
+    if link not in capacity:
+        raise ValueError(f"job {j.name}: link {link!r} has no capacity")
+    if not capacity[link] > 0:
+        raise ValueError(f"job {j.name}: link {link!r} has capacity {capacity[link]}, expected > 0")
 
 
 def _users(jobs: Sequence[PeriodicJob]) -> dict[Link, list[tuple[int, float]]]:
@@ -338,8 +360,10 @@ def simulate_periodic(jobs: Sequence[PeriodicJob], capacity: Mapping[Link, float
 
 
 def _simulate(jobs: Sequence[PeriodicJob], coupling: _Coupling, *, iterations: int, rate_memo: dict[tuple, list[float]] | None = None,
-              job_keys: Sequence[Hashable] | None = None, watch: Sequence[int] | None = None, engine: str = "auto") -> PeriodicRun:
-    """:func:`simulate_periodic` of validated jobs whose coupling is already known."""
+              job_keys: Sequence[Hashable] | None = None, watch: Sequence[int] | None = None, engine: str = "auto",
+              means_only: bool = False) -> PeriodicRun:
+    """:func:`simulate_periodic` of validated jobs whose coupling is already known; ``means_only``: when the C loop runs,
+    it returns the mean iteration times (``run.means``) instead of the iteration ends."""
     n = len(jobs)
     starts = [j.start_s() for j in jobs]
     run = PeriodicRun([j.name for j in jobs], starts, [[] for _ in range(n)])
@@ -353,7 +377,7 @@ def _simulate(jobs: Sequence[PeriodicJob], coupling: _Coupling, *, iterations: i
     if watch is not None and not any(jobs[i].comm_s > 0 for i in watch):
         return run  # the watched jobs do not communicate: their compute-only iterations are known already
     if use_c:
-        _simulate_c(jobs, coupling, starts, iterations, watch, run)
+        _simulate_c(jobs, coupling, starts, iterations, watch, run, means_only)
         return run
     run.engine = "python"
     compute = [j.compute_s for j in jobs]
@@ -562,7 +586,7 @@ def simulate_periodic_reference(jobs: Sequence[PeriodicJob], capacity: Mapping[L
 
 
 # ------------------------------------------------------------------ the C event loop (csrc/fluid.c) --
-FLUID_ABI = 1  # the nw_fluid_version() this module speaks
+FLUID_ABI = 2  # the nw_fluid_version() this module speaks
 _LIB_NAME = "libnetweave-fluid.so"
 _lib_state: dict[str, Any] = {}
 
@@ -593,6 +617,8 @@ def _c_engine() -> Any:
             ptr, c_int = ctypes.c_void_p, ctypes.c_int
             lib.nw_fluid_simulate.restype = c_int
             lib.nw_fluid_simulate.argtypes = [c_int, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr, ptr, ptr]
+            lib.nw_fluid_simulate_means.restype = c_int
+            lib.nw_fluid_simulate_means.argtypes = [c_int, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
         _lib_state["lib"], _lib_state["why"] = lib, why
     return _lib_state["lib"]
 
@@ -607,7 +633,7 @@ def fluid_engine() -> str:
 
 
 def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[float], iterations: int,
-                watch: Sequence[int] | None, run: PeriodicRun) -> None:
+                watch: Sequence[int] | None, run: PeriodicRun, means_only: bool = False) -> None:
     lib = _c_engine()
     if lib is None:
         raise RuntimeError(f"the C fluid engine is not available: {_lib_state['why']}")
@@ -634,12 +660,23 @@ def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[f
     watched = np.zeros(n, dtype=np.uint8)
     for i in (range(n) if watch is None else watch):
         watched[i] = jobs[i].comm_s > 0
+    count = np.zeros(n, dtype=np.int32)
+    stats = np.zeros(2, dtype=np.int64)
+    if means_only:  # the loop keeps every iteration end (growing its buffer) and hands back the means
+        means = np.empty(n, dtype=np.float64)
+        rc = lib.nw_fluid_simulate_means(n, f_at[0], f_at[1], f_at[2], f_at[3], watched.ctypes.data, iterations, nl, f_at[4], i_at[0],
+                                         i_at[1], f_at[5], i_at[2], i_at[3], means.ctypes.data, count.ctypes.data, stats.ctypes.data)
+        if rc != 0:
+            raise RuntimeError(f"nw_fluid_simulate_means failed with code {rc} ({'out of memory' if rc == -2 else 'invalid arguments'})")
+        run.means = means.tolist()
+        for i, j in enumerate(jobs):
+            if j.comm_s <= 0:  # not simulated: its compute-only iterations
+                run.means[i] = _mean_after_first(starts[i], run.ends[i])
+        run.events, run.solves, run.engine = int(stats[0]), int(stats[1]), "c"
+        return
     periods = [j.period_s for j in jobs if j.comm_s > 0]
     # iterations a fast job finishes while a slow one does its own: a first guess, retried larger when short
     ends_cap = iterations * (2 + math.ceil(max(periods) / max(min(periods), 1e-300) if periods else 1)) + 2
-    count = np.zeros(n, dtype=np.int32)
-    stats = np.zeros(2, dtype=np.int64)
-
     while True:
         ends = np.zeros(max(n * ends_cap, 1), dtype=np.float64)
         rc = lib.nw_fluid_simulate(n, f_at[0], f_at[1], f_at[2], f_at[3], watched.ctypes.data, iterations, nl, f_at[4], i_at[0], i_at[1],
@@ -745,22 +782,34 @@ class PeriodicFluidModel:
         self.iterations = iterations
         self.phase_quantum = phase_quantum
         self.cache_limit = cache_limit
-        self.by_signature: dict[tuple, list[float]] = {}
-        self.by_identity: dict[tuple, tuple[tuple[PeriodicJob, ...], list[float]]] = {}
+        # answers are kept as tuples of floats: the garbage collector stops tracking those, and full collections walk every
+        # tracked object (hundreds of thousands of cached answers late in a long replay)
+        self.by_signature: dict[tuple, tuple[float, ...]] = {}
+        self.by_identity: dict[tuple, tuple[tuple[PeriodicJob, ...], tuple[float, ...]]] = {}
         self.calls = self.hits = self.simulations = self.events = 0
         self.capped = 0  # sets cut to max_ball jobs (chunks of centres with their nearest)
         # the job set of the previous call, by id (the dicts hold the objects, so ids stay unique)
         self._jobs: dict[int, PeriodicJob] = {}
-        self._links: dict[int, list[tuple[Link, float]]] = {}
-        self._users: dict[Link, dict[int, float]] = {}
+        self._links: dict[int, list[tuple[int, float]]] = {}  # per job: (link number, demand) of its links
         self._own: dict[int, float] = {}
         self._times: dict[int, float] = {}
         self._serial: dict[int, int] = {}  # a number per job object, never reused: names its demands in the rate memo
         self._next_serial = 0
         self.rate_memo: dict[tuple, list[float]] = {}
-        # binding links (several users whose demands sum above the capacity), kept up to date as jobs come and go
-        self._binding: dict[Link, bool] = {}
-        self._bind_links: dict[int, dict[Link, float]] = {}  # per job: its binding links and its demand on each
+        # per link, by a number given at its first use (small ints hash and compare faster than link tuples; the numbers
+        # follow the joining order, so they are the same in every process): capacity, users (job -> demand, in joining
+        # order), whether it is binding (several users whose demands sum above the capacity), and a running sum of the
+        # users' demands with a bound on its rounding error (see _saturates)
+        self._link_number: dict[Link, int] = {}
+        self._cap: list[float] = []
+        self._users: list[dict[int, float]] = []
+        self._binding: list[bool] = []
+        self._sum: list[float] = []
+        self._sum_err: list[float] = []
+        self._bind_links: dict[int, dict[int, float]] = {}  # per job: its binding links and its demand on each
+        # the signature's rounded values: per job its row (timings, start, own cap), and demands and capacities (all > 0)
+        self._rows: dict[int, tuple[float, float, float, float]] = {}
+        self._r9: dict[float, float] = {}
 
     def __call__(self, jobs: Sequence[PeriodicJob]) -> dict[str, float]:
         current = {id(j): j for j in jobs}
@@ -786,44 +835,47 @@ class PeriodicFluidModel:
         gone = sorted((id(j) for j in removed if id(j) in self._jobs), key=self._serial.__getitem__)  # the order the set listed them
         new = [id(j) for j in added if id(j) not in self._jobs]
         current = {id(j): j for j in added}
-        if new:
-            _validate([current[i] for i in new], self.capacity, self.iterations)
+        if len({current[i].name for i in new}) != len(new):
+            raise ValueError("job names must be unique")
+        new_links = [self._checked_links(current[i]) for i in new]  # validated before any change (numbering a link is none)
         refreshed: set[int] = set()
         seeds: list[int] = list(new)
-        users, binding, capacity = self._users, self._binding, self.capacity
+        users, binding, sums, errs = self._users, self._binding, self._sum, self._sum_err
         for i in gone:
-            for link, _ in self._links[i]:
-                us = users[link]
-                bound = binding[link]
+            for lid, d in self._links[i]:
+                us = users[lid]
+                bound = binding[lid]
                 if bound:  # its partners there may now be freer
                     seeds.extend(k for k in us if k != i)
                 del us[i]
                 if not us:
-                    del users[link], binding[link]
-                elif bound:  # a link that could not saturate still cannot after a leave
-                    self._update_binding(link)
+                    sums[lid] = errs[lid] = 0.0
+                    continue
+                sums[lid] = left = sums[lid] - d
+                errs[lid] += abs(left) * _EPS
+                if bound:  # a link that could not saturate still cannot after a leave
+                    self._update_binding(lid)
             for store in (self._jobs, self._links, self._own, self._times, self._serial, self._bind_links):
                 del store[i]
-        for i in new:
-            j = current[i]
-            links = [(link, float(d)) for link, d in j.demand.items() if d > 0] if j.comm_s > 0 else []
-            self._jobs[i], self._links[i] = j, links
+            self._rows.pop(i, None)
+        cap = self._cap
+        for i, links in zip(new, new_links, strict=True):
+            self._jobs[i], self._links[i] = current[i], links
             self._serial[i] = self._next_serial
             self._next_serial += 1
             bind = self._bind_links[i] = {}
             own = 1.0
-            for link, d in links:
-                us = users.get(link)
-                if us is None:  # its only user: it caps the job but couples nobody
-                    users[link] = {i: d}
-                    binding[link] = False
-                else:
-                    us[i] = d
-                    if binding[link]:  # a link that could saturate still can after a join
-                        bind[link] = d
+            for lid, d in links:
+                us = users[lid]
+                us[i] = d
+                sums[lid] = total = sums[lid] + d
+                errs[lid] += total * _EPS
+                if len(us) > 1:  # with one user it caps the job but couples nobody
+                    if binding[lid]:  # a link that could saturate still can after a join
+                        bind[lid] = d
                     else:
-                        self._update_binding(link, joined=i)
-                own = min(own, capacity[link] / d)
+                        self._update_binding(lid, joined=i)
+                own = min(own, cap[lid] / d)
             self._own[i] = own
         done: set[int] = set()
         live = [s for s in dict.fromkeys(seeds) if s in self._jobs]
@@ -850,8 +902,8 @@ class PeriodicFluidModel:
             # ball, or next to it), refresh its interior
             centres = [k for k in live if k not in done and (k in near or self._touches(k, near))]
             done.update(centres)
-            dist = self._distances(centres, self.radius)
-            if limit is not None and len(dist) > limit:  # too many to simulate together: each chunk of centres with its nearest
+            dist = self._distances(centres, self.radius, limit)
+            if dist is None:  # too many to simulate together: each chunk of centres with its nearest
                 centres = self._ordered(centres)
                 step = max(1, limit // 2)
                 for c in range(0, len(centres), step):
@@ -873,43 +925,90 @@ class PeriodicFluidModel:
                     refreshed.add(k)
         return {self._jobs[i].name: self._times[i] for i in refreshed}
 
-    def _update_binding(self, link: Link, joined: int | None = None) -> None:
-        """Re-evaluate whether ``link`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
-        us = self._users[link]
-        before = self._binding.get(link, False)
+    def _checked_links(self, j: PeriodicJob) -> list[tuple[int, float]]:
+        """``j``'s links (numbers) and demands where it communicates; raises ValueError on inputs that ``_validate`` refuses."""
+        _check_timings(j)
+        numbers, links = self._link_number, []
+        for link, d in j.demand.items():
+            if not 0.0 <= d < math.inf:
+                raise _demand_error(j, link, d)
+            if d > 0:
+                lid = numbers.get(link)
+                if lid is None:  # a link seen for the first time: checked once
+                    _check_capacity(j, link, self.capacity)
+                    lid = numbers[link] = len(self._cap)
+                    self._cap.append(self.capacity[link])
+                    self._users.append({})
+                    self._binding.append(False)
+                    self._sum.append(0.0)
+                    self._sum_err.append(0.0)
+                links.append((lid, float(d)))
+        return links if j.comm_s > 0 else []
+
+    def _update_binding(self, lid: int, joined: int | None = None) -> None:
+        """Re-evaluate whether link ``lid`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
+        us = self._users[lid]
+        before = self._binding[lid]
         # a sum of non-negative demands in joining order only grows when one joins (it is added last) and only shrinks when
         # one leaves: a link that could saturate still can after a join, one that could not still cannot after a leave
-        now = before if (joined is not None) == before else _can_saturate(list(us.values()), self.capacity[link])
-        self._binding[link] = now
+        now = before if (joined is not None) == before else self._saturates(lid)
+        self._binding[lid] = now
         if now and not before:
             for k, d in us.items():
-                self._bind_links[k][link] = d
+                self._bind_links[k][lid] = d
         elif before and not now:
             for k in us:
-                self._bind_links[k].pop(link, None)
+                self._bind_links[k].pop(lid, None)
         elif now and joined is not None:
-            self._bind_links[joined][link] = us[joined]
+            self._bind_links[joined][lid] = us[joined]
 
-    def _distances(self, seeds: Sequence[int], radius: int) -> dict[int, int]:
-        """Binding-link hops from the nearest seed, for the jobs at most ``radius`` hops away."""
+    def _saturates(self, lid: int) -> bool:
+        """``_can_saturate`` of link ``lid``'s users' demands (summed in joining order), exactly, without the sum when it can.
+
+        The running sum differs from the exact sum of the demands by at most ``_sum_err`` (each addition or subtraction
+        rounds by at most ``_EPS`` times its result), and ``_can_saturate``'s sum of ``n`` non-negative terms differs from
+        the exact one by at most ``(n - 1) * _EPS / 2`` times it: when the running sum is further from the capacity than
+        both bounds (with a margin of 8), both sums lie on the same side of it. Nearer, the demands are summed afresh.
+        """
+        us = self._users[lid]
+        n = len(us)
+        if n < 2:
+            return False
+        total, cap = self._sum[lid], self._cap[lid]
+        tol = 2.0 * self._sum_err[lid] + (n + 2) * 8.0 * _EPS * (total + cap)
+        if total - cap > tol:
+            return True
+        if cap - total > tol:
+            return False
+        total = sum(us.values())
+        self._sum[lid], self._sum_err[lid] = total, n * _EPS * total
+        return total > cap
+
+    def _distances(self, seeds: Sequence[int], radius: int, limit: int | None = None) -> dict[int, int] | None:
+        """Binding-link hops from the nearest seed, for the jobs at most ``radius`` hops away; None once they are more than
+        ``limit`` (the walk stops there)."""
         dist = dict.fromkeys(seeds, 0)
+        if limit is not None and len(dist) > limit:
+            return None
         frontier = list(seeds)
         for d in range(1, radius + 1):
             nxt = []
             for i in frontier:
-                for link in self._bind_links[i]:
-                    for k in self._users[link]:
+                for lid in self._bind_links[i]:
+                    for k in self._users[lid]:
                         if k not in dist:
                             dist[k] = d
                             nxt.append(k)
+                if limit is not None and len(dist) > limit:
+                    return None
             frontier = nxt
         return dist
 
     def _touches(self, job: int, ball: Mapping[int, int]) -> bool:
         """Whether ``job`` has a binding-link partner in ``ball``."""
         users = self._users
-        for link in self._bind_links[job]:
-            for k in users[link]:
+        for lid in self._bind_links[job]:
+            for k in users[lid]:
                 if k in ball:
                     return True
         return False
@@ -917,31 +1016,35 @@ class PeriodicFluidModel:
     def _beyond(self, ball: Mapping[int, int]) -> bool:
         """Whether a job of ``ball`` has a binding-link partner outside it."""
         for i in ball:
-            for link in self._bind_links[i]:
-                for k in self._users[link]:
+            for lid in self._bind_links[i]:
+                for k in self._users[lid]:
                     if k not in ball:
                         return True
         return False
 
     def _nearest(self, chunk: list[int], limit: int) -> list[int]:
         """``chunk`` and the ``limit - len(chunk)`` jobs within ``radius`` hops nearest to it (see ``max_ball``), in joining order."""
-        dist = self._distances(chunk, self.radius)
         weight: dict[int, float] = {}
         for i in chunk:
-            for link in self._bind_links[i]:
-                cap = self.capacity[link]
-                for k, d in self._users[link].items():
+            for lid in self._bind_links[i]:
+                cap = self._cap[lid]
+                for k, d in self._users[lid].items():
                     weight[k] = weight.get(k, 0.0) + d / cap
         serial = self._serial
-        others = heapq.nsmallest(limit - len(chunk), (k for k in dist if dist[k] > 0), key=lambda k: (dist[k], -weight.get(k, 0.0), serial[k]))
-        return self._ordered([*chunk, *others])
+        if self.radius == 1:  # the jobs one hop away are the users of the chunk's binding links: those weighed
+            inside = set(chunk)
+            ranked = [(-w, serial[k], k) for k, w in weight.items() if k not in inside]
+        else:
+            dist = self._distances(chunk, self.radius)
+            ranked = [(dist[k], -weight.get(k, 0.0), serial[k], k) for k in dist if dist[k] > 0]
+        return self._ordered([*chunk, *(r[-1] for r in heapq.nsmallest(limit - len(chunk), ranked))])
 
     def _group(self, seed: int) -> list[int]:
         """The jobs linked to ``seed`` through binding links (in the current set)."""
         comp, stack = {seed}, [seed]
         while stack:
-            for link in self._bind_links[stack.pop()]:
-                for k in self._users[link]:
+            for lid in self._bind_links[stack.pop()]:
+                for k in self._users[lid]:
                     if k not in comp:
                         comp.add(k)
                         stack.append(k)
@@ -957,21 +1060,29 @@ class PeriodicFluidModel:
         # each binding link's users among comp, from the jobs' side (a link of a scattered job may have many users outside a
         # small ball), in first-seen order; comp is in joining order, which is the order of every link's users (the order
         # _Coupling.of sums their demands in). A link with one user in comp couples nobody here and is left out
-        users: dict[Link, list[tuple[int, float]]] = {}
+        bind = self._bind_links
+        seen: set[int] = set()
+        shared: set[int] = set()  # the links of several jobs of comp (most links of a scattered job have one user here)
+        for k in comp:
+            links = bind[k]
+            shared.update(seen.intersection(links))
+            seen.update(links)
+        users: dict[int, list[tuple[int, float]]] = {}
         for p, k in enumerate(comp):
-            for link, d in self._bind_links[k].items():
-                us = users.get(link)
+            links = bind[k]
+            for lid in [lid for lid in links if lid in shared]:
+                us = users.get(lid)
                 if us is None:
-                    users[link] = [(p, d)]
+                    users[lid] = [(p, links[lid])]
                 else:
-                    us.append((p, d))
-        capacity = self.capacity
-        return _Coupling.of([self._own[k] for k in comp], ((capacity[link], us) for link, us in users.items() if len(us) > 1))
+                    us.append((p, links[lid]))
+        cap = self._cap
+        return _Coupling.of([self._own[k] for k in comp], ((cap[lid], us) for lid, us in users.items()))
 
-    def _answer(self, comp: list[int], watch: list[int] | None = None) -> list[float]:
+    def _answer(self, comp: list[int], watch: list[int] | None = None) -> Sequence[float]:
         if len(comp) == 1:
             j = self._jobs[comp[0]]
-            return [j.compute_s + j.comm_s / self._own[comp[0]]]
+            return (j.compute_s + j.comm_s / self._own[comp[0]],)
         self.calls += 1
         members = tuple(self._jobs[i] for i in comp)
         ident = (tuple(comp), None if watch is None else tuple(watch))
@@ -986,20 +1097,21 @@ class PeriodicFluidModel:
         cached = self.by_signature.get(key)
         if cached is not None:
             self.hits += 1
-            answer = [0.0] * len(comp)
+            unsorted = [0.0] * len(comp)
             for r, p in enumerate(order):
-                answer[p] = cached[r]
+                unsorted[p] = cached[r]
+            answer = tuple(unsorted)
         else:
             if len(self.rate_memo) >= 5 * self.cache_limit:
                 self.rate_memo.clear()
             run = _simulate(members, coupling, iterations=self.iterations, rate_memo=self.rate_memo,
-                            job_keys=[self._serial[i] for i in comp], watch=watch)
+                            job_keys=[self._serial[i] for i in comp], watch=watch, means_only=True)
             self.simulations += 1
             self.events += run.events
-            answer = [_mean_after_first(a, b) for a, b in zip(run.starts, run.ends, strict=True)]
+            answer = tuple(run.means if run.means is not None else map(_mean_after_first, run.starts, run.ends))
             if len(self.by_signature) >= self.cache_limit:
                 self.by_signature.clear()
-            self.by_signature[key] = [answer[p] for p in order]
+            self.by_signature[key] = tuple(answer[p] for p in order)
         if len(self.by_identity) >= self.cache_limit:
             self.by_identity.clear()
         self.by_identity[ident] = (members, answer)  # holding the jobs keeps their ids from being reused
@@ -1007,26 +1119,43 @@ class PeriodicFluidModel:
 
     def _signature(self, comp: list[int], coupling: _Coupling) -> tuple[tuple, list[int]]:
         """A name- and link-free key of the group's simulation, and the group positions in key order."""
-        q = self.phase_quantum
+        q, cached = self.phase_quantum, self._rows
         rows = []
         for p, i in enumerate(comp):
-            j = self._jobs[i]
-            start = j.start_s()
-            if q > 0 and j.period_s > 0:
-                bins = max(1, round(1 / q))
-                start = (round(start / j.period_s * bins) % bins) / bins * j.period_s
-            rows.append((_r9(j.compute_s), _r9(j.comm_s), _r9(start), _r9(coupling.own_cap[p]), p))
+            row = cached.get(i)
+            if row is None:  # a job's row is fixed while it runs: rounded once
+                j = self._jobs[i]
+                start = j.start_s()
+                if q > 0 and j.period_s > 0:
+                    bins = max(1, round(1 / q))
+                    start = (round(start / j.period_s * bins) % bins) / bins * j.period_s
+                row = cached[i] = (_r9(j.compute_s), _r9(j.comm_s), _r9(start), _r9(self._own[i]))
+            rows.append((*row, p))
         rows.sort()
         order = [r[4] for r in rows]
         rank = [0] * len(comp)
         for r, p in enumerate(order):
             rank[p] = r
+        r9 = self._r9
+        if len(r9) > self.cache_limit:
+            r9.clear()
         per_link: list[list[tuple[int, float]]] = [[] for _ in coupling.cap_list]
         for p, ls in enumerate(coupling.job_links):
             for c, d in ls:
-                per_link[c].append((rank[p], _r9(d)))
-        columns = [(tuple(sorted(us)), _r9(cap)) for us, cap in zip(per_link, coupling.cap_list, strict=True)]
+                rd = r9.get(d)
+                if rd is None:
+                    rd = r9[d] = _r9(d)
+                per_link[c].append((rank[p], rd))
+        columns = []
+        for us, cap in zip(per_link, coupling.cap_list, strict=True):
+            rc = r9.get(cap)
+            if rc is None:
+                rc = r9[cap] = _r9(cap)
+            columns.append((tuple(sorted(us)), rc))
         return (tuple(r[:4] for r in rows), tuple(sorted(columns))), order
+
+
+_EPS = 2.0**-52  # twice the unit roundoff of a float64: a bound on the relative rounding error of one addition
 
 
 def _r9(v: float) -> float:

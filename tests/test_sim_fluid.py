@@ -243,6 +243,37 @@ def test_c_event_loop_grows_its_buffer_when_a_fast_job_outruns_the_guess(c_engin
         assert c.ends[i] == pytest.approx(py.ends[i], rel=1e-12)
 
 
+def _means_only_equal_the_means_of_the_ends(jobs, capacity, iterations, watch):
+    from emu.fluid import _coupling, _mean_after_first, _simulate
+
+    full = _simulate(jobs, _coupling(jobs, capacity), iterations=iterations, watch=watch, engine="c")
+    means = _simulate(jobs, _coupling(jobs, capacity), iterations=iterations, watch=watch, engine="c", means_only=True)
+    want = [_mean_after_first(full.starts[i], full.ends[i]) for i in range(len(jobs))]
+    got = list(means.mean_iteration_s().values())
+    assert [math.isnan(v) for v in got] == [math.isnan(v) for v in want]
+    assert [v for v in got if not math.isnan(v)] == [v for v in want if not math.isnan(v)]  # bit for bit
+    assert means.events == full.events
+    return full
+
+
+@settings(max_examples=150, deadline=None)
+@given(inst=fluid_instances(), watch=st.sets(st.integers(0, 5)), iterations=st.integers(1, 5))
+def test_c_means_only_are_the_means_of_the_c_loops_ends(c_engine, inst, watch, iterations):
+    """The C loop's own means (numpy's pairwise sum) are _mean_after_first of its iteration ends, bit for bit."""
+    jobs, capacity = inst
+    _means_only_equal_the_means_of_the_ends(jobs, capacity, iterations, sorted(w for w in watch if w < len(jobs)) or None)
+
+
+@pytest.mark.parametrize("fast_period", [0.05, 0.011, 0.0021])  # the fast job's durations: < 8, 8..128, > 128 (halved sums)
+def test_c_means_only_grow_their_buffer_and_sum_long_runs_like_numpy(c_engine, fast_period):
+    capacity = {"l": 10.0, "m": 10.0}
+    slow = _job("slow", 0.05, 0.95, {"l": 1.0, "m": 10.0})
+    fast = _job("fast", fast_period * 0.9, fast_period * 0.1, {"l": 10.0}, 0.0003)
+    hog = _job("hog", 0.0, 0.5, {"m": 90.0})
+    full = _means_only_equal_the_means_of_the_ends([slow, fast, hog], capacity, 3, [0])
+    assert len(full.ends[1]) > {0.05: 8, 0.011: 130, 0.0021: 700}[fast_period]
+
+
 def test_engine_choice_and_a_missing_library(monkeypatch, tmp_path):
     from emu import fluid
 
@@ -361,6 +392,38 @@ def test_max_ball_simulates_each_changed_job_with_its_strongest_partners():
             PeriodicFluidModel(capacity, **bad)
 
 
+# demands whose float sums land on or next to the capacities (0.1 + 0.2 + 0.3 > 0.6 but 0.3 + 0.2 + 0.1 == 0.6): the binding
+# test must sum them in joining order as _can_saturate does, whatever its running sums say
+_TIE_DEMANDS = [0.1, 0.2, 0.3, 0.4, 1 / 3, 0.7, 2.0**-60, 1e-9]
+_TIE_CAPACITY = {"a": 0.6, "b": 1.0, "c": 0.3, "d": 1 / 3 + 1 / 3}
+
+
+@given(ops=st.lists(st.one_of(st.dictionaries(st.sampled_from(sorted(_TIE_CAPACITY)), st.sampled_from(_TIE_DEMANDS), min_size=1),
+                              st.integers(0, 7)), min_size=1, max_size=40))
+@settings(max_examples=300, deadline=None)
+def test_incremental_binding_state_is_a_fresh_can_saturate_after_any_joins_and_leaves(ops):
+    """The model's binding flags (kept with running sums) equal _can_saturate of each link's users now, in joining order."""
+    from emu.fluid import _can_saturate
+
+    model = PeriodicFluidModel(_TIE_CAPACITY, iterations=1, radius=1, max_ball=4)
+    live: list[PeriodicJob] = []
+    for step, op in enumerate(ops):
+        if isinstance(op, dict):
+            job = _job(f"j{step}", 0.01, 0.01, op, 0.001 * step)
+            live.append(job)
+            model.update([job], [])
+        elif live:
+            model.update([], [live.pop(op % len(live))])
+        for link, lid in model._link_number.items():
+            users = model._users[lid]
+            demands = [d for j in live for name, d in j.demand.items() if name == link]
+            assert list(users.values()) == demands  # joining order
+            assert model._binding[lid] == _can_saturate(demands, _TIE_CAPACITY[link])
+        for j in live:
+            i = id(j)
+            assert model._bind_links[i] == {lid: d for lid, d in model._links[i] if model._binding[lid]}
+
+
 
 SANITIZED_RUN = """
 import random
@@ -374,7 +437,9 @@ for trial in range(300):
                           {l: rng.uniform(1, 15) for l in rng.sample(links, rng.randint(0, len(links)))}, rng.uniform(0, 1))
             for i in range(rng.randint(1, 14))]
     watch = sorted(rng.sample(range(len(jobs)), rng.randint(1, len(jobs)))) if rng.random() < 0.5 else None
-    F.simulate_periodic(jobs, cap, iterations=rng.randint(1, 5), watch=watch, engine="c")
+    iterations = rng.randint(1, 5)
+    F.simulate_periodic(jobs, cap, iterations=iterations, watch=watch, engine="c")
+    F._simulate(jobs, F._coupling(jobs, cap), iterations=iterations, watch=watch, engine="c", means_only=True)
 print("clean", trial + 1)
 """
 
