@@ -67,13 +67,14 @@ from __future__ import annotations
 import ctypes
 import heapq
 import math
-import os
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from topology.clib import library_path, load_library
 
 from .sim_maxmin import maxmin_rates_coo
 
@@ -593,26 +594,13 @@ _lib_state: dict[str, Any] = {}
 
 def fluid_library_path() -> Path:
     """Where the C event loop is looked for: ``$NETWEAVE_FLUID_LIB``, else ``csrc/build/`` of this checkout."""
-    env = os.environ.get("NETWEAVE_FLUID_LIB")
-    return Path(env) if env else Path(__file__).resolve().parents[1] / "csrc" / "build" / _LIB_NAME
+    return library_path(_LIB_NAME, "NETWEAVE_FLUID_LIB")
 
 
 def _c_engine() -> Any:
     """The loaded C library, or None when it is not built (or speaks another ABI); loaded once."""
     if "lib" not in _lib_state:
-        lib, why = None, ""
-        path = fluid_library_path()
-        if not path.exists():
-            why = f"{path} not built (run make -C csrc)"
-        else:
-            try:
-                lib = ctypes.CDLL(str(path))
-                lib.nw_fluid_version.restype = ctypes.c_int
-                if lib.nw_fluid_version() != FLUID_ABI:
-                    why = f"{path} speaks ABI {lib.nw_fluid_version()}, expected {FLUID_ABI} (rebuild csrc)"
-                    lib = None
-            except OSError as e:
-                why, lib = f"{path}: {e}", None
+        lib, why = load_library(fluid_library_path(), "nw_fluid_version", FLUID_ABI)
         if lib is not None:  # pointers as addresses into numpy arrays (C-contiguous, of the C types; see _simulate_c)
             ptr, c_int = ctypes.c_void_p, ctypes.c_int
             lib.nw_fluid_simulate.restype = c_int
