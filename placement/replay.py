@@ -24,8 +24,8 @@ Policies (:data:`POLICIES`):
     job crosses a threshold. The order is kept between events (one
     arrival-ordered list per queue, a heap of threshold-crossing times), which
     gives exactly the schedule of sorting every job at every event
-    (``tests/test_scale.py`` checks it against that loop) at the cost of the
-    jobs walked.
+    (``tests/test_scale.py`` checks it against that loop); the walk along it
+    runs in C (``csrc/replay.c``) when built.
 ``hived``
     HiveD buddy cell allocation (:class:`~placement.hived.HivedScheduler`): each
     job placed by the buddy allocator (guaranteed in its VC when the trace names
