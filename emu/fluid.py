@@ -833,8 +833,8 @@ class PeriodicFluidModel:
             for lid, d in self._links[i]:
                 us = users[lid]
                 bound = binding[lid]
-                if bound:  # its partners there may now be freer
-                    seeds.extend(k for k in us if k != i)
+                if bound:  # its partners there may now be freer (i itself is dropped with the jobs that left, below)
+                    seeds.extend(us)
                 del us[i]
                 if not us:
                     sums[lid] = errs[lid] = 0.0
@@ -916,8 +916,16 @@ class PeriodicFluidModel:
     def _checked_links(self, j: PeriodicJob) -> list[tuple[int, float]]:
         """``j``'s links (numbers) and demands where it communicates; raises ValueError on inputs that ``_validate`` refuses."""
         _check_timings(j)
-        numbers, links = self._link_number, []
-        for link, d in j.demand.items():
+        numbers, demand = self._link_number, j.demand
+        lids = list(map(numbers.get, demand))
+        if None not in lids:  # every link numbered already (nearly always): validate the demands, keep the positive ones
+            vals = list(demand.values())
+            if all(0.0 <= d < math.inf for d in vals):
+                if j.comm_s <= 0:
+                    return []
+                return [(lid, float(d)) for lid, d in zip(lids, vals, strict=True) if d > 0]
+        links = []
+        for link, d in demand.items():
             if not 0.0 <= d < math.inf:
                 raise _demand_error(j, link, d)
             if d > 0:
@@ -1013,11 +1021,12 @@ class PeriodicFluidModel:
     def _nearest(self, chunk: list[int], limit: int) -> list[int]:
         """``chunk`` and the ``limit - len(chunk)`` jobs within ``radius`` hops nearest to it (see ``max_ball``), in joining order."""
         weight: dict[int, float] = {}
+        get, bind, caps, users = weight.get, self._bind_links, self._cap, self._users
         for i in chunk:
-            for lid in self._bind_links[i]:
-                cap = self._cap[lid]
-                for k, d in self._users[lid].items():
-                    weight[k] = weight.get(k, 0.0) + d / cap
+            for lid in bind[i]:
+                cap = caps[lid]
+                for k, d in users[lid].items():
+                    weight[k] = get(k, 0.0) + d / cap
         serial = self._serial
         if self.radius == 1:  # the jobs one hop away are the users of the chunk's binding links: those weighed
             inside = set(chunk)
