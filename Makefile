@@ -16,8 +16,9 @@ DEMO_OUT ?= netweave-demo
 demo: setup
 	$(BIN)/netweave demo --out $(DEMO_OUT)
 
+# --durations: the slowest tests in every run's log (the suite's budget is 20 minutes on CI's two cores)
 test: setup sysdeps
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 setup: $(STAMP) csrc
 
