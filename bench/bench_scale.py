@@ -260,6 +260,7 @@ def main() -> None:
     old = out_dir / "scale.json" if out_dir else None
     kept = {_key(r): r for r in json.loads(old.read_text()).get("rows", [])} if old and old.exists() else {}
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    measured = {"measured": time.strftime("%Y-%m-%d", time.gmtime()), "commit": _commit(Path(__file__).resolve().parents[1])}
     sizes = [int(x) for x in args.sizes.split(",")] if args.sizes else None
     for spec in cases(args.section, args.quick, policies, sizes):
         load = os.getloadavg()[0]
@@ -267,18 +268,30 @@ def main() -> None:
             proc = subprocess.run([sys.executable, __file__, "--case", json.dumps(spec)], capture_output=True, text=True, env=env,
                                   timeout=args.case_timeout)
         except subprocess.TimeoutExpired:  # a row that says so: no figures but the limit it ran past
-            kept[_key(spec)] = {**spec, "timed_out_s": args.case_timeout, "load_1min": load, "run_cpu_s": None, "cpu_s": None, "wall_s": None}
+            kept[_key(spec)] = {**spec, **measured, "timed_out_s": args.case_timeout, "load_1min": load, "run_cpu_s": None, "cpu_s": None,
+                                "wall_s": None}
             print(f"{spec['section']} {spec['gpus']} GPUs {spec['jobs']} jobs {spec['policy']}: stopped after {args.case_timeout:.0f} s", flush=True)
             _write(kept, out_dir)
             continue
         if proc.returncode != 0:
             sys.exit(f"case {spec} failed:\n{proc.stderr[-2000:]}")
-        row = json.loads(proc.stdout.strip().splitlines()[-1])
+        row = {**json.loads(proc.stdout.strip().splitlines()[-1]), **measured}
         kept[_key(row)] = row
         print(f"{row['section']} {row['gpus']} GPUs {row['jobs']} jobs {row['policy']}: wall {row['wall_s']:.1f} s, cpu {row['cpu_s']:.1f} s, "
               f"peak {row['peak_rss_mb']:.0f} MB, load {row['load_1min']:.1f}", flush=True)
         _write(kept, out_dir)  # after every case: a long run cut short keeps what it measured
     _write(kept, out_dir, final=True)
+
+
+def _commit(root: Path) -> str:
+    """The checkout's commit, short, with ``+`` when its tracked files differ from it (rows say what code they measured)."""
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+
+    head = git("rev-parse", "--short", "HEAD")
+    if head.returncode != 0:
+        return ""
+    return head.stdout.strip() + ("+" if git("diff", "--quiet", "HEAD", "--").returncode else "")
 
 
 def _write(kept: dict, out_dir: Path | None, final: bool = False) -> None:
@@ -287,7 +300,7 @@ def _write(kept: dict, out_dir: Path | None, final: bool = False) -> None:
     _growth(rows)
     columns = ["section", "gpus", "jobs", "policy", "iterations", "setup_s", "run_wall_s", "wall_s", "cpu_s", "run_cpu_s", "cpu_growth",
                "peak_rss_mb", "load_1min", "events", "under_goal", "cpu_under_goal", "avg_jct_s", "sim_makespan_s", "max_ball",
-               "capped_simulations", "timed_out_s"]
+               "capped_simulations", "timed_out_s", "measured", "commit"]
     notes = f"""
 Each row is one child process: `setup_s` builds the topology and the workload or trace (and the fluid model); `run_wall_s` and
 `run_cpu_s` are the simulation or replay alone; `wall_s` and `cpu_s` are both together; `peak_rss_mb` is the child's peak RSS.
@@ -300,6 +313,9 @@ Sim: {SIM_ITERATIONS} iterations per job, jobs = GPUs / 16.384, packed placement
 Replay: {REPLAY_GPUS} GPUs, emu.fluid slowdowns with radius 1 and at most `max_ball` jobs per simulation (`capped_simulations`: the
 simulations cut to that size; scale_error.md measures the limit's error), arrival rate GPUs / 1024 / 8 per second, mean duration 1200 s.
 `timed_out_s`: the case was stopped after that many seconds of wall time (`--case-timeout`), unfinished.
+Rows are kept between runs and replaced one case at a time: `measured` (UTC date) and `commit` (the checkout measured; `+` when
+it had uncommitted changes) say which code each row timed (empty in rows measured before these columns, on 2026-11-26 or earlier);
+the date at the top is the last write's.
 """
     title = "Scale: flow simulator to 16,384 GPUs, trace replay to 100,000 jobs on 10,240 GPUs"
     if out_dir is None:

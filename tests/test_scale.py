@@ -12,6 +12,7 @@ import importlib
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -290,3 +291,6 @@ def test_bench_case_timeout_records_an_unfinished_row(tmp_path):
     assert "stopped after" in out.stdout
     (row,) = json.loads((tmp_path / "scale.json").read_text())["rows"]
     assert row["timed_out_s"] == 0.5 and row["cpu_s"] is None and row["under_goal"] is False and row["max_ball"] == 16
+    # which code it timed, and when: this checkout's commit (``+`` when it has uncommitted changes), today's UTC date
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    assert row["commit"].rstrip("+") == head and row["measured"] == time.strftime("%Y-%m-%d", time.gmtime())
