@@ -350,6 +350,39 @@ static double ov_unified_perimeter(int32_t n, const double *period)
     return 8.0 * longest;
 }
 
+/* numpy's remainder: fmod (exact), moved into [0, period) for a positive period. */
+static double ov_remainder(double a, double period)
+{
+    double phase = fmod(a, period);
+    if (phase != 0.0) {
+        if ((period < 0) != (phase < 0))
+            phase += period;
+    } else {
+        phase = copysign(0.0, period);
+    }
+    return phase;
+}
+
+/* Whether arc phase `a - shift` (a: the arc's middle) is in the communication phase: ov_remainder(a, period) >= start.
+ * fmod costs tens of nanoseconds (a loop over the exponents between a and period), so the remainder is first estimated:
+ * r = a - trunc(a / period) * period is within 2^-52 (|a| + period) of fmod's exact one when the quotient is fmod's; a
+ * quotient one off puts r within that of 0 or of +-period. Away from those and from `start` by eps = 2^-48 (|a| + period)
+ * (16 times the error, and the rounding of r + period), r decides as the exact remainder would; else fmod decides. */
+static int ov_up(double a, double period, double inverse, double start)
+{
+    double q = a * inverse, eps = 0x1p-48 * (fabs(a) + period);
+    if (fabs(q) < 0x1p40) {
+        double r = a - trunc(q) * period;
+        if (a >= 0) {
+            if (r > eps && r < period - eps && fabs(r - start) > eps)
+                return r > start;
+        } else if (r < -eps && r > eps - period && fabs(r + period - start) > eps) {
+            return r + period > start; /* numpy's phase is r + period, rounded: on the same side of start */
+        }
+    }
+    return ov_remainder(a, period) >= start;
+}
+
 /* The count of arcs whose summed demand exceeds `limit`; `sum` has room for `buckets`. Jobs outer, arcs inner: each
  * arc's sum still adds the jobs in order (the first one's demand, then each next), as numpy's sum over axis 0 does. */
 static int64_t ov_arcs(int32_t n, const double *period_s, const double *compute_s, const double *shift, const double *rate,
@@ -358,15 +391,9 @@ static int64_t ov_arcs(int32_t n, const double *period_s, const double *compute_
     double perimeter = ov_unified_perimeter(n, period_s), width = perimeter / buckets;
     for (int32_t j = 0; j < n; j++) {
         double period = ov_effective_period(period_s[j], perimeter), start = compute_s[j] * period / period_s[j];
+        double inverse = 1.0 / period;
         for (int32_t b = 0; b < buckets; b++) {
-            double phase = fmod(((double)b + 0.5) * width - shift[j], period); /* numpy's remainder: fmod, into [0, period) */
-            if (phase != 0.0) {
-                if ((period < 0) != (phase < 0))
-                    phase += period;
-            } else {
-                phase = copysign(0.0, period);
-            }
-            double v = rate[j] * (phase >= start ? 1.0 : 0.0);
+            double v = rate[j] * (ov_up(((double)b + 0.5) * width - shift[j], period, inverse, start) ? 1.0 : 0.0);
             sum[b] = j ? sum[b] + v : v;
         }
     }

@@ -961,7 +961,10 @@ class _LinkTable:
 
 
 class _CLinkTable:
-    """:class:`_LinkTable` in C (``csrc/replay.c``'s ``nw_ov_*``): the same methods and the same floats."""
+    """:class:`_LinkTable` in C (``csrc/replay.c``'s ``nw_ov_*``): the same methods and the same floats.
+
+    Its buffers are kept with their addresses (numpy's ``.ctypes.data`` costs microseconds, as much as a call).
+    """
 
     def __init__(self, lib: Any, limit: Sequence[float]):
         limits = np.ascontiguousarray(limit, dtype=np.float64)
@@ -971,36 +974,42 @@ class _CLinkTable:
             raise MemoryError(f"nw_ov_new failed for {len(limits)} links")
         weakref.finalize(self, lib.nw_ov_free, self._table)
         self._out = np.empty(max(1, len(limits)), dtype=np.int32)
-        self._room = 0
+        self._out_at = self._out.ctypes.data
         self._grow(64)
 
     def _grow(self, room: int) -> None:
+        """Buffers for ``room`` links of a job or users of a link."""
         self._room = room
-        self._slots, self._rates = np.empty(room, dtype=np.int32), np.empty(room, dtype=np.float64)
+        self._ints, self._floats = np.empty(room, dtype=np.int32), np.empty(room, dtype=np.float64)
+        self._ints_at, self._floats_at = self._ints.ctypes.data, self._floats.ctypes.data
 
     def join(self, slot: int, period_s: float, compute_s: float, ready: float, links: Iterable[int], rates: Iterable[float],
-             n: int) -> np.ndarray:
-        link_ids, demands = np.fromiter(links, np.int32, n), np.fromiter(rates, np.float64, n)
+             n: int) -> tuple[np.ndarray, int]:
+        if n > self._room:
+            self._grow(2 * n)
+        self._ints[:n] = np.fromiter(links, np.int32, n)
+        self._floats[:n] = np.fromiter(rates, np.float64, n)
         handles = np.empty(n, dtype=np.int32)
-        code = self._lib.nw_ov_join(self._table, slot, period_s, compute_s, ready, n, link_ids.ctypes.data, demands.ctypes.data,
-                                    handles.ctypes.data)
+        at = handles.ctypes.data
+        code = self._lib.nw_ov_join(self._table, slot, period_s, compute_s, ready, n, self._ints_at, self._floats_at, at)
         if code:
             raise MemoryError(f"nw_ov_join failed with code {code}") if code == -2 else RuntimeError(f"nw_ov_join: invalid arguments ({code})")
-        return handles
+        return handles, at
 
-    def leave(self, handles: np.ndarray) -> None:
-        if self._lib.nw_ov_leave(self._table, len(handles), handles.ctypes.data):
+    def leave(self, handle: tuple[np.ndarray, int]) -> None:
+        handles, at = handle
+        if self._lib.nw_ov_leave(self._table, len(handles), at):
             raise RuntimeError("nw_ov_leave: a handle out of range, free or given twice")
 
     def collect(self, every_shared: bool) -> list[int]:
-        return self._out[: self._lib.nw_ov_collect(self._table, every_shared, self._out.ctypes.data)].tolist()
+        return self._out[: self._lib.nw_ov_collect(self._table, every_shared, self._out_at)].tolist()
 
     def users(self, link: int) -> tuple[list[int], list[float]]:
-        n = self._lib.nw_ov_users(self._table, link, self._room, self._slots.ctypes.data, self._rates.ctypes.data)
+        n = self._lib.nw_ov_users(self._table, link, self._room, self._ints_at, self._floats_at)
         if n > self._room:
             self._grow(2 * n)
-            n = self._lib.nw_ov_users(self._table, link, self._room, self._slots.ctypes.data, self._rates.ctypes.data)
-        return self._slots[:n].tolist(), self._rates[:n].tolist()
+            n = self._lib.nw_ov_users(self._table, link, self._room, self._ints_at, self._floats_at)
+        return self._ints[:n].tolist(), self._floats[:n].tolist()
 
     def load(self, link: int) -> float:
         return self._lib.nw_ov_load(self._table, link)
