@@ -1,4 +1,4 @@
-/* netweave: the inner loop of placement.replay's LAS policy, in C.
+/* netweave: the inner loops of placement.replay, in C: LAS's walk and the overloaded-link metric's link table.
  *
  * LAS (least attained service, discretised as Tiresias does) orders every job
  * of the cluster, running or waiting, by (queue, arrival, name); walking that
@@ -8,6 +8,10 @@
  * few microseconds here, milliseconds in Python. placement/replay.py keeps the
  * order (and a Python loop with the same result, for builds without this
  * library) and turns the changed flags into preemptions and starts.
+ *
+ * The overloaded-link metric (nw_ov_*, below) keeps each link's running jobs,
+ * their summed demand and overloaded arcs as jobs start and stop: per started
+ * job a hundred links or more, per event a few links above their capacity.
  *
  * Versioned like NCCL's plugin tables: nw_replay_version() names the ABI of
  * the functions below; placement.replay refuses a library of another version.

@@ -44,7 +44,9 @@ Metrics: average and p99 JCT (finish - arrival), average queueing delay (first
 start - arrival), time-averaged GPU fragmentation (share of idle GPUs outside
 fully idle hosts), GPU utilisation, and per-link overload time (seconds during
 which a shared link's demand exceeds its capacity, summed over links; from the
-unified circles of the jobs sharing it).
+unified circles of the jobs sharing it). Its per-link state (each link's users
+in join order, their summed demand, its overloaded arcs) is a table kept in C
+(``csrc/replay.c``) when built, in Python otherwise: the same floats.
 """
 
 from __future__ import annotations
