@@ -127,10 +127,22 @@ def summed_demand(profiles: Sequence[CommProfile], shifts: Sequence[float], link
     >>> summed_demand([a, a], [0.0, 0.5], "l", 1.0, buckets=4).tolist()
     [10.0, 10.0, 10.0, 10.0]
     """
-    period = np.array([effective_period(p.period_s, perimeter) for p in profiles])
-    comm_start = np.array([p.compute_s for p in profiles]) * period / np.array([p.period_s for p in profiles])
+    return demand_sum([p.period_s for p in profiles], [p.compute_s for p in profiles], shifts, [p.link_rates[link] for p in profiles],
+                      perimeter, buckets)
+
+
+def demand_sum(period_s: Sequence[float], compute_s: Sequence[float], shifts: Sequence[float], rates: Sequence[float], perimeter: float,
+               buckets: int = DEFAULT_BUCKETS) -> np.ndarray:
+    """:func:`summed_demand` of jobs given by numbers: job ``j`` computes ``compute_s[j]`` of each ``period_s[j]``, then
+    communicates at ``rates[j]`` GB/s, and starts ``shifts[j]`` late (the replay's overloaded-link metric keeps only these).
+
+    >>> demand_sum([1.0, 1.0], [0.5, 0.5], [0.0, 0.5], [10.0, 10.0], 1.0, buckets=4).tolist()
+    [10.0, 10.0, 10.0, 10.0]
+    """
+    period = np.array([effective_period(p, perimeter) for p in period_s])
+    comm_start = np.array(compute_s, dtype=np.float64) * period / np.array(period_s, dtype=np.float64)
     up = _up_matrix(period, comm_start, perimeter, buckets, np.asarray(shifts, dtype=np.float64))
-    return (np.array([p.link_rates[link] for p in profiles])[:, None] * up).sum(axis=0)
+    return (np.array(rates, dtype=np.float64)[:, None] * up).sum(axis=0)
 
 
 def compatibility_score(demands: np.ndarray, capacity: float) -> float:

@@ -44,7 +44,9 @@ Metrics: average and p99 JCT (finish - arrival), average queueing delay (first
 start - arrival), time-averaged GPU fragmentation (share of idle GPUs outside
 fully idle hosts), GPU utilisation, and per-link overload time (seconds during
 which a shared link's demand exceeds its capacity, summed over links; from the
-unified circles of the jobs sharing it).
+unified circles of the jobs sharing it). Its per-link state (each link's users
+in join order, their summed demand, its overloaded arcs) is a table kept in C
+(``csrc/replay.c``) when built, in Python otherwise: the same floats.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ import gc
 import heapq
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +68,7 @@ from topology.clib import library_path, load_library
 from topology.errors import InputError
 from topology.model import SwitchTier, Topology
 
-from .cassini import DEFAULT_BUCKETS, rank_candidates, summed_demand, unified_perimeter
+from .cassini import DEFAULT_BUCKETS, demand_sum, rank_candidates, unified_perimeter
 from .contention import FluidSlowdown, PlacedJob
 from .hived import HivedScheduler
 from .planner import rank_order
@@ -278,14 +281,16 @@ class Replay:
         self._overload_rate = 0.0
         self._overload_cache: dict[tuple, int] = {}
         self.overload_cache_limit = 100_000  # entries; then it is emptied
-        self._ov_jobs: dict[str, tuple[CommProfile, float, dict]] = {}  # per user: profile, phase, its keys (_overload_keys)
-        self._ov_users: dict[Edge, dict[str, tuple[CommProfile, float]]] = {}
-        # per overloaded link: the arcs of its users' unified circle (of DEFAULT_BUCKETS) it is overloaded in, and their sum
-        # (integers: the rate is their sum over DEFAULT_BUCKETS, with no rounding drift however many links come and go)
-        self._ov_link: dict[Edge, int] = {}
-        self._ov_arcs = 0
-        self._ov_limit = {e: c * (1 + 1e-9) for e, c in self.capacity.items()}  # a link is overloaded above this
-        self._ov_load: dict[Edge, float] = {}  # per shared link: its users' demands summed as they come and go (see _over_capacity)
+        # the overloaded-link metric: links numbered in the topology's order; per link its users, their summed demand and its
+        # overloaded arcs in a table (C, or its Python twin; see _overload); per user its slot there and its keys (_overload_keys)
+        self._ov_link_id = {e: i for i, e in enumerate(self.capacity)}
+        self._ov_limit = [c * (1 + 1e-9) for c in self.capacity.values()]  # a link is overloaded above this
+        self._ov_cap_key = [round(c, 6) for c in self.capacity.values()]
+        lib = _replay_library()
+        self._ov_table: _LinkTable | _CLinkTable = _CLinkTable(lib, self._ov_limit) if lib is not None else _LinkTable(self._ov_limit)
+        self._ov_jobs: dict[str, tuple[CommProfile, float, int, Any]] = {}  # per user: profile, phase, slot, its handle in the table
+        self._ov_keys: list[dict[float, tuple[float, float, float, float]]] = []  # per slot
+        self._ov_free: list[int] = []  # slots to reuse
         # hived+cassini: the running jobs on each link (the candidates' link-sharing neighbours without a scan of all jobs)
         self._link_jobs: dict[Edge, dict[str, None]] | None = {} if policy == "hived+cassini" else None
         # the event loop's incremental state: the jobs started or stopped since the last recompute (in the order of their
@@ -635,80 +640,69 @@ class Replay:
                 self._set_iter_time(r, max(times.get(name, r.profile.period_s), 1e-12))
         self._overload_rate = self._overload(changed)
 
+    _ov_every_shared = False  # whether _over_capacity decides every touched link of two users or more (the reference loop's)
+
     def _overload(self, changed: Mapping[str, None]) -> float:
         """Overloaded links right now, each weighted by the share of its users' unified circle during which it is overloaded.
 
         Incremental: only the links of the jobs that started or stopped since
         the last call (``changed``) are re-evaluated. A link whose users'
         demands sum to at most its capacity is never overloaded and costs
-        nothing.
+        nothing. The per-link work (users joining and leaving in order, their
+        summed demand, the links to look at) is the link table's, in C when
+        ``csrc/`` is built; what is left here is per job and per link near or
+        above its limit.
         """
         current = {}
         for n in changed:
             r = self.running.get(n)
             if r is not None and r.profile is not None and r.profile.comm_s > 0:
                 current[n] = (r.profile, r.ready)
-        # the links to re-evaluate, in a fixed order (a set of edge tuples would follow the process's string hashing, and the
-        # order decides which entries the overload cache holds when it is emptied, hence which rounded key answers later)
-        touched: dict[Edge, None] = {}
-        ov_jobs, ov_users, ov_load = self._ov_jobs, self._ov_users, self._ov_load
+        table, ov_jobs, keys = self._ov_table, self._ov_jobs, self._ov_keys
         for name in [n for n in changed if n in ov_jobs]:
-            prof, ready, _ = ov_jobs[name]
+            prof, ready, slot, handle = ov_jobs[name]
             now = current.get(name)
             if now is not None and now[0] is prof and now[1] == ready:
                 continue
             del ov_jobs[name]
-            for e, rate in prof.link_rates.items():
-                del ov_users[e][name]
-                ov_load[e] -= rate
-                touched[e] = None
-        for name, user in current.items():
+            table.leave(handle)
+            self._ov_free.append(slot)
+        link_id = self._ov_link_id
+        for name, (prof, ready) in current.items():
             if name in ov_jobs:
                 continue
-            prof, ready = user
-            ov_jobs[name] = (prof, ready, _overload_keys(prof, ready))
-            for e, rate in prof.link_rates.items():
-                us = ov_users.get(e)
-                if us is None:
-                    ov_users[e] = {name: user}
-                    ov_load[e] = rate
-                else:
-                    us[name] = user
-                    ov_load[e] += rate
-                touched[e] = None
-        ov_link, limit = self._ov_link, self._ov_limit
-        for e in touched:
-            users = ov_users.get(e)
-            if not users:
-                ov_users.pop(e, None)
-                ov_load.pop(e, None)
-                self._ov_arcs -= ov_link.pop(e, 0)
-                continue
-            arcs = self._link_overload(e, users) if len(users) > 1 and self._over_capacity(e, users, limit[e]) else 0
-            self._ov_arcs += arcs - ov_link.get(e, 0)
-            if arcs:
-                ov_link[e] = arcs
+            if self._ov_free:
+                slot = self._ov_free.pop()
+                keys[slot] = _overload_keys(prof, ready)
             else:
-                ov_link.pop(e, None)
-        return self._ov_arcs / DEFAULT_BUCKETS
+                slot = len(keys)
+                keys.append(_overload_keys(prof, ready))
+            rates = prof.link_rates
+            handle = table.join(slot, prof.period_s, prof.compute_s, ready, map(link_id.__getitem__, rates), rates.values(), len(rates))
+            ov_jobs[name] = (prof, ready, slot, handle)
+        # the links to re-evaluate, in the order first touched (it decides which entries the overload cache holds when it is
+        # emptied, hence which rounded key answers later: a fixed order, never one of string hashes)
+        for link in table.collect(self._ov_every_shared):
+            slots, rates = table.users(link)
+            table.settle(link, self._link_overload(link, slots, rates) if self._over_capacity(link, rates) else 0)
+        return table.total() / DEFAULT_BUCKETS
 
-    def _over_capacity(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]], limit: float) -> bool:
-        """Whether the users' demands on ``e`` sum above ``limit``: the running sum decides unless it is within 1e-6 of the
-        limit (its rounding drifts by far less); there the demands are summed afresh, so the answer is a fresh sum's."""
-        load = self._ov_load[e]
+    def _over_capacity(self, link: int, rates: list[float]) -> bool:
+        """Whether the users' demands ``rates`` on ``link`` sum above its limit: the running sum decides unless it is within 1e-6
+        of the limit (its rounding drifts by far less); there the demands are summed afresh, so the answer is a fresh sum's."""
+        load, limit = self._ov_table.load(link), self._ov_limit[link]
         if abs(load - limit) <= 1e-6 * limit:
-            load = self._ov_load[e] = sum(p.link_rates[e] for p, _ in users.values())
+            load = sum(rates)
+            self._ov_table.set_load(link, load)
         return load > limit
 
-    def _link_overload(self, e: Edge, users: Mapping[str, tuple[CommProfile, float]]) -> int:
-        """The arcs of the users' unified circle (of DEFAULT_BUCKETS) during which their demands on ``e`` overload it."""
-        jobs = self._ov_jobs
-        key = (tuple(sorted(jobs[n][2][p.link_rates[e]] for n, (p, _) in users.items())), round(self.capacity[e], 6))  # the users' rounded circles
+    def _link_overload(self, link: int, slots: list[int], rates: list[float]) -> int:
+        """The arcs of the users' unified circle (of DEFAULT_BUCKETS) during which their demands on ``link`` overload it."""
+        keys = self._ov_keys
+        key = (tuple(sorted([keys[s][r] for s, r in zip(slots, rates, strict=True)])), self._ov_cap_key[link])  # the users' rounded circles
         hit = self._overload_cache.get(key)
         if hit is None:
-            profs = [p for p, _ in users.values()]
-            load = summed_demand(profs, [ready for _, ready in users.values()], e, unified_perimeter([p.period_s for p in profs]))
-            hit = int(np.count_nonzero(load > self._ov_limit[e]))
+            hit = self._ov_table.arcs(link)
             if len(self._overload_cache) > self.overload_cache_limit:
                 self._overload_cache.clear()
             self._overload_cache[key] = hit
@@ -844,7 +838,7 @@ class Replay:
         return ReplayResult(self.policy, rows, metrics)
 
 
-REPLAY_ABI = 1  # the nw_replay_version() this module speaks
+REPLAY_ABI = 2  # the nw_replay_version() this module speaks
 _replay_lib: dict[str, Any] = {}
 
 
@@ -853,11 +847,189 @@ def _replay_library() -> Any:
     if "lib" not in _replay_lib:
         lib, why = load_library(library_path("libnetweave-replay.so", "NETWEAVE_REPLAY_LIB"), "nw_replay_version", REPLAY_ABI)
         if lib is not None:  # arrays by address (C-contiguous numpy arrays of the C types)
-            ptr = ctypes.c_void_p
-            lib.nw_las_walk.restype = ctypes.c_int
-            lib.nw_las_walk.argtypes = [ctypes.c_int, ptr, ptr, ctypes.c_int64, ptr]
+            ptr, i32, i64, f64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64, ctypes.c_double
+            for name, restype, argtypes in [
+                    ("nw_las_walk", ctypes.c_int, [ctypes.c_int, ptr, ptr, ctypes.c_int64, ptr]),
+                    ("nw_ov_new", ptr, [i32, ptr]), ("nw_ov_free", None, [ptr]),
+                    ("nw_ov_join", ctypes.c_int, [ptr, i32, f64, f64, f64, i32, ptr, ptr, ptr]),
+                    ("nw_ov_leave", ctypes.c_int, [ptr, i32, ptr]), ("nw_ov_collect", i32, [ptr, ctypes.c_int, ptr]),
+                    ("nw_ov_users", i32, [ptr, i32, i32, ptr, ptr]), ("nw_ov_load", f64, [ptr, i32]),
+                    ("nw_ov_set_load", ctypes.c_int, [ptr, i32, f64]), ("nw_ov_settle", ctypes.c_int, [ptr, i32, i64]),
+                    ("nw_ov_total", i64, [ptr]), ("nw_ov_arcs", i64, [ptr, i32, i32]),
+                    ("nw_overload_arcs", i64, [i32, ptr, ptr, ptr, ptr, f64, i32, ptr])]:
+                fn = getattr(lib, name)
+                fn.restype, fn.argtypes = restype, argtypes
         _replay_lib["lib"], _replay_lib["why"] = lib, why
     return _replay_lib["lib"]
+
+
+class _LinkTable:
+    """The overloaded-link metric's per-link state (:meth:`Replay._overload`), in Python: the twin of ``csrc/replay.c``'s
+    table (:class:`_CLinkTable`, tested equal), used when the library is not built.
+
+    Links are numbers (``0..len(limit)-1``); a link is overloaded above ``limit[link]``. Per link: its users (slots) in
+    the order they joined with their demands, the demands summed as they come and go (a link left without users is
+    forgotten at the next :meth:`collect`, so its next user starts a fresh sum), and its overloaded arcs; their total.
+
+    >>> t = _LinkTable([10.0, 10.0])
+    >>> h = t.join(0, 1.0, 0.5, 0.0, iter([0, 1]), [6.0, 6.0], 2)
+    >>> _ = t.join(1, 1.0, 0.5, 0.25, iter([0]), [6.0], 1)
+    >>> t.collect(False), t.users(0), t.load(0)     # link 0: two users above the limit; link 1: one user
+    ([0], ([0, 1], [6.0, 6.0]), 12.0)
+    >>> t.arcs(0), t.settle(0, t.arcs(0)), t.total()   # they communicate together a quarter of the circle
+    (90, None, 90)
+    """
+
+    def __init__(self, limit: Sequence[float]):
+        self.limit = list(limit)
+        self._users: dict[int, dict[int, float]] = {}
+        self._load: dict[int, float] = {}
+        self._arcs: dict[int, int] = {}
+        self._total = 0
+        self._jobs: dict[int, tuple[float, float, float]] = {}  # per slot: period, compute time, start of its first iteration
+        self._touched: dict[int, None] = {}
+
+    def join(self, slot: int, period_s: float, compute_s: float, ready: float, links: Iterable[int], rates: Iterable[float],
+             n: int) -> tuple[int, list[int], list[float]]:
+        """User ``slot`` joins ``links`` with demands ``rates`` (``n`` of each); returns its handle for :meth:`leave`."""
+        self._jobs[slot] = (period_s, compute_s, ready)
+        links, rates = list(links), list(rates)
+        users, load, touched = self._users, self._load, self._touched
+        for link, rate in zip(links, rates, strict=True):
+            us = users.get(link)
+            if us is None:
+                users[link] = {slot: rate}
+                load[link] = rate
+            else:
+                us[slot] = rate
+                load[link] += rate
+            touched[link] = None
+        return slot, links, rates
+
+    def leave(self, handle: tuple[int, list[int], list[float]]) -> None:
+        slot, links, rates = handle
+        users, load, touched = self._users, self._load, self._touched
+        for link, rate in zip(links, rates, strict=True):
+            del users[link][slot]
+            load[link] -= rate
+            touched[link] = None
+
+    def collect(self, every_shared: bool) -> list[int]:
+        """The links touched since the last call, in the order first touched, with two users or more and a summed demand
+        above or within 1e-6 of the limit (every one with two users or more when ``every_shared``): the caller settles
+        them. The others get no arcs."""
+        out = []
+        for link in self._touched:
+            us = self._users.get(link)
+            if not us:
+                self._users.pop(link, None)
+                self._load.pop(link, None)
+            elif len(us) > 1:
+                load, limit = self._load[link], self.limit[link]
+                if every_shared or abs(load - limit) <= 1e-6 * limit or load > limit:
+                    out.append(link)
+                    continue
+            self._total -= self._arcs.pop(link, 0)
+        self._touched = {}
+        return out
+
+    def users(self, link: int) -> tuple[list[int], list[float]]:
+        """``link``'s users (slots) in the order they joined, and their demands."""
+        us = self._users[link]
+        return list(us), list(us.values())
+
+    def load(self, link: int) -> float:
+        return self._load[link]
+
+    def set_load(self, link: int, load: float) -> None:
+        self._load[link] = load
+
+    def settle(self, link: int, arcs: int) -> None:
+        self._total += arcs - self._arcs.pop(link, 0)
+        if arcs:
+            self._arcs[link] = arcs
+
+    def total(self) -> int:
+        """The overloaded arcs of all links."""
+        return self._total
+
+    def arcs(self, link: int) -> int:
+        """The arcs of ``link``'s users' unified circle in which their summed demand (:func:`~placement.cassini.demand_sum`,
+        in the order they joined) exceeds its limit."""
+        us = self._users[link]
+        period, compute, ready = zip(*(self._jobs[s] for s in us), strict=True)
+        load = demand_sum(period, compute, ready, list(us.values()), unified_perimeter(period))
+        return int(np.count_nonzero(load > self.limit[link]))
+
+
+class _CLinkTable:
+    """:class:`_LinkTable` in C (``csrc/replay.c``'s ``nw_ov_*``): the same methods and the same floats.
+
+    Its buffers are kept with their addresses (numpy's ``.ctypes.data`` costs microseconds, as much as a call).
+    """
+
+    def __init__(self, lib: Any, limit: Sequence[float]):
+        limits = np.ascontiguousarray(limit, dtype=np.float64)
+        self._lib = lib
+        self._table = lib.nw_ov_new(len(limits), limits.ctypes.data)
+        if not self._table:
+            raise MemoryError(f"nw_ov_new failed for {len(limits)} links")
+        weakref.finalize(self, lib.nw_ov_free, self._table)
+        self._out = np.empty(max(1, len(limits)), dtype=np.int32)
+        self._out_at = self._out.ctypes.data
+        self._grow(64)
+
+    def _grow(self, room: int) -> None:
+        """Buffers for ``room`` links of a job or users of a link."""
+        self._room = room
+        self._ints, self._floats = np.empty(room, dtype=np.int32), np.empty(room, dtype=np.float64)
+        self._ints_at, self._floats_at = self._ints.ctypes.data, self._floats.ctypes.data
+
+    def join(self, slot: int, period_s: float, compute_s: float, ready: float, links: Iterable[int], rates: Iterable[float],
+             n: int) -> tuple[np.ndarray, int]:
+        if n > self._room:
+            self._grow(2 * n)
+        self._ints[:n] = np.fromiter(links, np.int32, n)
+        self._floats[:n] = np.fromiter(rates, np.float64, n)
+        handles = np.empty(n, dtype=np.int32)
+        at = handles.ctypes.data
+        code = self._lib.nw_ov_join(self._table, slot, period_s, compute_s, ready, n, self._ints_at, self._floats_at, at)
+        if code:
+            raise MemoryError(f"nw_ov_join failed with code {code}") if code == -2 else RuntimeError(f"nw_ov_join: invalid arguments ({code})")
+        return handles, at
+
+    def leave(self, handle: tuple[np.ndarray, int]) -> None:
+        handles, at = handle
+        if self._lib.nw_ov_leave(self._table, len(handles), at):
+            raise RuntimeError("nw_ov_leave: a handle out of range, free or given twice")
+
+    def collect(self, every_shared: bool) -> list[int]:
+        return self._out[: self._lib.nw_ov_collect(self._table, every_shared, self._out_at)].tolist()
+
+    def users(self, link: int) -> tuple[list[int], list[float]]:
+        n = self._lib.nw_ov_users(self._table, link, self._room, self._ints_at, self._floats_at)
+        if n > self._room:
+            self._grow(2 * n)
+            n = self._lib.nw_ov_users(self._table, link, self._room, self._ints_at, self._floats_at)
+        return self._ints[:n].tolist(), self._floats[:n].tolist()
+
+    def load(self, link: int) -> float:
+        return self._lib.nw_ov_load(self._table, link)
+
+    def set_load(self, link: int, load: float) -> None:
+        self._lib.nw_ov_set_load(self._table, link, load)
+
+    def settle(self, link: int, arcs: int) -> None:
+        self._lib.nw_ov_settle(self._table, link, arcs)
+
+    def total(self) -> int:
+        return self._lib.nw_ov_total(self._table)
+
+    def arcs(self, link: int) -> int:
+        arcs = self._lib.nw_ov_arcs(self._table, link, DEFAULT_BUCKETS)
+        if arcs < 0:
+            raise MemoryError(f"nw_ov_arcs failed with code {arcs}")
+        return arcs
 
 
 def _las_walk(size: np.ndarray, flag: np.ndarray, n: int, budget: int) -> list[int]:

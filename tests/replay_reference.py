@@ -37,8 +37,10 @@ class ReferenceReplay(Replay):
         self._changed = {}
         self._overload_rate = self._overload(dict.fromkeys([*self._ov_jobs, *self.running]))
 
-    def _over_capacity(self, e, users, limit: float) -> bool:
-        return sum(p.link_rates[e] for p, _ in users.values()) > limit
+    _ov_every_shared = True  # every re-evaluated link with two users or more comes to _over_capacity, which sums afresh
+
+    def _over_capacity(self, link, rates) -> bool:
+        return sum(rates) > self._ov_limit[link]
 
     def _sharing(self, links):
         return {n: (r.profile, r.ready) for n, r in self.running.items() if links.intersection(r.profile.link_rates)}

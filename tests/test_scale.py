@@ -224,17 +224,193 @@ def test_las_walk_refuses_bad_arguments():
     assert lib.nw_las_walk(1, None, flag.ctypes.data, 4, out.ctypes.data) == -1
 
 
-def test_las_without_the_c_walk_is_the_same(replay_case, monkeypatch):
-    """A build without libnetweave-replay.so walks in Python: the very same replay."""
+@pytest.mark.parametrize("policy", POLICIES)
+def test_replay_without_the_c_library_is_the_same(replay_case, monkeypatch, policy):
+    """A build without libnetweave-replay.so walks LAS and keeps the overloaded-link table in Python: the very same replay."""
 
     topo, trace = replay_case
-    with_c = replay(topo, trace, "las", slowdown=FluidSlowdown(topo, radius=1), las_thresholds=(600.0, 6000.0))
+    with_c = replay(topo, trace, policy, slowdown=FluidSlowdown(topo, radius=1), las_thresholds=(600.0, 6000.0))
     monkeypatch.setenv("NETWEAVE_REPLAY_LIB", "/nonexistent/libnetweave-replay.so")
     monkeypatch.setattr(replay_module, "_replay_lib", {})
     assert replay_module._replay_library() is None and "not built" in replay_module._replay_lib["why"]
-    without = replay(topo, trace, "las", slowdown=FluidSlowdown(topo, radius=1), las_thresholds=(600.0, 6000.0))
+    rp = Replay(topo, trace, policy, slowdown=FluidSlowdown(topo, radius=1), las_thresholds=(600.0, 6000.0))
+    assert isinstance(rp._ov_table, replay_module._LinkTable)
+    without = rp.run()
     _same(with_c, without)
-    assert with_c.metrics["preemptions"] > 0
+    assert with_c.metrics["overloaded_link_s"] > 0 or policy.startswith("hived")  # buddy cells keep these jobs apart
+    if policy == "las":
+        assert with_c.metrics["preemptions"] > 0
+
+
+def _periodic_jobs(draw, n: int) -> tuple[list, list, list, list]:
+    """``n`` jobs for the unified circle: periods, compute times, starts and demands (round and ragged numbers both)."""
+    period, compute, start, rate = [], [], [], []
+    for _ in range(n):
+        comm = draw(st.sampled_from([0.05, 0.1, 0.3]) | st.floats(1e-4, 2.0))
+        comp = draw(st.sampled_from([0.0, 0.05, 0.1]) | st.floats(0.0, 2.0))
+        period.append(comp + comm)
+        compute.append(comp)
+        start.append(draw(st.sampled_from([0.0, 0.5, 1234.5]) | st.floats(0.0, 1e6)))
+        rate.append(draw(st.sampled_from([12.5, 25.0, 50.0]) | st.floats(0.01, 100.0)))
+    return period, compute, start, rate
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n=st.integers(1, 24), buckets=st.sampled_from([360, 7, 2]))
+def test_overload_arcs_c_is_summed_demand_to_the_bit(data, n, buckets):
+    """nw_overload_arcs (csrc/replay.c) against placement.cassini.summed_demand on its unified perimeter: the same summed
+    demand in every arc (==, however many jobs and whatever their phases), and the count of arcs above the limit. (Two arcs
+    or more: numpy adds the rows of a single arc pairwise, and nw_overload_arcs refuses one.)"""
+    import numpy as np
+
+    from placement.cassini import summed_demand, unified_perimeter
+    from placement.profiles import CommProfile
+
+    lib = replay_module._replay_library()
+    assert lib is not None, replay_module._replay_lib["why"]
+    period, compute, start, rate = _periodic_jobs(data.draw, n)
+    profiles = [CommProfile(f"j{j}", (), c, p - c, {"l": r}, {}) for j, (p, c, r) in enumerate(zip(period, compute, rate, strict=True))]
+    want = summed_demand(profiles, start, "l", unified_perimeter([p.period_s for p in profiles]), buckets=buckets)
+    limit = data.draw(st.sampled_from([float(want.max()), float(want.min())]) | st.floats(0.0, 2000.0))
+    arrays = [np.array([p.period_s for p in profiles]), np.array(compute), np.array(start), np.array(rate)]
+    load = np.full(buckets, np.nan)
+    count = lib.nw_overload_arcs(n, *(a.ctypes.data for a in arrays), limit, buckets, load.ctypes.data)
+    assert load.tolist() == want.tolist() and count == int(np.count_nonzero(want > limit))
+    assert lib.nw_overload_arcs(n, *(a.ctypes.data for a in arrays), limit, buckets, None) == count
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), links=st.integers(1, 6), steps=st.integers(1, 40))
+def test_link_tables_c_and_python_agree(data, links, steps):
+    """The overloaded-link metric's link table in C (_CLinkTable) and in Python (_LinkTable) under random joins, leaves,
+    collects, fresh sums and settles: the same links handed back in the same order, the same users in join order (a
+    brute-force list), the same summed demands (==), arcs and totals; and the running sums stay within rounding of a fresh sum."""
+    import math
+
+    lib = replay_module._replay_library()
+    assert lib is not None, replay_module._replay_lib["why"]
+    limit = [data.draw(st.sampled_from([50.0, 100.0]) | st.floats(1.0, 200.0)) for _ in range(links)]
+    tables = [replay_module._CLinkTable(lib, limit), replay_module._LinkTable(limit)]
+    live: dict[int, tuple[list, list]] = {}  # slot -> (handles, (links, rates))
+    order: dict[int, list[int]] = {k: [] for k in range(links)}  # brute force: users per link in join order
+    rates_of: dict[tuple[int, int], float] = {}
+    for _ in range(steps):
+        action = data.draw(st.sampled_from(["join", "join", "leave", "collect"]))
+        if action == "join":
+            slot = data.draw(st.integers(0, 12).filter(lambda s: s not in live))
+            used = data.draw(st.lists(st.integers(0, links - 1), min_size=0, max_size=links, unique=True))
+            rates = [data.draw(st.sampled_from([25.0, 30.0, 1 / 3]) | st.floats(0.1, 120.0)) for _ in used]
+            period, start = data.draw(st.floats(0.01, 3.0)), data.draw(st.floats(0.0, 1e5))
+            compute = data.draw(st.floats(0.0, period * 0.9))
+            handles = [t.join(slot, period, compute, start, iter(used), iter(rates), len(used)) for t in tables]
+            live[slot] = (handles, (used, rates))
+            for link, rate in zip(used, rates, strict=True):
+                order[link].append(slot)
+                rates_of[(slot, link)] = rate
+        elif action == "leave" and live:
+            slot = data.draw(st.sampled_from(sorted(live)))
+            handles, (used, _) = live.pop(slot)
+            for t, h in zip(tables, handles, strict=True):
+                t.leave(h)
+            for link in used:
+                order[link].remove(slot)
+        else:
+            every = data.draw(st.booleans())
+            got = [t.collect(every) for t in tables]
+            assert got[0] == got[1]
+            for link in got[0]:
+                users = [t.users(link) for t in tables]
+                assert users[0] == users[1] == (order[link], [rates_of[(s, link)] for s in order[link]])
+                loads = [t.load(link) for t in tables]
+                assert loads[0] == loads[1] and math.isclose(loads[0], sum(users[0][1]), rel_tol=1e-9, abs_tol=1e-9)
+                arcs = [t.arcs(link) for t in tables]
+                assert arcs[0] == arcs[1]
+                if data.draw(st.booleans()):
+                    for t in tables:
+                        t.set_load(link, sum(users[0][1]))
+                for t in tables:
+                    t.settle(link, arcs[0])
+            assert tables[0].total() == tables[1].total()
+
+
+def test_link_table_refuses_bad_arguments():
+    """nw_ov_*: a link out of range, a negative slot, a handle out of range, free or given twice are refused, the table unchanged."""
+    import numpy as np
+
+    lib = replay_module._replay_library()
+    limit = np.array([10.0, 10.0])
+    table = lib.nw_ov_new(2, limit.ctypes.data)
+    try:
+        links, rates, handles = np.array([0, 1], dtype=np.int32), np.array([6.0, 6.0]), np.zeros(2, dtype=np.int32)
+        assert lib.nw_ov_join(table, 0, 1.0, 0.5, 0.0, 2, np.array([0, 2], dtype=np.int32).ctypes.data, rates.ctypes.data, handles.ctypes.data) == -1
+        assert lib.nw_ov_join(table, -1, 1.0, 0.5, 0.0, 2, links.ctypes.data, rates.ctypes.data, handles.ctypes.data) == -1
+        assert lib.nw_ov_collect(table, 1, np.zeros(2, dtype=np.int32).ctypes.data) == 0  # nothing touched
+        assert lib.nw_ov_join(table, 0, 1.0, 0.5, 0.0, 2, links.ctypes.data, rates.ctypes.data, handles.ctypes.data) == 0
+        other = np.zeros(1, dtype=np.int32)
+        assert lib.nw_ov_join(table, 1, 1.0, 0.5, 0.25, 1, links.ctypes.data, rates.ctypes.data, other.ctypes.data) == 0
+        assert lib.nw_ov_leave(table, 2, np.array([handles[0], handles[0]], dtype=np.int32).ctypes.data) == -1  # twice
+        assert lib.nw_ov_leave(table, 1, np.array([99], dtype=np.int32).ctypes.data) == -1
+        assert lib.nw_ov_load(table, 0) == 12.0 and lib.nw_ov_load(table, 1) == 6.0  # unchanged
+        assert lib.nw_ov_leave(table, 1, other.ctypes.data) == 0
+        assert lib.nw_ov_leave(table, 1, other.ctypes.data) == -1  # free now
+        assert lib.nw_ov_settle(table, 5, 1) == -1 and lib.nw_ov_settle(table, 0, -1) == -1 and lib.nw_ov_arcs(table, 7, 360) == -1
+        assert lib.nw_overload_arcs(1, limit.ctypes.data, np.array([0.5]).ctypes.data, np.array([0.0]).ctypes.data, rates.ctypes.data,
+                                    1.0, 1, None) == -1  # one arc: numpy would sum its rows pairwise
+        assert lib.nw_ov_new(-1, None) is None
+    finally:
+        lib.nw_ov_free(table)
+
+
+SANITIZED_TABLE_RUN = """
+import importlib, random
+R = importlib.import_module("placement.replay")
+lib = R._replay_library()
+assert lib is not None, R._replay_lib["why"]
+rng = random.Random(5)
+for trial in range(8):
+    links = rng.randint(1, 300)
+    limit = [rng.uniform(10.0, 100.0) for _ in range(links)]
+    tables, live = [R._CLinkTable(lib, limit), R._LinkTable(limit)], {}
+    for step in range(80):
+        if live and rng.random() < 0.4:
+            slot = rng.choice(sorted(live))
+            for t, h in zip(tables, live.pop(slot)):
+                t.leave(h)
+        else:
+            slot = rng.choice([s for s in range(300) if s not in live])
+            used = rng.sample(range(links), rng.randint(0, min(links, 150)))
+            rates = [rng.uniform(1.0, 60.0) for _ in used]
+            period = rng.uniform(0.01, 2.0)
+            compute, ready = rng.uniform(0, period), rng.uniform(0, 1e5)
+            live[slot] = [t.join(slot, period, compute, ready, iter(used), iter(rates), len(used)) for t in tables]
+        every = rng.random() < 0.2
+        got = [t.collect(every) for t in tables]
+        assert got[0] == got[1]
+        for link in got[0]:
+            assert tables[0].users(link) == tables[1].users(link) and tables[0].arcs(link) == tables[1].arcs(link)
+            for t in tables:
+                t.settle(link, tables[1].arcs(link))
+        assert tables[0].total() == tables[1].total()
+print("clean", trial + 1)
+"""
+
+
+def test_c_link_table_is_clean_under_asan_and_ubsan():
+    """The sanitizer build of csrc/replay.c, preloaded into Python: random joins (up to 150 links, 300 slots: every buffer
+    grows), leaves, collects and arcs on the C table beside its Python twin."""
+    import os
+    import shutil
+
+    from flowsched import ncclhook
+
+    build = ncclhook.build(sanitize=True)
+    runtimes = [subprocess.run([shutil.which("gcc") or "gcc", f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
+                for lib in ("libasan.so", "libubsan.so")]
+    env = {**os.environ, "LD_PRELOAD": " ".join(runtimes), "ASAN_OPTIONS": "detect_leaks=0", "PYTHONPATH": str(ROOT),
+           "NETWEAVE_REPLAY_LIB": str(build / "libnetweave-replay.so")}
+    res = subprocess.run([sys.executable, "-c", SANITIZED_TABLE_RUN], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "clean 8" in res.stdout
 
 
 def test_fluid_update_equals_call():
