@@ -220,7 +220,10 @@ def double_binary_tree(m: int) -> tuple[list[int], list[int]]:
 
 
 def _check_gpus(topo: Topology, gpus: Sequence[str | int]) -> list[str]:
-    out = [topo.resolve_gpu(g) for g in gpus]
+    known = view(topo).cache.get("gpu_ids")
+    if known is None:
+        known = view(topo).cache["gpu_ids"] = frozenset(topo.gpus())
+    out = list(gpus) if known.issuperset(gpus) else [topo.resolve_gpu(g) for g in gpus]  # GPU ids resolve to themselves
     if len(set(out)) != len(out):
         dup = next(g for g in out if out.count(g) > 1)
         raise InputError(f"GPU {dup!r} appears twice in the collective's group")
