@@ -593,6 +593,7 @@ def _fraction_arrays(vw: _View, topo: Topology, s: int, t: int, policy: str, net
 
 # route_flows adds with numpy from this many (src, dst) pairs on: below it, the plain loop is faster
 _ARRAY_PAIRS = 12
+_UNSET = np.iinfo(np.intp).max
 
 
 def _sum_loads(vw: _View, topo: Topology, pairs: list[tuple[int, int, float]], policy: str, network_only: bool = False
@@ -601,7 +602,7 @@ def _sum_loads(vw: _View, topo: Topology, pairs: list[tuple[int, int, float]], p
 
     Each load is the same float: every term ``volume * fraction`` is the same product (``np.repeat`` lines each
     pair's volume up with its fractions), and ``np.bincount`` adds a link's terms one after another in the order
-    the loop does; the links come in the order of their first term, the dict's insertion order.
+    the loop does (in the order of ``ids``); the links come in the order of their first term, the dict's insertion order.
     """
     if not pairs:
         return np.zeros(0, dtype=np.intp), np.zeros(0)
@@ -610,10 +611,18 @@ def _sum_loads(vw: _View, topo: Topology, pairs: list[tuple[int, int, float]], p
     ids = np.concatenate([a[0] for a in arrays])
     volumes = np.repeat(np.array([vol for _, _, vol in pairs]), [len(a[0]) for a in arrays])
     weights = volumes * np.concatenate([a[1] for a in arrays])
-    links, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    loads = np.bincount(inverse, weights=weights, minlength=len(links))
-    order = np.argsort(first, kind="stable")  # the order of first use, as the dict's insertion order
-    return links[order], loads[order]
+    # group the terms by link without sorting: a scratch array over all links holds each link's first position
+    # in ``ids`` (np.minimum.at), then its slot in the result; it is left as found (all _UNSET)
+    scratch = vw.cache.get("link_scratch")
+    if scratch is None:
+        scratch = vw.cache["link_scratch"] = np.full(len(_link_ids(vw, topo)[1]), _UNSET, dtype=np.intp)
+    position = np.arange(len(ids))
+    np.minimum.at(scratch, ids, position)
+    links = ids[scratch[ids] == position]  # each link once, in the order of its first term: the dict's insertion order
+    scratch[links] = np.arange(len(links))
+    loads = np.bincount(scratch[ids], weights=weights, minlength=len(links))
+    scratch[links] = _UNSET
+    return links, loads
 
 
 def _route_loads(topo: Topology, flows: Iterable[tuple[str, str, float]], policy: str) -> tuple[np.ndarray, np.ndarray]:
