@@ -37,6 +37,8 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
+from itertools import repeat
+from operator import truediv
 from pathlib import Path
 from typing import Any
 
@@ -186,30 +188,23 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
     link_bytes: dict[Edge, float] = {}
     comm_s = 0.0
     if spec.grad_bytes > 0 and spec.dp > 1:
-        from topology.collectives import plan_collective, schedule_time
+        from topology.collectives import plan_collective, schedules_cost_and_loads
         from topology.paths import link_attrs
-        from topology.routing import route_flows
 
         nbytes = spec.grad_bytes / (spec.tp * spec.pp)
-        flows: list[tuple[str, str, float]] = []
-        for group in groups:
-            plan = plan_collective(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm)  # its flows and its time: planned once
-            # identical consecutive steps (a ring's 2(n-1)) are one list object: route each distinct step once
-            counts: dict[int, tuple[list, int]] = {}
-            for step in plan.steps:
-                seen = counts.get(id(step))
-                counts[id(step)] = (step, 1 if seen is None else seen[1] + 1)
-            for step, n in counts.values():
-                flows.extend((f.src, f.dst, float(f.nbytes) * n) for f in step)
-            comm_s = max(comm_s, float(schedule_time(topo, plan, policy).time_s))
-        for e, b in route_flows(topo, flows, policy, network_only=True).items():
+        plans = [plan_collective(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm) for group in groups]
+        # the groups' collectives, each routed once: their times, and the bytes one iteration puts on each network link
+        costs, loads = schedules_cost_and_loads(topo, plans, policy, network_only=True)
+        for cost in costs:
+            comm_s = max(comm_s, float(cost.time_s))
+        for e, b in loads.items():
             if b > 0:
                 link_bytes[e] = b / 1e9  # GB
         # the phase can be no shorter than its busiest shared link allows
         if link_bytes:
             attrs = link_attrs(topo)
-            comm_s = max(comm_s, max(b / attrs[e]["bw"] for e, b in link_bytes.items()))
-    rates = {e: b / comm_s for e, b in link_bytes.items()} if comm_s > 0 else {}
+            comm_s = max(comm_s, max(map(truediv, link_bytes.values(), [attrs[e]["bw"] for e in link_bytes])))
+    rates = dict(zip(link_bytes, map(truediv, link_bytes.values(), repeat(comm_s, len(link_bytes))), strict=True)) if comm_s > 0 else {}
     prof = CommProfile(spec.name, tuple(gpus), float(spec.compute_s), comm_s, rates, link_bytes)
     if len(cache) > _CACHE_LIMIT:
         cache.clear()

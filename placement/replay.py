@@ -116,6 +116,13 @@ class ProfileCache:
                 self.leaf = {(g.nodes[s].get("pod"), g.nodes[s].get("rail")): s for s in topo.switches(SwitchTier.LEAF)}
                 self.leaf_key = {s: k for k, s in self.leaf.items()}
                 self.gpu_at = {(self.host_of[n], self.index[n]): n for n in topo.gpus()}
+                self.where = {n: (self.host_of[n], self.index[n], self.su_of[self.host_of[n]]) for n in topo.gpus()}
+                self.local: dict[str, dict[str, str]] = {h: {} for h in hosts}  # host -> {rest: the node "host/rest"}
+                for n in g:
+                    host, _, rest = n.partition("/")
+                    if rest and host in self.local:
+                        self.local[host][rest] = n
+                self.role: dict[str, tuple] = {}  # node of a canonical profile -> what it is (see _renaming)
                 # per canonical profile: its distinct nodes as (0, name) kept, (1, job host j, rest) or (2, job SU c, rail),
                 # and its links as (node position, node position, key); see _renaming
                 self.renamings: dict[tuple, tuple[list[tuple], list[tuple[int, int, Any]]]] = {}
@@ -131,19 +138,21 @@ class ProfileCache:
             else:
                 self.hits += 1
             return CommProfile(spec.name, tuple(gpus), hit.compute_s, hit.comm_s, hit.link_rates, hit.link_bytes)
-        host_of, index, su_of = self.host_of, self.index, self.su_of
+        where = self.where
         per_host: dict[str, list[int]] = {}  # the job's hosts in order of first appearance -> local GPU indices in rank order
-        for x in gpus:
-            h = host_of[x]
-            if h in per_host:
-                per_host[h].append(index[x])
-            else:
-                per_host[h] = [index[x]]
-        hosts = list(per_host)
         su_map: dict[int, int] = {}  # the job's SUs -> canonical SU (order of first appearance)
-        for h in hosts:
-            su_map.setdefault(su_of[h], len(su_map))
-        key = (*shape_key, tuple((su_map[su_of[h]], tuple(ix)) for h, ix in per_host.items()))
+        for x in gpus:
+            h, i, su = where[x]
+            ix = per_host.get(h)
+            if ix is None:
+                per_host[h] = [i]
+                if su not in su_map:
+                    su_map[su] = len(su_map)
+            else:
+                ix.append(i)
+        su_of = self.su_of
+        key = (*shape_key, tuple([(su_map[su_of[h]], tuple(ix)) for h, ix in per_host.items()]))
+        hosts = list(per_host)
         hit = self.cache.get(key)
         if hit is None:
             self.misses += 1
@@ -154,14 +163,16 @@ class ProfileCache:
                 c = su_map[su_of[h]]
                 canon_host[h] = self.su_hosts[c][used.get(c, 0)]
                 used[c] = used.get(c, 0) + 1
-            canon = [self.gpu_at[(canon_host[host_of[x]], index[x])] for x in gpus]
+            gpu_at = self.gpu_at
+            canon = [gpu_at[(canon_host[where[x][0]], where[x][1])] for x in gpus]
             hit = self.cache[key] = comm_profile(self.topo, spec, canon, policy=self.routing)
             self.renamings[key] = self._renaming(hit, list(canon_host.values()))
         else:
             self.hits += 1
         nodes, links = self.renamings[key]
         sus = list(su_map)
-        names = [n[1] if n[0] == 0 else f"{hosts[n[1]]}/{n[2]}" if n[0] == 1 else self.leaf[(sus[n[1]], n[2])] for n in nodes]
+        local, leaf = self.local, self.leaf
+        names = [n[1] if n[0] == 0 else local[hosts[n[1]]][n[2]] if n[0] == 1 else leaf[(sus[n[1]], n[2])] for n in nodes]
         keys = [(names[u], names[v], k) for u, v, k in links]
         nbytes = dict(zip(keys, hit.link_bytes.values(), strict=True))
         rates = dict(zip(keys, hit.link_rates.values(), strict=True)) if hit.link_rates else {}
@@ -173,19 +184,17 @@ class ProfileCache:
         ``canon_hosts[j]`` is the canonical host of the job's ``j``-th host; leaf switches are in canonical SU ``pod``.
         """
         slot = {h: j for j, h in enumerate(canon_hosts)}
-        leaf_key = self.leaf_key
+        role = self.role
         position: dict[str, int] = {}
         nodes: list[tuple] = []
 
         def place(node: str) -> int:
             position[node] = len(nodes)
-            host, _, rest = node.partition("/")
-            if node in leaf_key:
-                nodes.append((2, *leaf_key[node]))
-            elif rest and host in slot:
-                nodes.append((1, slot[host], rest))
-            else:
-                nodes.append((0, node))
+            r = role.get(node)
+            if r is None:  # what the node is, whatever the placement: a host's (host, rest), a leaf's (2, SU, rail), else kept
+                host, _, rest = node.partition("/")
+                r = role[node] = (2, *self.leaf_key[node]) if node in self.leaf_key else (1, host, rest) if rest and host in self.su_of else (0, node)
+            nodes.append((1, slot[r[1]], r[2]) if r[0] == 1 and r[1] in slot else (0, node) if r[0] == 1 else r)
             return position[node]
 
         get = position.get

@@ -10,6 +10,7 @@ from topology import InputError, LinkKind, NodeKind, Topology, build_cluster, bu
 from topology.collectives import (
     ALGORITHMS,
     OPS,
+    CollectiveSchedule,
     P2PFlow,
     alpha_beta,
     bus_factor,
@@ -18,6 +19,8 @@ from topology.collectives import (
     double_binary_tree,
     ideal_time,
     plan_collective,
+    schedule_time,
+    schedules_cost_and_loads,
 )
 from topology.routing import route_flows
 
@@ -304,3 +307,71 @@ def test_input_errors_and_trivial_groups():
     assert one.time_s == 0.0 and one.to_dict()["algbw"] is None
     pair = [P2PFlow("node0/gpu0", "node0/gpu1", 4.0), P2PFlow("node0/gpu1", "node0/gpu0", 4.0)]
     assert collective_flows(t, "all_reduce", [0, 1], 8.0) == [pair, pair]
+
+
+_TWO_SUS = build_cluster(8, hosts_per_su=4)
+
+
+def _reference_cost_and_loads(topo, plans, policy, network_only):
+    """What schedules_cost_and_loads stands for: schedule_time per plan, route_flows of every distinct step's flows times its count."""
+    flows = []
+    for plan in plans:
+        counts: dict[int, list] = {}
+        for step in plan.steps:
+            counts.setdefault(id(step), [step, 0])[1] += 1
+        flows += [(f.src, f.dst, float(f.nbytes) * n) for step, n in counts.values() for f in step]
+    return [schedule_time(topo, p, policy) for p in plans], route_flows(topo, flows, policy, network_only=network_only)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_schedules_cost_and_loads_equals_time_and_routing_separately(data):
+    """Differential, exact (floats and link order): one routing of the steps gives schedule_time's costs and
+    route_flows' loads, for random groups over two SUs, every all-reduce algorithm and policy, one or two groups;
+    route_flows' numpy sums equal its plain loop."""
+    import topology.routing as routing
+
+    topo = _TWO_SUS
+    gpus = topo.gpus()
+    per_host = data.draw(st.sampled_from([1, 2, 4]))
+    n_hosts = data.draw(st.integers(1, 6))
+    hosts = data.draw(st.lists(st.integers(0, 7), min_size=n_hosts, max_size=n_hosts, unique=True))
+    local = [sorted(data.draw(st.permutations(range(8)))[:per_host]) for _ in hosts]
+    group = [gpus[8 * h + i] for h, ix in zip(hosts, local, strict=True) for i in ix]
+    groups = [group[0::2], group[1::2]] if len(group) % 2 == 0 and len(group) > 2 and data.draw(st.booleans()) else [group]
+    algorithm = data.draw(st.sampled_from(["ring", "tree", "hierarchical"] if per_host > 1 or len(groups) == 1 else ["ring", "tree"]))
+    policy = data.draw(st.sampled_from(["rail", "ecmp", "shortest"]))
+    nbytes = data.draw(st.sampled_from([1e6, 3.1e9, 102e6 * 4]))
+    try:
+        plans = [plan_collective(topo, "all_reduce", g, nbytes, algorithm) for g in groups]
+    except InputError:  # hierarchical on groups with unequal hosts
+        return
+    network_only = data.draw(st.booleans())
+    costs, loads = schedules_cost_and_loads(topo, plans, policy, network_only=network_only)
+    ref_costs, ref_loads = _reference_cost_and_loads(topo, plans, policy, network_only)
+    assert [c.to_dict() for c in costs] == [c.to_dict() for c in ref_costs]
+    assert list(loads.items()) == list(ref_loads.items())
+    flows = [(f.src, f.dst, f.nbytes) for p in plans for step in p.steps[:1] for f in step]
+    with_arrays = route_flows(topo, flows, policy, network_only=network_only)
+    saved, routing._ARRAY_PAIRS = routing._ARRAY_PAIRS, 1 << 30
+    try:
+        with_loop = route_flows(topo, flows, policy, network_only=network_only)
+    finally:
+        routing._ARRAY_PAIRS = saved
+    assert list(with_arrays.items()) == list(with_loop.items())
+    assert all(type(v) is float for v in with_arrays.values())
+
+
+def test_schedules_cost_and_loads_merges_repeated_pairs_as_route_flows_does():
+    """A step whose flows repeat a pair (and a pair shared by two schedules, and an empty flow) takes route_flows'
+    merging path: the same floats as routing the flows separately."""
+    topo = _TWO_SUS
+    a, b, c = "node0/gpu0", "node1/gpu3", "node4/gpu5"
+    step = [P2PFlow(a, b, 1e6), P2PFlow(a, b, 3e6), P2PFlow(b, c, 0.0), P2PFlow(c, a, 7e5)]
+    one = CollectiveSchedule("all_reduce", "ring", [a, b, c], 1e6, 1, [step, step, [P2PFlow(b, a, 2e6)]])
+    two = CollectiveSchedule("all_reduce", "ring", [a, b], 1e6, 1, [[P2PFlow(a, b, 5e5)]])
+    for network_only in (False, True):
+        costs, loads = schedules_cost_and_loads(topo, [one, two], "rail", network_only=network_only)
+        ref_costs, ref_loads = _reference_cost_and_loads(topo, [one, two], "rail", network_only)
+        assert [x.to_dict() for x in costs] == [x.to_dict() for x in ref_costs]
+        assert list(loads.items()) == list(ref_loads.items()) and loads

@@ -76,7 +76,7 @@ import numpy as np
 from .errors import InputError
 from .model import Topology
 from .paths import _link_attrs, view
-from .routing import _CACHE_LIMIT, POLICIES, Edge, _link_ids, _nearest, _route, _route_loads
+from .routing import _CACHE_LIMIT, POLICIES, Edge, _link_ids, _nearest, _pairs, _route, _route_loads, _sum_loads, route_flows
 
 
 class P2PFlow(NamedTuple):
@@ -220,7 +220,10 @@ def double_binary_tree(m: int) -> tuple[list[int], list[int]]:
 
 
 def _check_gpus(topo: Topology, gpus: Sequence[str | int]) -> list[str]:
-    out = [topo.resolve_gpu(g) for g in gpus]
+    known = view(topo).cache.get("gpu_ids")
+    if known is None:
+        known = view(topo).cache["gpu_ids"] = frozenset(topo.gpus())
+    out = list(gpus) if known.issuperset(gpus) else [topo.resolve_gpu(g) for g in gpus]  # GPU ids resolve to themselves
     if len(set(out)) != len(out):
         dup = next(g for g in out if out.count(g) > 1)
         raise InputError(f"GPU {dup!r} appears twice in the collective's group")
@@ -400,9 +403,11 @@ def _route_latency_us(vw, s: int, t: int, policy: str) -> float:
     return cache[key]
 
 
-def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, overhead_us: float) -> tuple[float, float, Edge | None, float, float]:
-    # beta: the most loaded link's load / bw, the first such link in route_flows' order (as arrays: same floats)
-    links, loads = _route_loads(topo, step, policy)
+def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, overhead_us: float,
+               pairs: list[tuple[int, int, float]] | None = None) -> tuple[float, float, Edge | None, float, float]:
+    # beta: the most loaded link's load / bw, the first such link in route_flows' order (as arrays: same floats);
+    # ``pairs``: the step's flows merged by routing._pairs, when the caller has them
+    links, loads = _route_loads(topo, step, policy) if pairs is None else _sum_loads(vw, topo, pairs, policy)
     beta, worst, worst_bw, worst_load = 0.0, None, math.inf, 0.0
     if len(links):
         _, edges, bws = _link_ids(vw, topo)
@@ -436,15 +441,21 @@ def schedule_time(topo: Topology, schedule: CollectiveSchedule, policy: str = "r
     """Alpha-beta cost of a planned collective (see :func:`collective_time`)."""
     _check_policy(policy)
     vw = view(topo)
-    n = len(schedule.gpus)
     per_step: dict[int, tuple] = {}
-    alpha = beta = 0.0
-    best = (0.0, None, math.inf, 0.0)
     for step in schedule.steps:
         key = id(step)
         if key not in per_step:
             per_step[key] = _step_cost(topo, vw, step, schedule.chains.get(key), policy, step_overhead_us)
-        b, a, edge, bw, load = per_step[key]
+    return _schedule_cost(schedule, policy, per_step)
+
+
+def _schedule_cost(schedule: CollectiveSchedule, policy: str, per_step: dict[int, tuple]) -> CollectiveCost:
+    """The cost of ``schedule`` from the :func:`_step_cost` of each of its distinct steps (by ``id``)."""
+    n = len(schedule.gpus)
+    alpha = beta = 0.0
+    best = (0.0, None, math.inf, 0.0)
+    for step in schedule.steps:
+        b, a, edge, bw, load = per_step[id(step)]
         alpha += a
         beta += b
         if b > best[0]:
@@ -459,6 +470,58 @@ def schedule_time(topo: Topology, schedule: CollectiveSchedule, policy: str = "r
         schedule.op, schedule.algorithm, policy, n, S, time_s, alpha, beta, algbw, busbw, busbw_beta,
         best[1], best[2], best[3], len(schedule.steps), schedule.channels,
     )
+
+
+def schedules_cost_and_loads(topo: Topology, schedules: Sequence[CollectiveSchedule], policy: str = "rail", *,
+                             network_only: bool = False) -> tuple[list[CollectiveCost], dict[Edge, float]]:
+    """The cost of each planned collective (:func:`schedule_time`) and the traffic each link carries over all their steps.
+
+    The loads are :func:`~topology.routing.route_flows` of every distinct step's flows, each volume times the
+    step's repetitions, the schedules' flows one after the other (the bytes one run of the collectives puts on
+    each link); ``network_only`` keeps the network links. Each step is routed once for both.
+
+    >>> from topology import build_cluster
+    >>> t = build_cluster(2)
+    >>> plan = plan_collective(t, "all_reduce", ["node0/gpu0", "node1/gpu0"], 1e9)
+    >>> (cost,), loads = schedules_cost_and_loads(t, [plan], network_only=True)
+    >>> cost.time_s == schedule_time(t, plan).time_s, loads[("node0/nic0", "su0/leaf0", 0)]   # 2(n-1) steps of S/n
+    (True, 1000000000.0)
+    """
+    _check_policy(policy)
+    vw = view(topo)
+    costs: list[CollectiveCost] = []
+    repeated: list[tuple[list[P2PFlow], int]] = []  # every distinct step and its repetitions
+    pairs: list[tuple[int, int, float]] = []  # the same, merged per pair, while no pair repeats
+    seen: set[tuple[int, int]] = set()
+    for schedule in schedules:
+        # identical consecutive steps (a ring's 2(n-1)) are one list object: route each distinct step once
+        counts: dict[int, list] = {}
+        for step in schedule.steps:
+            entry = counts.get(id(step))
+            if entry is None:
+                counts[id(step)] = [step, 1]
+            else:
+                entry[1] += 1
+        per_step: dict[int, tuple] = {}
+        for key, (step, n) in counts.items():
+            step_pairs = _pairs(vw, step)
+            per_step[key] = _step_cost(topo, vw, step, schedule.chains.get(key), policy, 0.0, step_pairs)
+            repeated.append((step, n))
+            if pairs is not None:
+                before = len(seen)
+                seen.update([(a, b) for a, b, _ in step_pairs])
+                # every flow its own pair, never seen before: route_flows' merged volume is this one, times n
+                if len(step_pairs) == len(step) and len(seen) == before + len(step_pairs):
+                    pairs.extend([(a, b, v * n) for a, b, v in step_pairs])
+                else:
+                    pairs = None
+        costs.append(_schedule_cost(schedule, policy, per_step))
+    if pairs is None:
+        flows = [(f.src, f.dst, float(f.nbytes) * n) for step, n in repeated for f in step]
+        return costs, route_flows(topo, flows, policy, network_only=network_only)
+    links, loads = _sum_loads(vw, topo, pairs, policy, network_only)
+    edges = _link_ids(vw, topo)[1]
+    return costs, dict(zip([edges[i] for i in links.tolist()], loads.tolist(), strict=True))
 
 
 def collective_time(
@@ -536,5 +599,6 @@ def alpha_beta(
 __all__ = [
     "ALGORITHMS", "OPS", "AlphaBeta", "CollectiveCost", "CollectiveSchedule", "P2PFlow", "alpha_beta", "bus_factor",
     "collective_flows", "collective_time", "double_binary_tree", "ideal_time", "plan_collective", "schedule_time",
+    "schedules_cost_and_loads",
 ]
 

@@ -537,12 +537,17 @@ def route_flows(topo: Topology, flows: Iterable[tuple[str, str, float]], policy:
     """
     _check_policy(policy)
     vw = view(topo)
+    pairs = _pairs(vw, flows)
+    if len(pairs) >= _ARRAY_PAIRS:  # many pairs: the same sums, added by numpy (see _sum_loads)
+        links, loads = _sum_loads(vw, topo, pairs, policy, network_only)
+        edges = _link_ids(vw, topo)[1]
+        return dict(zip([edges[i] for i in links.tolist()], loads.tolist(), strict=True))
     fractions = _network_fractions if network_only else _edge_fractions
-    loads: dict[Edge, float] = {}
-    for s, t, vol in _pairs(vw, flows):
+    out: dict[Edge, float] = {}
+    for s, t, vol in pairs:
         for e, f in fractions(vw, s, t, policy):
-            loads[e] = loads.get(e, 0.0) + vol * f
-    return loads
+            out[e] = out.get(e, 0.0) + vol * f
+    return out
 
 
 def _pairs(vw: _View, flows: Iterable[tuple[str, str, float]]) -> list[tuple[int, int, float]]:
@@ -575,33 +580,59 @@ def _link_ids(vw: _View, topo: Topology) -> tuple[dict[Edge, int], list[Edge], n
     return ids
 
 
-def _fraction_arrays(vw: _View, topo: Topology, s: int, t: int, policy: str) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_edge_fractions` as (link numbers, fractions) arrays."""
-    out = vw.cache.setdefault("fraction_arrays", {}).get((s, t, policy))
+def _fraction_arrays(vw: _View, topo: Topology, s: int, t: int, policy: str, network_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_edge_fractions` (or :func:`_network_fractions`) as (link numbers, fractions) arrays."""
+    name = "network_fraction_arrays" if network_only else "fraction_arrays"
+    out = vw.cache.setdefault(name, {}).get((s, t, policy))
     if out is None:
         number = _link_ids(vw, topo)[0]
-        fr = _edge_fractions(vw, s, t, policy)
-        out = _remember(vw, "fraction_arrays", (s, t, policy), (np.array([number[e] for e, _ in fr], dtype=np.intp), np.array([f for _, f in fr])))
+        fr = (_network_fractions if network_only else _edge_fractions)(vw, s, t, policy)
+        out = _remember(vw, name, (s, t, policy), (np.array([number[e] for e, _ in fr], dtype=np.intp), np.array([f for _, f in fr])))
     return out
+
+
+# route_flows adds with numpy from this many (src, dst) pairs on: below it, the plain loop is faster
+_ARRAY_PAIRS = 12
+_UNSET = np.iinfo(np.intp).max
+
+
+def _sum_loads(vw: _View, topo: Topology, pairs: list[tuple[int, int, float]], policy: str, network_only: bool = False
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The loads of :func:`route_flows`' loop over ``pairs`` (from :func:`_pairs`), as arrays: (link numbers, loads) in its order.
+
+    Each load is the same float: every term ``volume * fraction`` is the same product (``np.repeat`` lines each
+    pair's volume up with its fractions), and ``np.bincount`` adds a link's terms one after another in the order
+    the loop does (in the order of ``ids``); the links come in the order of their first term, the dict's insertion order.
+    """
+    if not pairs:
+        return np.zeros(0, dtype=np.intp), np.zeros(0)
+    cache = vw.cache.setdefault("network_fraction_arrays" if network_only else "fraction_arrays", {})
+    arrays = [cache.get((s, t, policy)) or _fraction_arrays(vw, topo, s, t, policy, network_only) for s, t, _ in pairs]
+    ids = np.concatenate([a[0] for a in arrays])
+    volumes = np.repeat(np.array([vol for _, _, vol in pairs]), [len(a[0]) for a in arrays])
+    weights = volumes * np.concatenate([a[1] for a in arrays])
+    # group the terms by link without sorting: a scratch array over all links holds each link's first position
+    # in ``ids`` (np.minimum.at), then its slot in the result; it is left as found (all _UNSET)
+    scratch = vw.cache.get("link_scratch")
+    if scratch is None:
+        scratch = vw.cache["link_scratch"] = np.full(len(_link_ids(vw, topo)[1]), _UNSET, dtype=np.intp)
+    position = np.arange(len(ids))
+    np.minimum.at(scratch, ids, position)
+    links = ids[scratch[ids] == position]  # each link once, in the order of its first term: the dict's insertion order
+    scratch[links] = np.arange(len(links))
+    loads = np.bincount(scratch[ids], weights=weights, minlength=len(links))
+    scratch[links] = _UNSET
+    return links, loads
 
 
 def _route_loads(topo: Topology, flows: Iterable[tuple[str, str, float]], policy: str) -> tuple[np.ndarray, np.ndarray]:
     """:func:`route_flows` as arrays: (link numbers in :func:`_link_ids`, loads), in the order ``route_flows`` lists them.
 
-    Each load is the same float: every term ``volume * fraction`` is the same product, and ``np.bincount`` adds a
-    link's terms one after another in the order the loop does (for the cost loops that read every loaded link).
+    The same floats (:func:`_sum_loads`), for the cost loops that read every loaded link.
     """
     _check_policy(policy)
     vw = view(topo)
-    parts = [(ids, vol * f) for s, t, vol in _pairs(vw, flows) for ids, f in (_fraction_arrays(vw, topo, s, t, policy),)]
-    if not parts:
-        return np.zeros(0, dtype=np.intp), np.zeros(0)
-    ids = np.concatenate([p[0] for p in parts])
-    weights = np.concatenate([p[1] for p in parts])
-    links, first, inverse = np.unique(ids, return_index=True, return_inverse=True)
-    loads = np.bincount(inverse, weights=weights, minlength=len(links))
-    order = np.argsort(first, kind="stable")  # the order of first use, as the dict's insertion order
-    return links[order], loads[order]
+    return _sum_loads(vw, topo, _pairs(vw, flows), policy)
 
 
 def link_utilisation(topo: Topology, loads: dict[Edge, float]) -> list[tuple[Edge, float]]:
