@@ -30,7 +30,8 @@ typedef struct { int lid; double d; } ld_t;        /* a job's link and demand */
 
 typedef struct {
     double cap, sum, err;
-    int binding, n, size;
+    int binding, n;
+    size_t size;
     user_t *u; /* sorted by serial (= joining order) */
 } link_t;
 
@@ -38,7 +39,8 @@ typedef struct {
     int64_t ident;
     double compute, comm, start, own, time, row[4];
     ld_t *links, *bind; /* all its links; its binding links in the order they became binding */
-    int nlinks, nbind, bind_size;
+    int nlinks, nbind;
+    size_t bind_size;
     unsigned char alive, has_time, has_row;
 } job_t;
 
@@ -252,12 +254,7 @@ static int grow_jobs(nw_fm *h, int64_t need) {
 /* ------------------------------------------------------------------ links and binding (PeriodicFluidModel._update_binding) -- */
 
 static int bind_add(job_t *j, int lid, double d) {
-    if (j->nbind == j->bind_size) {
-        int size = j->bind_size ? 2 * j->bind_size : 4;
-        ld_t *b = realloc(j->bind, (size_t)size * sizeof(*b));
-        if (!b) return NW_FLUID_ENOMEM;
-        j->bind = b, j->bind_size = size;
-    }
+    if (reserve(&j->bind, &j->bind_size, (size_t)j->nbind + 1, sizeof(ld_t))) return NW_FLUID_ENOMEM;
     j->bind[j->nbind++] = (ld_t){lid, d};
     return NW_FLUID_OK;
 }
@@ -782,12 +779,7 @@ NW_FLUID_API int nw_fm_update(nw_fm *h, int n_gone, const int64_t *gone, int n_n
             double d = dem[link_ptr[p] + b];
             j->links[b] = (ld_t){lid, d};
             link_t *l = &h->links[lid];
-            if (l->n == l->size) {
-                int size = l->size ? 2 * l->size : 4;
-                user_t *u = realloc(l->u, (size_t)size * sizeof(*u));
-                if (!u) return NW_FLUID_ENOMEM;
-                l->u = u, l->size = size;
-            }
+            if (reserve(&l->u, &l->size, (size_t)l->n + 1, sizeof(user_t))) return NW_FLUID_ENOMEM;
             l->u[l->n++] = (user_t){s, d};
             double total = l->sum + d;
             l->sum = total;

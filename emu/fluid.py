@@ -633,6 +633,21 @@ def fluid_engine() -> str:
     return "c" if _c_engine() is not None else f"python ({_lib_state['why']})"
 
 
+def _csr(rows: Iterable[Iterable[tuple[int, float]]]) -> tuple[list[int], list[int], list[float]]:
+    """Rows of ``(index, value)`` pairs as a CSR table: where each row starts (and the end), the indices, the values.
+
+    >>> _csr([[(0, 1.5), (2, 0.5)], [], [(1, 2.0)]])
+    ([0, 2, 2, 3], [0, 2, 1], [1.5, 0.5, 2.0])
+    """
+    ptr, idx, vals = [0], [], []
+    for row in rows:
+        for k, v in row:
+            idx.append(k)
+            vals.append(v)
+        ptr.append(len(idx))
+    return ptr, idx, vals
+
+
 def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[float], iterations: int,
                 watch: Sequence[int] | None, run: PeriodicRun, means_only: bool = False) -> None:
     lib = _c_engine()
@@ -641,13 +656,8 @@ def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[f
     n = len(jobs)
     # the inputs laid end to end in one float64 and one int32 array (two conversions per call, not one per argument):
     # per job compute, comm, start and own cap, per link its capacity, per (job, link) the demand; the index arrays
-    job_links, link_users, nl = coupling.job_links, coupling.link_users, len(coupling.cap_list)
-    jl_ptr, jl_link, jl_dem = [0], [], []
-    for ls in job_links:
-        for k, d in ls:
-            jl_link.append(k)
-            jl_dem.append(d)
-        jl_ptr.append(len(jl_link))
+    link_users, nl = coupling.link_users, len(coupling.cap_list)
+    jl_ptr, jl_link, jl_dem = _csr(coupling.job_links)
     lu_ptr, lu_job = [0], []
     for us in link_users:
         lu_job.extend(us)
@@ -1003,12 +1013,7 @@ class PeriodicFluidModel:
         for i in gone:
             del by_serial[serial[i]], serial[i], jobs[i]
             times.pop(i, None)
-        ptr, lids, dems = [0], [], []
-        for links in new_links:
-            for lid, d in links:
-                lids.append(lid)
-                dems.append(d)
-            ptr.append(len(lids))
+        ptr, lids, dems = _csr(new_links)
         added = [current[i] for i in new]
         n_gone, n_new = len(gone), len(new)
         ints = np.array([*gone_serials, *new, *ptr, *lids], dtype=np.int64)
