@@ -23,7 +23,7 @@
 #include "fluid.h"
 
 #define EPS (1.0 / 4503599627370496.0) /* 2**-52: emu.fluid._EPS */
-#define R9_SLOTS 4096                  /* direct-mapped cache of 9-digit roundings (exact: keyed by the value's bits) */
+#define R9_SLOTS 65536                 /* direct-mapped cache of 9-digit roundings (exact: keyed by the value's bits) */
 
 typedef struct { int64_t job; double d; } user_t;  /* a link's user: serial and demand */
 typedef struct { int lid; double d; } ld_t;        /* a job's link and demand */
@@ -423,7 +423,7 @@ static int nearest(nw_fm *h, const int64_t *chunk, size_t nchunk, size_t *nball)
 static double r9(nw_fm *h, double v) {
     uint64_t bits;
     memcpy(&bits, &v, 8);
-    size_t slot = (size_t)((bits * 0x9E3779B97F4A7C15ULL) >> 52) & (R9_SLOTS - 1);
+    size_t slot = (size_t)((bits * 0x9E3779B97F4A7C15ULL) >> 48) & (R9_SLOTS - 1);
     if (h->r9_used[slot] && h->r9_key[slot] == bits) return h->r9_val[slot];
     char buf[64];
     snprintf(buf, sizeof buf, "%.9g", v); /* float(f"{v:.9g}"): both correctly rounded */
