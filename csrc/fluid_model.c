@@ -486,7 +486,7 @@ static int coupling(nw_fm *h, const int64_t *comp, int m) {
             h->ent_c[ne] = h->l_index[lid], h->ent_p[ne] = p, h->ent_d[ne++] = j->bind[b].d;
         }
     }
-    /* bucket[c] .. bucket[c+1]: candidate c's entries (positions in lu_job, demands in jl_dem as scratch, reused below) */
+    /* bucketed by candidate (counting sort, stable: positions in increasing order): positions in lu_job, demands in jfloat */
     if (RESERVE(h, bucket, (size_t)nc + 2) || RESERVE(h, lu_job, (size_t)ne + 1) || RESERVE(h, jfloat, (size_t)ne + 1)
         || RESERVE(h, kept, (size_t)nc + 1))
         return NW_FLUID_ENOMEM;
@@ -704,14 +704,14 @@ out:
 
 /* ------------------------------------------------------------------ the update (PeriodicFluidModel.update, radius 1) -- */
 
-static int refresh(nw_fm *h, int64_t k, double t) {
+/* job k's answer is t now; listed once among the refreshed (h->refreshed holds every job: reserved by nw_fm_update) */
+static void refresh(nw_fm *h, int64_t k, double t) {
     job_t *j = &h->jobs[k];
     j->time = t, j->has_time = 1;
     if (h->m_ref[k] != h->g_ref) {
         h->m_ref[k] = h->g_ref;
         h->refreshed[h->refreshed_n++] = k;
     }
-    return NW_FLUID_OK;
 }
 
 /* The jobs that left (gone[0..n_gone), serials, increasing) and joined (n_new jobs: identity ident[p], timings, start, links
@@ -814,8 +814,7 @@ NW_FLUID_API int nw_fm_update(nw_fm *h, int n_gone, const int64_t *gone, int n_n
             qsort(h->near, h->near_n, sizeof(int64_t), cmp_i64);
             for (size_t b = 0; b < h->near_n; b++) h->m_done[h->near[b]] = gd;
             if ((rc = answer(h, h->near, (int)h->near_n, NULL, 0))) return rc;
-            for (size_t b = 0; b < h->near_n; b++)
-                if ((rc = refresh(h, h->near[b], h->answer[b]))) return rc;
+            for (size_t b = 0; b < h->near_n; b++) refresh(h, h->near[b], h->answer[b]);
             continue;
         }
         /* the centres: the changed jobs not done yet in the ball or next to it */
@@ -843,7 +842,7 @@ NW_FLUID_API int nw_fm_update(nw_fm *h, int n_gone, const int64_t *gone, int n_n
                     if (h->m_inside[h->ball[b]] == gi) h->watch[nw++] = (int)b;
                 if ((rc = answer(h, h->ball, (int)nball, h->watch, nw))) return rc;
                 for (size_t b = 0; b < nball; b++)
-                    if (h->m_inside[h->ball[b]] == gi && (rc = refresh(h, h->ball[b], h->answer[b]))) return rc;
+                    if (h->m_inside[h->ball[b]] == gi) refresh(h, h->ball[b], h->answer[b]);
             }
             continue;
         }
@@ -855,7 +854,7 @@ NW_FLUID_API int nw_fm_update(nw_fm *h, int n_gone, const int64_t *gone, int n_n
         if ((rc = answer(h, h->ball, (int)h->ball_n, h->watch, nw))) return rc;
         for (size_t b = 0; b < h->ball_n; b++) {
             int64_t k = h->ball[b];
-            if ((h->dist[k] < 1 || !h->jobs[k].has_time) && (rc = refresh(h, k, h->answer[b]))) return rc;
+            if (h->dist[k] < 1 || !h->jobs[k].has_time) refresh(h, k, h->answer[b]);
         }
     }
     for (size_t a = 0; a < h->refreshed_n; a++) out_serial[a] = h->refreshed[a], out_time[a] = h->jobs[h->refreshed[a]].time;
