@@ -13,6 +13,9 @@
  * user list stays sorted by serial. Python numbers the links (validation stays there) and registers each with its
  * capacity (nw_fm_add_link); nw_fm_update takes the jobs that left (serials) and the jobs that joined (their
  * identities, timings, start and links) and hands back the answers it refreshed. All state lives in the handle.
+ *
+ * Errors: NW_FLUID_EINVAL for arguments Python never passes (checked before any change), NW_FLUID_ENOMEM when an
+ * allocation fails, after which the handle can only be freed (Python raises MemoryError).
  */
 #include <math.h>
 #include <stdint.h>
