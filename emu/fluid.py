@@ -983,6 +983,9 @@ class PeriodicFluidModel:
         lids = list(map(numbers.get, demand))
         if None not in lids:  # every link numbered already (nearly always): validate the demands, keep the positive ones
             vals = list(demand.values())
+            # all positive and finite (a NaN fails the sum), checked at C speed: nothing to drop (nearly always)
+            if vals and min(vals) > 0 and sum(vals) < math.inf:
+                return list(zip(lids, map(float, vals), strict=True)) if j.comm_s > 0 else []
             if all(0.0 <= d < math.inf for d in vals):
                 if j.comm_s <= 0:
                     return []
