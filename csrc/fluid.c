@@ -15,18 +15,16 @@
  * the ends buffer (it grows) and without handing every iteration end back.
  *
  * Versioned like NCCL's plugin tables: nw_fluid_version() names the ABI of
- * nw_fluid_simulate() and nw_fluid_simulate_means(); emu.fluid refuses a
- * library of another version.
+ * nw_fluid_simulate(), nw_fluid_simulate_means() and the incremental model's
+ * nw_fm_* (csrc/fluid_model.c, same library); emu.fluid refuses a library of
+ * another version.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define NW_FLUID_API __attribute__((visibility("default")))
-#define NW_FLUID_ABI 2
-
-enum { NW_FLUID_OK = 0, NW_FLUID_EINVAL = -1, NW_FLUID_ENOMEM = -2 };
+#include "fluid.h"
 
 typedef struct {
     double t;
@@ -122,7 +120,7 @@ static int record_end(sim_t *s, int i, double t) {
 
 /* numpy's sum of a[0..n) (pairwise: below 8 terms one by one, up to 128 in eight interleaved partial sums, else halves):
  * the floats of np.add.reduce over a contiguous float64 array; below 8 terms also those of Python's sum() */
-static double pairwise_sum(const double *a, int n) {
+double nw_fluid_pairwise_sum(const double *a, int n) {
     if (n < 8) {
         double r = 0.0;
         for (int i = 0; i < n; i++) r += a[i];
@@ -140,7 +138,7 @@ static double pairwise_sum(const double *a, int n) {
     }
     int n2 = n / 2;
     n2 -= n2 % 8;
-    return pairwise_sum(a, n2) + pairwise_sum(a + n2, n - n2);
+    return nw_fluid_pairwise_sum(a, n2) + nw_fluid_pairwise_sum(a + n2, n - n2);
 }
 
 static int cmp_int(const void *a, const void *b) {
@@ -436,7 +434,7 @@ NW_FLUID_API int nw_fluid_simulate_means(int n, const double *compute, const dou
             else
                 d[m++] = e[0] - start[i];
         }
-        means[i] = m ? pairwise_sum(d, m) / (double)m : NAN;
+        means[i] = m ? nw_fluid_pairwise_sum(d, m) / (double)m : NAN;
     }
     free(d), free(ends);
     return rc;

@@ -67,6 +67,8 @@ from __future__ import annotations
 import ctypes
 import heapq
 import math
+import weakref
+from array import array
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,7 +298,12 @@ def connected_groups(n: int, shared: Iterable[Sequence[int]]) -> list[list[int]]
 def _can_saturate(demands: Sequence[float], capacity: float) -> bool:
     """Whether a link with these users' demands can saturate: several users whose demands sum above its capacity
     (a job alone is capped by its own links instead, and demands that fit never saturate it since ``x <= 1``)."""
-    return len(demands) > 1 and sum(demands) > capacity
+    if len(demands) < 2:
+        return False
+    total = 0.0  # summed left to right (Python 3.12's sum() of floats is compensated; the C core adds plainly)
+    for d in demands:
+        total += d
+    return total > capacity
 
 
 @dataclass
@@ -587,7 +594,7 @@ def simulate_periodic_reference(jobs: Sequence[PeriodicJob], capacity: Mapping[L
 
 
 # ------------------------------------------------------------------ the C event loop (csrc/fluid.c) --
-FLUID_ABI = 2  # the nw_fluid_version() this module speaks
+FLUID_ABI = 3  # the nw_fluid_version() this module speaks
 _LIB_NAME = "libnetweave-fluid.so"
 _lib_state: dict[str, Any] = {}
 
@@ -607,6 +614,13 @@ def _c_engine() -> Any:
             lib.nw_fluid_simulate.argtypes = [c_int, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, c_int, ptr, ptr, ptr]
             lib.nw_fluid_simulate_means.restype = c_int
             lib.nw_fluid_simulate_means.argtypes = [c_int, ptr, ptr, ptr, ptr, ptr, c_int, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr]
+            i64 = ctypes.c_int64
+            lib.nw_fm_new.restype, lib.nw_fm_new.argtypes = ptr, [c_int, c_int, i64]
+            lib.nw_fm_free.restype, lib.nw_fm_free.argtypes = None, [ptr]
+            lib.nw_fm_add_link.restype, lib.nw_fm_add_link.argtypes = c_int, [ptr, ctypes.c_double]
+            lib.nw_fm_counters.restype, lib.nw_fm_counters.argtypes = c_int, [ptr, ptr]
+            lib.nw_fm_update.restype = c_int
+            lib.nw_fm_update.argtypes = [ptr, c_int, ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
         _lib_state["lib"], _lib_state["why"] = lib, why
     return _lib_state["lib"]
 
@@ -620,6 +634,21 @@ def fluid_engine() -> str:
     return "c" if _c_engine() is not None else f"python ({_lib_state['why']})"
 
 
+def _csr(rows: Iterable[Iterable[tuple[int, float]]]) -> tuple[list[int], list[int], list[float]]:
+    """Rows of ``(index, value)`` pairs as a CSR table: where each row starts (and the end), the indices, the values.
+
+    >>> _csr([[(0, 1.5), (2, 0.5)], [], [(1, 2.0)]])
+    ([0, 2, 2, 3], [0, 2, 1], [1.5, 0.5, 2.0])
+    """
+    ptr, idx, vals = [0], [], []
+    for row in rows:
+        for k, v in row:
+            idx.append(k)
+            vals.append(v)
+        ptr.append(len(idx))
+    return ptr, idx, vals
+
+
 def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[float], iterations: int,
                 watch: Sequence[int] | None, run: PeriodicRun, means_only: bool = False) -> None:
     lib = _c_engine()
@@ -628,13 +657,8 @@ def _simulate_c(jobs: Sequence[PeriodicJob], coupling: _Coupling, starts: list[f
     n = len(jobs)
     # the inputs laid end to end in one float64 and one int32 array (two conversions per call, not one per argument):
     # per job compute, comm, start and own cap, per link its capacity, per (job, link) the demand; the index arrays
-    job_links, link_users, nl = coupling.job_links, coupling.link_users, len(coupling.cap_list)
-    jl_ptr, jl_link, jl_dem = [0], [], []
-    for ls in job_links:
-        for k, d in ls:
-            jl_link.append(k)
-            jl_dem.append(d)
-        jl_ptr.append(len(jl_link))
+    link_users, nl = coupling.link_users, len(coupling.cap_list)
+    jl_ptr, jl_link, jl_dem = _csr(coupling.job_links)
     lu_ptr, lu_job = [0], []
     for us in link_users:
         lu_job.extend(us)
@@ -748,6 +772,14 @@ class PeriodicFluidModel:
       ``bench/results/scale_error.md`` measures it against the model without
       the limit.
 
+    ``engine``: the configuration the placement replay uses (``radius=1`` with
+    ``max_ball``, no ``phase_quantum``) has its bookkeeping in C as well
+    (``csrc/fluid_model.c``, in the fluid library): ``"auto"`` uses it there
+    when the library is built, ``"c"`` insists, ``"python"`` keeps this
+    class's own code, the reference. Both give the same answers and
+    counters, bit for bit; the per-link and per-job state (``_users``,
+    ``_bind_links``, ...) exists on the Python path only.
+
     >>> m = PeriodicFluidModel({"l": 10.0})
     >>> a, b = PeriodicJob("a", 0.05, 0.05, {"l": 10.0}), PeriodicJob("b", 0.05, 0.05, {"l": 10.0})
     >>> {k: round(v, 6) for k, v in m([a, b]).items()}
@@ -757,7 +789,9 @@ class PeriodicFluidModel:
     """
 
     def __init__(self, capacity: Mapping[Link, float], *, iterations: int = 4, phase_quantum: float = 0.0, radius: int | None = None,
-                 max_ball: int | None = None, cache_limit: int = 200_000):
+                 max_ball: int | None = None, cache_limit: int = 200_000, engine: str = "auto"):
+        if engine not in ENGINES:
+            raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
         if iterations < 1:
             raise ValueError(f"iterations must be >= 1, got {iterations}")
         if radius is not None and radius < 1:
@@ -798,6 +832,33 @@ class PeriodicFluidModel:
         # the signature's rounded values: per job its row (timings, start, own cap), and demands and capacities (all > 0)
         self._rows: dict[int, tuple[float, float, float, float]] = {}
         self._r9: dict[float, float] = {}
+        self._core = self._new_core(engine)
+
+    def _new_core(self, engine: str) -> int | None:
+        """The C core's handle when it serves this configuration (see ``engine``), else None."""
+        served = self.radius == 1 and self.max_ball is not None and self.phase_quantum == 0
+        if engine == "python" or (engine == "auto" and not served):
+            return None
+        if not served:
+            raise ValueError("engine='c' serves radius=1 with max_ball and phase_quantum=0 only")
+        lib = _c_engine()
+        if lib is None:
+            if engine == "c":
+                raise RuntimeError(f"the C fluid engine is not available: {_lib_state['why']}")
+            return None
+        handle = lib.nw_fm_new(self.iterations, self.max_ball, self.cache_limit)
+        if not handle:
+            raise MemoryError("nw_fm_new: out of memory")
+        weakref.finalize(self, lib.nw_fm_free, handle)
+        self._c_update = lib.nw_fm_update
+        # refreshed jobs, then calls, hits, simulations, events, capped, identity cache clearings
+        self._counts = array("q", bytes(56))
+        self._out_serial, self._out_time = array("q"), array("d")
+        self._by_serial: dict[int, int] = {}  # serial -> id of the job
+        # the jobs whose ids key the core's identity cache: held (their ids stay unique) until it is emptied
+        self._held: dict[int, PeriodicJob] = {}
+        self._clears = 0
+        return handle
 
     def __call__(self, jobs: Sequence[PeriodicJob]) -> dict[str, float]:
         current = {id(j): j for j in jobs}
@@ -826,6 +887,8 @@ class PeriodicFluidModel:
         if len({current[i].name for i in new}) != len(new):
             raise ValueError("job names must be unique")
         new_links = [self._checked_links(current[i]) for i in new]  # validated before any change (numbering a link is none)
+        if self._core is not None:
+            return self._update_core(gone, new, current, new_links)
         refreshed: set[int] = set()
         seeds: list[int] = list(new)
         users, binding, sums, errs = self._users, self._binding, self._sum, self._sum_err
@@ -920,6 +983,9 @@ class PeriodicFluidModel:
         lids = list(map(numbers.get, demand))
         if None not in lids:  # every link numbered already (nearly always): validate the demands, keep the positive ones
             vals = list(demand.values())
+            # all positive and finite (a NaN fails the sum), checked at C speed: nothing to drop (nearly always)
+            if vals and min(vals) > 0 and sum(vals) < math.inf:
+                return list(zip(lids, map(float, vals), strict=True)) if j.comm_s > 0 else []
             if all(0.0 <= d < math.inf for d in vals):
                 if j.comm_s <= 0:
                     return []
@@ -934,12 +1000,56 @@ class PeriodicFluidModel:
                     _check_capacity(j, link, self.capacity)
                     lid = numbers[link] = len(self._cap)
                     self._cap.append(self.capacity[link])
-                    self._users.append({})
-                    self._binding.append(False)
-                    self._sum.append(0.0)
-                    self._sum_err.append(0.0)
+                    if self._core is None:
+                        self._users.append({})
+                        self._binding.append(False)
+                        self._sum.append(0.0)
+                        self._sum_err.append(0.0)
+                    elif _c_engine().nw_fm_add_link(self._core, float(self.capacity[link])) != lid:
+                        raise MemoryError("nw_fm_add_link: out of memory")
                 links.append((lid, float(d)))
         return links if j.comm_s > 0 else []
+
+    def _update_core(self, gone: list[int], new: list[int], current: dict[int, PeriodicJob],
+                     new_links: list[list[tuple[int, float]]]) -> dict[str, float]:
+        """``update`` through the C core: the same steps on its state (csrc/fluid_model.c); here only ids, serials and names."""
+        serial, by_serial, jobs, times = self._serial, self._by_serial, self._jobs, self._times
+        gone_serials = [serial[i] for i in gone]
+        for i in gone:
+            del by_serial[serial[i]], serial[i], jobs[i]
+            times.pop(i, None)
+        ptr, lids, dems = _csr(new_links)
+        added = [current[i] for i in new]
+        n_gone, n_new = len(gone), len(new)
+        # the inputs end to end in one int64 and one float64 array (array.array: cheaper than numpy's for a few values)
+        ints = array("q", [*gone_serials, *new, *ptr, *lids])
+        floats = array("d", [*(j.compute_s for j in added), *(j.comm_s for j in added), *(j.start_s() for j in added), *dems])
+        for i, j in zip(new, added, strict=True):
+            jobs[i] = self._held[i] = j
+            serial[i] = self._next_serial
+            by_serial[self._next_serial] = i
+            self._next_serial += 1
+        out_serial, out_time, counts = self._out_serial, self._out_time, self._counts
+        if len(out_serial) < len(jobs):
+            out_serial = self._out_serial = array("q", bytes(16 * len(jobs)))
+            out_time = self._out_time = array("d", bytes(16 * len(jobs)))
+        ia, fa = ints.buffer_info()[0], floats.buffer_info()[0]
+        rc = self._c_update(self._core, n_gone, ia, n_new, ia + 8 * n_gone, fa, fa + 8 * n_new, fa + 16 * n_new, ia + 8 * (n_gone + n_new),
+                            ia + 8 * (n_gone + 2 * n_new + 1), fa + 24 * n_new, len(out_serial), out_serial.buffer_info()[0],
+                            out_time.buffer_info()[0], counts.buffer_info()[0], counts.buffer_info()[0] + 8)
+        if rc != 0:
+            if rc == -2:
+                raise MemoryError("nw_fm_update: out of memory")
+            raise RuntimeError(f"nw_fm_update refused its arguments (code {rc})")
+        n, self.calls, self.hits, self.simulations, self.events, self.capped, clears = counts
+        if clears != self._clears:  # the identity cache was emptied: its new entries hold current jobs only
+            self._clears, self._held = clears, dict(jobs)
+        out = {}
+        for s, t in zip(out_serial[:n], out_time[:n], strict=True):
+            i = by_serial[s]
+            times[i] = t
+            out[jobs[i].name] = t
+        return out
 
     def _update_binding(self, lid: int, joined: int | None = None) -> None:
         """Re-evaluate whether link ``lid`` can saturate after a user joined or left; keep the users' binding-link sets in step."""
@@ -976,7 +1086,9 @@ class PeriodicFluidModel:
             return True
         if cap - total > tol:
             return False
-        total = sum(us.values())
+        total = 0.0  # left to right, as _can_saturate and the C core
+        for d in us.values():
+            total += d
         self._sum[lid], self._sum_err[lid] = total, n * _EPS * total
         return total > cap
 

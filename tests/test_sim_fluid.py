@@ -405,7 +405,7 @@ def test_incremental_binding_state_is_a_fresh_can_saturate_after_any_joins_and_l
     """The model's binding flags (kept with running sums) equal _can_saturate of each link's users now, in joining order."""
     from emu.fluid import _can_saturate
 
-    model = PeriodicFluidModel(_TIE_CAPACITY, iterations=1, radius=1, max_ball=4)
+    model = PeriodicFluidModel(_TIE_CAPACITY, iterations=1, radius=1, max_ball=4, engine="python")  # its state is Python's
     live: list[PeriodicJob] = []
     for step, op in enumerate(ops):
         if isinstance(op, dict):
@@ -440,6 +440,18 @@ for trial in range(300):
     iterations = rng.randint(1, 5)
     F.simulate_periodic(jobs, cap, iterations=iterations, watch=watch, engine="c")
     F._simulate(jobs, F._coupling(jobs, cap), iterations=iterations, watch=watch, engine="c", means_only=True)
+    # the incremental model's C core (csrc/fluid_model.c): joins, leaves and returns, balls capped, caches emptied
+    model = F.PeriodicFluidModel(cap, iterations=iterations, radius=1, max_ball=rng.randint(2, 5), cache_limit=rng.choice([1, 4, 100]),
+                                 engine="c")
+    live, left = [], []
+    for step, job in enumerate(jobs * 3):
+        job = F.PeriodicJob(f"{job.name}.{step}", job.compute_s, job.comm_s, job.demand, job.phase_s)
+        removed = [live.pop(rng.randrange(len(live))) for _ in range(min(len(live), rng.randint(0, 2)))]
+        added = [job] + ([left.pop(0)] if left and rng.random() < 0.3 else [])
+        model.update(added, removed)
+        live += added
+        left += removed
+    del model
 print("clean", trial + 1)
 """
 
