@@ -142,7 +142,9 @@ def demand_sum(period_s: Sequence[float], compute_s: Sequence[float], shifts: Se
     period = np.array([effective_period(p, perimeter) for p in period_s])
     comm_start = np.array(compute_s, dtype=np.float64) * period / np.array(period_s, dtype=np.float64)
     up = _up_matrix(period, comm_start, perimeter, buckets, np.asarray(shifts, dtype=np.float64))
-    return (np.array(rates, dtype=np.float64)[:, None] * up).sum(axis=0)
+    # cumsum adds the rows one after another whatever the shape; sum(axis=0) does too, except on a circle of one arc, where
+    # the column is contiguous and numpy adds it pairwise (another rounding than the sum of the demands)
+    return np.cumsum(np.array(rates, dtype=np.float64)[:, None] * up, axis=0)[-1]
 
 
 def compatibility_score(demands: np.ndarray, capacity: float) -> float:
