@@ -202,6 +202,17 @@ class ProfileCache:
         return nodes, links
 
 
+class _Waiting(dict):
+    """LAS's waiting jobs in the order they queued: a list's ``append`` and ``remove`` on an insertion-ordered dict (LAS
+    starts jobs from anywhere in the queue; a list's remove is a scan of a queue that grows to thousands)."""
+
+    def append(self, name: str) -> None:
+        self[name] = None
+
+    def remove(self, name: str) -> None:
+        del self[name]
+
+
 @dataclass
 class _Run:
     trace: TraceJob
@@ -281,7 +292,7 @@ class Replay:
         for name in too_big:
             self.jobs[name].reason = f"needs {self.jobs[name].spec.gpus} GPUs, the cluster has {len(self.gpus)}"
         self.arrivals = sorted((t for t in trace if t.name not in too_big), key=lambda t: (t.arrival_s, t.name))
-        self.queue: list[str] = []
+        self.queue: list[str] | _Waiting = _Waiting() if policy == "las" else []
         self.running: dict[str, _Run] = {}
         self.now = 0.0
         self.capacity = {(u, v, k): float(d["bw"]) for u, v, k, d in topo.links()}
@@ -732,10 +743,14 @@ class Replay:
         self.now = t
 
     def _next_finish(self) -> float:
-        heap = self._finish_heap
+        heap, jobs = self._finish_heap, self.jobs
+        if len(heap) > 4 * len(self.running) + 1024:  # mostly void entries (rates change often): dropped at once, not popped one
+            # by one; the valid entries and so their order are the same
+            heap[:] = [e for e in heap if (r := jobs[e[2]]).running and r.version == e[1]]
+            heapq.heapify(heap)
         while heap:
             _, version, name = heap[0]
-            r = self.jobs[name]
+            r = jobs[name]
             if r.running and r.version == version:
                 return max(heap[0][0], self.now)
             heapq.heappop(heap)
