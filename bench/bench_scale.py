@@ -284,14 +284,16 @@ def main() -> None:
 
 
 def _commit(root: Path) -> str:
-    """The checkout's commit, short, with ``+`` when its tracked files differ from it (rows say what code they measured)."""
+    """The checkout's commit, short, with ``+`` when its tracked code differs from it (rows say what code they measured;
+    results and prose being written meanwhile do not count)."""
     def git(*args: str) -> subprocess.CompletedProcess:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
 
     head = git("rev-parse", "--short", "HEAD")
     if head.returncode != 0:
         return ""
-    return head.stdout.strip() + ("+" if git("diff", "--quiet", "HEAD", "--").returncode else "")
+    dirty = git("diff", "--quiet", "HEAD", "--", ".", ":(exclude)bench/results", ":(exclude)*.md").returncode
+    return head.stdout.strip() + ("+" if dirty else "")
 
 
 def _write(kept: dict, out_dir: Path | None, final: bool = False) -> None:
