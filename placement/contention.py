@@ -81,13 +81,14 @@ class FluidSlowdown:
     :class:`~emu.fluid.PeriodicFluidModel` (all off by default: every answer
     is exact for the model); ``bench/bench_placement.py`` measures the error
     of ``radius``, ``bench/bench_scale.py --section error`` that of ``max_ball``.
+    ``engine`` chooses the model's bookkeeping (C or Python; the same answers).
     """
 
     def __init__(self, capacity: Mapping[Edge, float] | Topology, *, iterations: int = 4, phase_quantum: float = 0.0,
-                 radius: int | None = None, max_ball: int | None = None, cache_limit: int = 200_000):
+                 radius: int | None = None, max_ball: int | None = None, cache_limit: int = 200_000, engine: str = "auto"):
         self.capacity = link_capacities(capacity) if isinstance(capacity, Topology) else dict(capacity)
         self.model = PeriodicFluidModel(self.capacity, iterations=max(2, iterations), phase_quantum=phase_quantum, radius=radius,
-                                        max_ball=max_ball, cache_limit=cache_limit)
+                                        max_ball=max_ball, cache_limit=cache_limit, engine=engine)
         self._jobs: dict[int, tuple[CommProfile, float, PeriodicJob]] = {}
         self._current: dict[str, PeriodicJob] = {}  # the job set of the last call, by name
 

@@ -1052,7 +1052,7 @@ class _CLinkTable:
     def arcs(self, link: int) -> int:
         arcs = self._lib.nw_ov_arcs(self._table, link, DEFAULT_BUCKETS)
         if arcs < 0:
-            raise MemoryError(f"nw_ov_arcs failed with code {arcs}")
+            raise MemoryError("nw_ov_arcs: out of memory") if arcs == -2 else RuntimeError(f"nw_ov_arcs: invalid arguments ({arcs})")
         return arcs
 
 

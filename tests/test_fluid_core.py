@@ -118,8 +118,8 @@ def test_a_replay_through_the_c_core_is_the_python_models_replay():
     trace = synthetic_trace(300, seed=3, arrival_rate=256 / 1024 / 8, mean_duration_s=1200, network_heavy=0.2)
     results = []
     for engine in ("c", "python"):
-        slowdown = FluidSlowdown(topo, radius=1, max_ball=16)
-        slowdown.model = PeriodicFluidModel(slowdown.capacity, iterations=4, radius=1, max_ball=16, engine=engine)
+        slowdown = FluidSlowdown(topo, radius=1, max_ball=16, engine=engine)
+        assert (slowdown.model._core is not None) == (engine == "c")
         res = replay(topo, trace, "las", slowdown=slowdown)
         results.append(([(j["name"], j["start_s"], j["finish_s"]) for j in res.jobs],
                         {k: v for k, v in res.metrics.items() if k != "wall_s"}, _counters(slowdown.model)))
