@@ -63,7 +63,7 @@ typedef struct { const unsigned char *p; size_t len; } span_t;
 typedef struct { double w; int64_t k; } ranked_t;
 
 #define VEC(T, name) T *name; size_t name##_size
-typedef struct nw_fm {
+struct nw_fm {
     int iterations, max_ball;
     int64_t cache_limit;
     link_t *links;
@@ -93,7 +93,7 @@ typedef struct nw_fm {
     VEC(row_t, rows); VEC(int, order); VEC(int, rank); VEC(unsigned char, key); VEC(unsigned char, colbuf);
     VEC(span_t, cols); VEC(size_t, coloff); VEC(int, wrank); VEC(double, vals);
     size_t seeds_n, live_n, near_n, centres_n, ball_n, refreshed_n;
-} nw_fm;
+};
 
 /* Room for need elements of size elem in *p (of *size elements): grown by doubling. */
 static int reserve(void *pp, size_t *size, size_t need, size_t elem) {

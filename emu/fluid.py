@@ -69,7 +69,7 @@ import heapq
 import math
 import weakref
 from array import array
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -594,7 +594,10 @@ def simulate_periodic_reference(jobs: Sequence[PeriodicJob], capacity: Mapping[L
 
 
 # ------------------------------------------------------------------ the C event loop (csrc/fluid.c) --
-FLUID_ABI = 3  # the nw_fluid_version() this module speaks
+# the fewest jobs joining and leaving for which an update runs on the worker thread beside ``alongside``: a lone job's update
+# is mostly a cache hit of microseconds, less than handing it over costs (the thread's wake-up)
+_BESIDE_FROM = 2
+FLUID_ABI = 4  # the nw_fluid_version() this module speaks
 _LIB_NAME = "libnetweave-fluid.so"
 _lib_state: dict[str, Any] = {}
 
@@ -621,6 +624,11 @@ def _c_engine() -> Any:
             lib.nw_fm_counters.restype, lib.nw_fm_counters.argtypes = c_int, [ptr, ptr]
             lib.nw_fm_update.restype = c_int
             lib.nw_fm_update.argtypes = [ptr, c_int, ptr, c_int, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+            lib.nw_fw_new.restype, lib.nw_fw_new.argtypes = ptr, []
+            lib.nw_fw_free.restype, lib.nw_fw_free.argtypes = None, [ptr]
+            lib.nw_fw_update_start.restype = c_int
+            lib.nw_fw_update_start.argtypes = [ptr, *lib.nw_fm_update.argtypes]
+            lib.nw_fw_update_wait.restype, lib.nw_fw_update_wait.argtypes = c_int, [ptr]
         _lib_state["lib"], _lib_state["why"] = lib, why
     return _lib_state["lib"]
 
@@ -858,6 +866,7 @@ class PeriodicFluidModel:
         # the jobs whose ids key the core's identity cache: held (their ids stay unique) until it is emptied
         self._held: dict[int, PeriodicJob] = {}
         self._clears = 0
+        self._worker: int | None = None  # the thread that runs updates beside the caller's work (made on first use)
         return handle
 
     def __call__(self, jobs: Sequence[PeriodicJob]) -> dict[str, float]:
@@ -865,7 +874,8 @@ class PeriodicFluidModel:
         self.update([j for i, j in current.items() if i not in self._jobs], [j for i, j in self._jobs.items() if i not in current])
         return {j.name: self._times[i] for i, j in current.items()}
 
-    def update(self, added: Sequence[PeriodicJob], removed: Sequence[PeriodicJob]) -> dict[str, float]:
+    def update(self, added: Sequence[PeriodicJob], removed: Sequence[PeriodicJob], *,
+               alongside: Callable[[], Any] | None = None) -> dict[str, float]:
         """Apply a change of the job set (``added`` jobs joined, ``removed`` ones, by identity, left) and return the answers it refreshed.
 
         The incremental form of calling the model with the whole new set: its
@@ -873,6 +883,12 @@ class PeriodicFluidModel:
         Every job not in the returned ``{name: mean iteration time}`` keeps its
         previous answer. The same answers as ``model(new set)`` when ``added``
         is in the order the full set lists them.
+
+        ``alongside``: work of the caller's that does not touch this model, run
+        on the calling thread while the C core computes on a thread of its own
+        (``csrc/fluid_worker.c``, which never takes the GIL), so that the two
+        use two cores; with the Python engine it simply runs first. An
+        exception it raises comes back once the update is complete.
 
         >>> m = PeriodicFluidModel({"l": 10.0})
         >>> a, b = PeriodicJob("a", 0.05, 0.05, {"l": 10.0}), PeriodicJob("b", 0.05, 0.05, {"l": 10.0})
@@ -888,7 +904,9 @@ class PeriodicFluidModel:
             raise ValueError("job names must be unique")
         new_links = [self._checked_links(current[i]) for i in new]  # validated before any change (numbering a link is none)
         if self._core is not None:
-            return self._update_core(gone, new, current, new_links)
+            return self._update_core(gone, new, current, new_links, alongside)
+        if alongside is not None:
+            alongside()
         refreshed: set[int] = set()
         seeds: list[int] = list(new)
         users, binding, sums, errs = self._users, self._binding, self._sum, self._sum_err
@@ -1011,7 +1029,7 @@ class PeriodicFluidModel:
         return links if j.comm_s > 0 else []
 
     def _update_core(self, gone: list[int], new: list[int], current: dict[int, PeriodicJob],
-                     new_links: list[list[tuple[int, float]]]) -> dict[str, float]:
+                     new_links: list[list[tuple[int, float]]], alongside: Callable[[], Any] | None = None) -> dict[str, float]:
         """``update`` through the C core: the same steps on its state (csrc/fluid_model.c); here only ids, serials and names."""
         serial, by_serial, jobs, times = self._serial, self._by_serial, self._jobs, self._times
         gone_serials = [serial[i] for i in gone]
@@ -1034,9 +1052,28 @@ class PeriodicFluidModel:
             out_serial = self._out_serial = array("q", bytes(16 * len(jobs)))
             out_time = self._out_time = array("d", bytes(16 * len(jobs)))
         ia, fa = ints.buffer_info()[0], floats.buffer_info()[0]
-        rc = self._c_update(self._core, n_gone, ia, n_new, ia + 8 * n_gone, fa, fa + 8 * n_new, fa + 16 * n_new, ia + 8 * (n_gone + n_new),
-                            ia + 8 * (n_gone + 2 * n_new + 1), fa + 24 * n_new, len(out_serial), out_serial.buffer_info()[0],
-                            out_time.buffer_info()[0], counts.buffer_info()[0], counts.buffer_info()[0] + 8)
+        args = (self._core, n_gone, ia, n_new, ia + 8 * n_gone, fa, fa + 8 * n_new, fa + 16 * n_new, ia + 8 * (n_gone + n_new),
+                ia + 8 * (n_gone + 2 * n_new + 1), fa + 24 * n_new, len(out_serial), out_serial.buffer_info()[0],
+                out_time.buffer_info()[0], counts.buffer_info()[0], counts.buffer_info()[0] + 8)
+        error = None
+        if alongside is None or n_gone + n_new < _BESIDE_FROM:
+            rc = self._c_update(*args)
+            if alongside is not None:
+                alongside()
+        else:  # the update on the core's own thread (csrc/fluid_worker.c); ints, floats and the outputs live here until it is done
+            lib = _c_engine()
+            if self._worker is None:
+                self._worker = lib.nw_fw_new()
+                if not self._worker:
+                    raise MemoryError("nw_fw_new: out of memory or no thread")
+                weakref.finalize(self, lib.nw_fw_free, self._worker)
+            rc = lib.nw_fw_update_start(self._worker, *args)
+            if rc == 0:
+                try:
+                    alongside()
+                except BaseException as e:  # noqa: BLE001 -- re-raised below, once the update's answers are taken in
+                    error = e
+                rc = lib.nw_fw_update_wait(self._worker)
         if rc != 0:
             if rc == -2:
                 raise MemoryError("nw_fm_update: out of memory")
@@ -1049,6 +1086,8 @@ class PeriodicFluidModel:
             i = by_serial[s]
             times[i] = t
             out[jobs[i].name] = t
+        if error is not None:
+            raise error
         return out
 
     def _update_binding(self, lid: int, joined: int | None = None) -> None:

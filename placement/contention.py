@@ -34,7 +34,7 @@ with every running job after each arrival or departure.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,7 +123,7 @@ class FluidSlowdown:
         self._current = {pj.name: pj for pj in pjs}
         return self.model(pjs)
 
-    def update(self, changed: Mapping[str, PlacedJob | None]) -> dict[str, float]:
+    def update(self, changed: Mapping[str, PlacedJob | None], *, alongside: Callable[[], Any] | None = None) -> dict[str, float]:
         """The incremental form of a call: only the jobs started, stopped or re-placed since the last call.
 
         ``changed`` maps each such job's name to its placement now (``None``:
@@ -131,7 +131,9 @@ class FluidSlowdown:
         the iteration times the change refreshed come back, and every other job
         keeps its answer. The same answers as calling with the whole new set,
         listed in the order the jobs (re)started, at a cost that grows with the
-        change instead of the number of running jobs.
+        change instead of the number of running jobs. ``alongside``: the
+        caller's work that runs while the model computes (see
+        :meth:`emu.fluid.PeriodicFluidModel.update`).
         """
         added, removed = [], []
         for name, placed in changed.items():
@@ -145,7 +147,7 @@ class FluidSlowdown:
             if new is not None:
                 added.append(new)
                 self._current[name] = new
-        return self.model.update(added, removed)
+        return self.model.update(added, removed, alongside=alongside)
 
 
 class EmuSlowdown:

@@ -642,9 +642,15 @@ class Replay:
     def _recompute(self) -> None:
         changed, self._changed = self._changed, {}
         update = getattr(self.slowdown, "update", None)
+        overload = None
         if update is not None:  # incremental: only the started and stopped jobs, and those whose answers moved
             running = self.running
-            times = update({n: (PlacedJob(running[n].profile, running[n].ready) if n in running else None) for n in changed})
+            placed = {n: (PlacedJob(running[n].profile, running[n].ready) if n in running else None) for n in changed}
+            if isinstance(self.slowdown, FluidSlowdown):  # the overloaded-link metric meanwhile (it reads the profiles only)
+                overload = []
+                times = update(placed, alongside=lambda: overload.append(self._overload(changed)))
+            else:
+                times = update(placed)
             for name, x in times.items():
                 r = running.get(name)
                 if r is not None:
@@ -658,7 +664,7 @@ class Replay:
             times = self.slowdown(placed)
             for name, r in self.running.items():
                 self._set_iter_time(r, max(times.get(name, r.profile.period_s), 1e-12))
-        self._overload_rate = self._overload(changed)
+        self._overload_rate = overload[0] if overload else self._overload(changed)
 
     _ov_every_shared = False  # whether _over_capacity decides every touched link of two users or more (the reference loop's)
 

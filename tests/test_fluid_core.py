@@ -38,7 +38,9 @@ def test_c_core_gives_the_python_models_answers_and_counters_after_every_update(
     Python path at every step, with balls capped to max_ball and caches emptied at cache_limit."""
     options = {"iterations": iterations, "radius": 1, "max_ball": max_ball, "cache_limit": cache_limit}
     core, ref = PeriodicFluidModel(_CAPACITY, engine="c", **options), PeriodicFluidModel(_CAPACITY, engine="python", **options)
+    beside = PeriodicFluidModel(_CAPACITY, engine="c", **options)  # its updates on the core's thread while the caller works
     assert core._core is not None and ref._core is None
+    work: list[int] = []
     live: list[PeriodicJob] = []
     left: list[PeriodicJob] = []
     for step, (kind, arg) in enumerate(ops):
@@ -55,8 +57,10 @@ def test_c_core_gives_the_python_models_answers_and_counters_after_every_update(
         left += removed
         got, want = core.update(added, removed), ref.update(added, removed)
         assert got == want
-        assert _counters(core) == _counters(ref)
-        assert core(live) == ref(live)
+        assert beside.update(added, removed, alongside=lambda: work.append(sum(range(2000)))) == want
+        assert len(work) == step + 1
+        assert _counters(core) == _counters(ref) == _counters(beside)
+        assert core(live) == ref(live) == beside(live)
 
 
 def test_c_core_serves_only_its_configuration():
@@ -121,6 +125,7 @@ def test_a_replay_through_the_c_core_is_the_python_models_replay():
         slowdown = FluidSlowdown(topo, radius=1, max_ball=16, engine=engine)
         assert (slowdown.model._core is not None) == (engine == "c")
         res = replay(topo, trace, "las", slowdown=slowdown)
+        assert bool(slowdown.model._worker if engine == "c" else None) == (engine == "c")  # updates ran beside the metric
         results.append(([(j["name"], j["start_s"], j["finish_s"]) for j in res.jobs],
                         {k: v for k, v in res.metrics.items() if k != "wall_s"}, _counters(slowdown.model)))
     assert results[0][2][2] > 0  # it simulated
@@ -138,3 +143,72 @@ def test_c_core_sums_a_links_demands_afresh_near_its_capacity():
         assert m.calls == 1  # {a, b, c} (a and b fit)
         assert m.update([], [jobs[0]]) == {"b": 0.02, "c": 0.02} and m.calls == 1
     assert _counters(models[0]) == _counters(models[1])
+
+
+def _four_jobs() -> list[PeriodicJob]:
+    return [PeriodicJob(f"j{k}", 0.01, 0.01 * (1 + k % 2), {"a": 0.4, "b": 0.3 + 0.1 * k}, 0.002 * k) for k in range(4)]
+
+
+def test_an_update_beside_the_callers_work_uses_the_cores_thread_and_matches():
+    """Two or more jobs joining or leaving: the update runs on the worker thread (made once) while ``alongside`` runs here."""
+    jobs = _four_jobs()
+    ref = PeriodicFluidModel(_CAPACITY, radius=1, max_ball=3, engine="python")
+    m = PeriodicFluidModel(_CAPACITY, radius=1, max_ball=3, engine="c")
+    order: list[str] = []
+    assert m.update(jobs[:1], [], alongside=lambda: order.append("one")) == ref.update(jobs[:1], [])
+    assert m._worker is None  # a lone job: updated inline, then the caller's work
+    assert m.update(jobs[1:], [], alongside=lambda: order.append("three")) == ref.update(jobs[1:], [])
+    worker = m._worker
+    assert worker and order == ["one", "three"]
+    assert m.update([], jobs[:2], alongside=lambda: order.append("two")) == ref.update([], jobs[:2])
+    assert m._worker == worker and _counters(m) == _counters(ref)
+
+
+def test_an_error_in_the_callers_work_comes_back_once_the_update_is_taken_in():
+    jobs = _four_jobs()
+    ref = PeriodicFluidModel(_CAPACITY, radius=1, max_ball=3, engine="python")
+    m = PeriodicFluidModel(_CAPACITY, radius=1, max_ball=3, engine="c")
+    want = ref.update(jobs, [])
+    with pytest.raises(ZeroDivisionError):
+        m.update(jobs, [], alongside=lambda: 1 / 0)
+    assert m(jobs) == ref(jobs) == {**want}  # the update was applied whole
+    assert m.update([], jobs[1:3], alongside=lambda: None) == ref.update([], jobs[1:3])
+
+
+def test_a_forked_child_updates_without_its_parents_thread():
+    """The worker's thread exists in the process that made it only: a forked child's updates run inline (no hang)."""
+    import multiprocessing
+
+    jobs = _four_jobs()
+    m = PeriodicFluidModel(_CAPACITY, radius=1, max_ball=3, engine="c")
+    m.update(jobs[:2], [], alongside=lambda: None)
+    assert m._worker
+    ref = PeriodicFluidModel(_CAPACITY, radius=1, max_ball=3, engine="python")
+    ref.update(jobs[:2], [])
+    want = ref.update(jobs[2:], [])
+    ctx = multiprocessing.get_context("fork")
+    answers = ctx.Queue()
+    child = ctx.Process(target=lambda: answers.put(m.update(jobs[2:], [], alongside=lambda: None)))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert answers.get(timeout=5) == want
+
+
+def test_the_workers_error_codes():
+    lib = _c_engine()
+    assert lib.nw_fw_update_wait(None) == -1
+    w, h = lib.nw_fw_new(), lib.nw_fm_new(2, 4, 10)
+    try:
+        assert lib.nw_fw_update_wait(w) == -1  # nothing handed over
+        out_n, counts = np.zeros(1, dtype=np.int64), np.zeros(6, dtype=np.int64)
+        args = (h, 0, None, 0, None, None, None, None, None, None, None, 0, None, None, out_n.ctypes.data, counts.ctypes.data)
+        assert lib.nw_fw_update_start(None, *args) == -1
+        assert lib.nw_fw_update_start(w, *args) == 0
+        assert lib.nw_fw_update_start(w, *args) == -1  # one call at a time
+        assert lib.nw_fw_update_wait(w) == 0 and counts[0] == 0  # an empty update
+        bad = (None, *args[1:])
+        assert lib.nw_fw_update_start(w, *bad) == 0 and lib.nw_fw_update_wait(w) == -1  # nw_fm_update's own code comes back
+    finally:
+        lib.nw_fw_free(ctypes.c_void_p(w))
+        lib.nw_fm_free(ctypes.c_void_p(h))
