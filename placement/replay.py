@@ -58,6 +58,7 @@ import heapq
 import math
 import time
 import weakref
+from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -272,6 +273,7 @@ class Replay:
         self._las_size = np.zeros(0, dtype=np.int32)
         self._las_on = np.zeros(0, dtype=np.uint8)
         self._las_flips = np.zeros(0, dtype=np.int32)
+        self._las_at = (0, 0, 0)
         self._las_lib = _replay_library() if policy == "las" else None
         self.profiles = profiles or ProfileCache(topo, routing)
         self.gpus = topo.gpus()
@@ -468,6 +470,8 @@ class Replay:
                 new = np.zeros(room, dtype=old.dtype)
                 new[:n] = old[:n]
                 setattr(self, name, new)
+            # their addresses for nw_las_walk, taken once (numpy's .ctypes.data costs microseconds a call)
+            self._las_at = (self._las_size.ctypes.data, self._las_on.ctypes.data, self._las_flips.ctypes.data)
         size, flag = self._las_size, self._las_on
         size[at + 1 : n + 1] = size[at:n]  # numpy copies overlapping slices safely
         flag[at + 1 : n + 1] = flag[at:n]
@@ -533,7 +537,8 @@ class Replay:
         self._las_demote()
         n, size, flag, flips = self._las_n, self._las_size, self._las_on, self._las_flips
         if self._las_lib is not None:
-            count = self._las_lib.nw_las_walk(n, size.ctypes.data, flag.ctypes.data, len(self.gpus), flips.ctypes.data)
+            size_at, flag_at, flips_at = self._las_at
+            count = self._las_lib.nw_las_walk(n, size_at, flag_at, len(self.gpus), flips_at)
             if count < 0:
                 raise RuntimeError(f"nw_las_walk failed with code {count} (invalid arguments)")
             changed_at = flips[:count].tolist()
@@ -1016,19 +1021,19 @@ class _CLinkTable:
         self._ints_at, self._floats_at = self._ints.ctypes.data, self._floats.ctypes.data
 
     def join(self, slot: int, period_s: float, compute_s: float, ready: float, links: Iterable[int], rates: Iterable[float],
-             n: int) -> tuple[np.ndarray, int]:
-        if n > self._room:
-            self._grow(2 * n)
-        self._ints[:n] = np.fromiter(links, np.int32, n)
-        self._floats[:n] = np.fromiter(rates, np.float64, n)
-        handles = np.empty(n, dtype=np.int32)
-        at = handles.ctypes.data
-        code = self._lib.nw_ov_join(self._table, slot, period_s, compute_s, ready, n, self._ints_at, self._floats_at, at)
+             n: int) -> tuple[array, int]:
+        # array.array: a buffer and its address for a few hundred values cost far less than numpy's (fromiter, .ctypes.data)
+        ints, floats = array("i", links), array("d", rates)
+        if len(ints) != n or len(floats) != n:
+            raise ValueError(f"a join of {n} links was given {len(ints)} links and {len(floats)} rates")
+        handles = array("i", bytes(4 * n))
+        at = handles.buffer_info()[0]
+        code = self._lib.nw_ov_join(self._table, slot, period_s, compute_s, ready, n, ints.buffer_info()[0], floats.buffer_info()[0], at)
         if code:
             raise MemoryError(f"nw_ov_join failed with code {code}") if code == -2 else RuntimeError(f"nw_ov_join: invalid arguments ({code})")
         return handles, at
 
-    def leave(self, handle: tuple[np.ndarray, int]) -> None:
+    def leave(self, handle: tuple[array, int]) -> None:
         handles, at = handle
         if self._lib.nw_ov_leave(self._table, len(handles), at):
             raise RuntimeError("nw_ov_leave: a handle out of range, free or given twice")
