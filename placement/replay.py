@@ -72,7 +72,6 @@ from topology.model import SwitchTier, Topology
 from .cassini import DEFAULT_BUCKETS, demand_sum, rank_candidates, unified_perimeter
 from .contention import FluidSlowdown, PlacedJob
 from .hived import HivedScheduler
-from .planner import rank_order
 from .profiles import CommProfile, Edge, JobSpec, comm_profile
 from .traces import TraceJob
 
@@ -279,6 +278,7 @@ class Replay:
         self.gpus = topo.gpus()
         self.gpu_pos = {g: i for i, g in enumerate(self.gpus)}
         self.host_of = {g: topo.host_of(g) for g in self.gpus}
+        self.gpu_index = {g: topo.graph.nodes[g].get("index", 0) for g in self.gpus}  # the local index (rank order's key)
         self.host_size: dict[str, int] = {}
         for g in self.gpus:
             self.host_size[self.host_of[g]] = self.host_size.get(self.host_of[g], 0) + 1
@@ -352,9 +352,17 @@ class Replay:
             return None
         return [self.gpus[i] for i in np.flatnonzero(self.idle)[:n].tolist()]
 
+    def _rank_order(self, gpus: Sequence[str]) -> list[str]:
+        """:func:`placement.planner.rank_order` from this replay's tables (the same keys, so the same order), not the graph's."""
+        host_of, index = self.host_of, self.gpu_index
+        first: dict[str, int] = {}
+        for g in gpus:
+            first.setdefault(host_of[g], len(first))
+        return sorted(gpus, key=lambda g: (first[host_of[g]], index[g], g))
+
     # -- starting and stopping jobs ----------------------------------------------------------------
     def _start(self, r: _Run, gpus: Sequence[str], shift: float = 0.0, profile: CommProfile | None = None) -> None:
-        ordered = rank_order(self.topo, gpus)
+        ordered = self._rank_order(gpus)
         r.gpus = ordered
         r.profile = profile or self.profiles.profile(r.spec, ordered)
         r.shift = shift
@@ -585,7 +593,7 @@ class Replay:
             res = self.sched.allocate(name, r.spec.gpus, vc=vc, priority=r.spec.priority, dry=True)
             r.reason = res.reason["message"] if res.reason else "no cells"
             return False
-        profs = [self.profiles.profile(r.spec, rank_order(self.topo, c.gpus)) for c in cands]
+        profs = [self.profiles.profile(r.spec, self._rank_order(c.gpus)) for c in cands]
         pick, shift = 0, 0.0
         if any(p.link_rates for p in profs):
             running = self._sharing({e for p in profs for e in p.link_rates})
@@ -636,7 +644,10 @@ class Replay:
     def _set_iter_time(self, r: _Run, iter_time: float) -> None:
         if iter_time == r.iter_time and r.has_entry:
             return  # the same rate: its finish entry still holds
-        self._settle(r)
+        now = self.now
+        if now > r.anchor:  # _settle, inline (called for every refreshed answer)
+            r.remaining -= max(0.0, now - max(r.anchor, r.ready)) / r.iter_time
+            r.anchor = now
         r.iter_time = iter_time
         r.version += 1
         r.has_entry = True

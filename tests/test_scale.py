@@ -470,3 +470,20 @@ def test_bench_case_timeout_records_an_unfinished_row(tmp_path):
     # which code it timed, and when: this checkout's commit (``+`` when it has uncommitted changes), today's UTC date
     head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     assert row["commit"].rstrip("+") == head and row["measured"] == time.strftime("%Y-%m-%d", time.gmtime())
+
+
+def test_the_replays_rank_order_is_the_planners():
+    """Replay._rank_order (from the replay's tables) orders any set of GPUs as placement.planner.rank_order (from the graph)."""
+    import random
+
+    import topology
+    from placement.planner import rank_order
+    from placement.replay import Replay
+
+    topo = topology.build_cluster(16)
+    rp = Replay(topo, [], "las")
+    gpus = topo.gpus()
+    rng = random.Random(7)
+    for _ in range(300):
+        pick = rng.sample(gpus, rng.randint(1, 40))
+        assert rp._rank_order(pick) == rank_order(topo, pick)
