@@ -71,6 +71,7 @@ import weakref
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
@@ -902,9 +903,9 @@ class PeriodicFluidModel:
         current = {id(j): j for j in added}
         if len({current[i].name for i in new}) != len(new):
             raise ValueError("job names must be unique")
-        new_links = [self._checked_links(current[i]) for i in new]  # validated before any change (numbering a link is none)
-        if self._core is not None:
-            return self._update_core(gone, new, current, new_links, alongside)
+        if self._core is not None:  # validated before any change (numbering a link is none)
+            return self._update_core(gone, new, current, [self._checked_columns(current[i]) for i in new], alongside)
+        new_links = [self._checked_links(current[i]) for i in new]
         if alongside is not None:
             alongside()
         refreshed: set[int] = set()
@@ -1028,20 +1029,34 @@ class PeriodicFluidModel:
                 links.append((lid, float(d)))
         return links if j.comm_s > 0 else []
 
+    def _checked_columns(self, j: PeriodicJob) -> tuple[list[int], list[float]]:
+        """:meth:`_checked_links` as two lists, the link numbers and the demands: what the C core takes (no pair per link)."""
+        _check_timings(j)
+        lids = list(map(self._link_number.get, j.demand))
+        if None not in lids:  # as in _checked_links (the float conversion is the C array's)
+            vals = list(j.demand.values())
+            if vals and min(vals) > 0 and sum(vals) < math.inf:
+                return (lids, vals) if j.comm_s > 0 else ([], [])
+        links = self._checked_links(j)
+        return [lid for lid, _ in links], [d for _, d in links]
+
     def _update_core(self, gone: list[int], new: list[int], current: dict[int, PeriodicJob],
-                     new_links: list[list[tuple[int, float]]], alongside: Callable[[], Any] | None = None) -> dict[str, float]:
+                     new_links: list[tuple[list[int], list[float]]], alongside: Callable[[], Any] | None = None) -> dict[str, float]:
         """``update`` through the C core: the same steps on its state (csrc/fluid_model.c); here only ids, serials and names."""
         serial, by_serial, jobs, times = self._serial, self._by_serial, self._jobs, self._times
         gone_serials = [serial[i] for i in gone]
         for i in gone:
             del by_serial[serial[i]], serial[i], jobs[i]
             times.pop(i, None)
-        ptr, lids, dems = _csr(new_links)
         added = [current[i] for i in new]
         n_gone, n_new = len(gone), len(new)
-        # the inputs end to end in one int64 and one float64 array (array.array: cheaper than numpy's for a few values)
-        ints = array("q", [*gone_serials, *new, *ptr, *lids])
-        floats = array("d", [*(j.compute_s for j in added), *(j.comm_s for j in added), *(j.start_s() for j in added), *dems])
+        # the inputs end to end in one int64 and one float64 array (array.array: cheaper than numpy's for a few values): the
+        # jobs' links as CSR (where each job's start, the link numbers, the demands)
+        ints = array("q", [*gone_serials, *new, *accumulate([len(lids) for lids, _ in new_links], initial=0)])
+        floats = array("d", [*(j.compute_s for j in added), *(j.comm_s for j in added), *(j.start_s() for j in added)])
+        for lids, dems in new_links:
+            ints.extend(lids)
+            floats.extend(dems)
         for i, j in zip(new, added, strict=True):
             jobs[i] = self._held[i] = j
             serial[i] = self._next_serial
