@@ -350,6 +350,8 @@ class Replay:
     def _first_fit(self, n: int) -> list[str] | None:
         if self.n_idle < n:
             return None
+        if n == 1:  # most jobs: the first idle GPU without listing them all (argmax stops at the first True)
+            return [self.gpus[int(self.idle.argmax())]]
         return [self.gpus[i] for i in np.flatnonzero(self.idle)[:n].tolist()]
 
     def _rank_order(self, gpus: Sequence[str]) -> list[str]:
