@@ -67,6 +67,7 @@ from __future__ import annotations
 import ctypes
 import heapq
 import math
+import os
 import weakref
 from array import array
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -596,8 +597,8 @@ def simulate_periodic_reference(jobs: Sequence[PeriodicJob], capacity: Mapping[L
 
 # ------------------------------------------------------------------ the C event loop (csrc/fluid.c) --
 # the fewest jobs joining and leaving for which an update runs on the worker thread beside ``alongside``: a lone job's update
-# is mostly a cache hit of microseconds, less than handing it over costs (the thread's wake-up)
-_BESIDE_FROM = 2
+# is mostly a cache hit of microseconds, less than handing it over costs (the thread's wake-up); never with one core to run on
+_BESIDE_FROM = 2 if len(os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)) > 1 else math.inf
 FLUID_ABI = 4  # the nw_fluid_version() this module speaks
 _LIB_NAME = "libnetweave-fluid.so"
 _lib_state: dict[str, Any] = {}
@@ -641,6 +642,18 @@ def fluid_engine() -> str:
     True
     """
     return "c" if _c_engine() is not None else f"python ({_lib_state['why']})"
+
+
+def _run_beside(work: Callable[[], Any] | None) -> BaseException | None:
+    """Run ``work`` (``PeriodicFluidModel.update``'s ``alongside``) and return what it raised, for the update to re-raise once
+    its answers are taken in (the model stays whole)."""
+    if work is None:
+        return None
+    try:
+        work()
+    except BaseException as e:  # noqa: BLE001 -- handed back, re-raised by the caller
+        return e
+    return None
 
 
 def _csr(rows: Iterable[Iterable[tuple[int, float]]]) -> tuple[list[int], list[int], list[float]]:
@@ -841,6 +854,7 @@ class PeriodicFluidModel:
         # the signature's rounded values: per job its row (timings, start, own cap), and demands and capacities (all > 0)
         self._rows: dict[int, tuple[float, float, float, float]] = {}
         self._r9: dict[float, float] = {}
+        self._worker: int | None = None  # the thread that runs the C core's updates beside the caller's work (made on first use)
         self._core = self._new_core(engine)
 
     def _new_core(self, engine: str) -> int | None:
@@ -867,7 +881,6 @@ class PeriodicFluidModel:
         # the jobs whose ids key the core's identity cache: held (their ids stay unique) until it is emptied
         self._held: dict[int, PeriodicJob] = {}
         self._clears = 0
-        self._worker: int | None = None  # the thread that runs updates beside the caller's work (made on first use)
         return handle
 
     def __call__(self, jobs: Sequence[PeriodicJob]) -> dict[str, float]:
@@ -906,8 +919,7 @@ class PeriodicFluidModel:
         if self._core is not None:  # validated before any change (numbering a link is none)
             return self._update_core(gone, new, current, [self._checked_columns(current[i]) for i in new], alongside)
         new_links = [self._checked_links(current[i]) for i in new]
-        if alongside is not None:
-            alongside()
+        error = _run_beside(alongside)
         refreshed: set[int] = set()
         seeds: list[int] = list(new)
         users, binding, sums, errs = self._users, self._binding, self._sum, self._sum_err
@@ -993,6 +1005,8 @@ class PeriodicFluidModel:
                 if dist[k] < self.radius or k not in self._times:
                     self._times[k] = a
                     refreshed.add(k)
+        if error is not None:
+            raise error
         return {self._jobs[i].name: self._times[i] for i in refreshed}
 
     def _checked_links(self, j: PeriodicJob) -> list[tuple[int, float]]:
@@ -1070,11 +1084,9 @@ class PeriodicFluidModel:
         args = (self._core, n_gone, ia, n_new, ia + 8 * n_gone, fa, fa + 8 * n_new, fa + 16 * n_new, ia + 8 * (n_gone + n_new),
                 ia + 8 * (n_gone + 2 * n_new + 1), fa + 24 * n_new, len(out_serial), out_serial.buffer_info()[0],
                 out_time.buffer_info()[0], counts.buffer_info()[0], counts.buffer_info()[0] + 8)
-        error = None
         if alongside is None or n_gone + n_new < _BESIDE_FROM:
             rc = self._c_update(*args)
-            if alongside is not None:
-                alongside()
+            error = _run_beside(alongside)
         else:  # the update on the core's own thread (csrc/fluid_worker.c); ints, floats and the outputs live here until it is done
             lib = _c_engine()
             if self._worker is None:
@@ -1083,11 +1095,9 @@ class PeriodicFluidModel:
                     raise MemoryError("nw_fw_new: out of memory or no thread")
                 weakref.finalize(self, lib.nw_fw_free, self._worker)
             rc = lib.nw_fw_update_start(self._worker, *args)
+            error = None
             if rc == 0:
-                try:
-                    alongside()
-                except BaseException as e:  # noqa: BLE001 -- re-raised below, once the update's answers are taken in
-                    error = e
+                error = _run_beside(alongside)
                 rc = lib.nw_fw_update_wait(self._worker)
         if rc != 0:
             if rc == -2:
