@@ -203,7 +203,7 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
             _, edges, bws = _link_ids(view(topo), topo)
             # the phase can be no shorter than its busiest shared link allows
             comm_s = max(comm_s, float((gb / bws[links]).max()))
-            keys = [edges[i] for i in links.tolist()]
+            keys = list(map(edges.__getitem__, links.tolist()))
             link_bytes = dict(zip(keys, gb.tolist(), strict=True))
             if comm_s > 0:
                 rates = dict(zip(keys, (gb / comm_s).tolist(), strict=True))

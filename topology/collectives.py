@@ -69,6 +69,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import reduce
+from operator import add, itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -417,9 +419,11 @@ def _route_latency_us(vw, s: int, t: int, policy: str) -> float:
 
 
 def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, overhead_us: float,
-               link_loads: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[float, float, Edge | None, float, float]:
+               link_loads: tuple[np.ndarray, np.ndarray] | None = None, flow_pairs: list[tuple[int, int, float]] | None = None
+               ) -> tuple[float, float, Edge | None, float, float]:
     # beta: the most loaded link's load / bw, the first such link in route_flows' order (as arrays: same floats);
-    # ``link_loads``: the step's (link numbers, loads) as routing._route_loads gives them, when the caller has them
+    # ``link_loads``: the step's (link numbers, loads) as routing._route_loads gives them, when the caller has them;
+    # ``flow_pairs``: the step's flows as view positions, one per flow (routing._pairs when it merged and dropped none)
     links, loads = _route_loads(topo, step, policy) if link_loads is None else link_loads
     beta, worst, worst_bw, worst_load = 0.0, None, math.inf, 0.0
     if len(links):
@@ -430,7 +434,15 @@ def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, ove
             worst = edges[links[i]]
             beta, worst_bw, worst_load = float(times[i]), _link_attrs(vw, topo)[worst]["bw"], float(loads[i])
     alpha_us = 0.0
-    if chains is None:  # every flow is its own chain: the step's alpha is its slowest route
+    if chains is None and flow_pairs is not None:  # every flow is its own chain: the step's alpha is its slowest route
+        route_latency = vw.cache.setdefault("route_latency", {})
+        for a, b, _ in flow_pairs:
+            lat = route_latency.get((a, b, policy))
+            if lat is None:
+                lat = _route_latency_us(vw, a, b, policy)
+            if lat > alpha_us:
+                alpha_us = lat
+    elif chains is None:
         pair_latency = vw.cache.setdefault("pair_latency", {})
         if len(pair_latency) > _CACHE_LIMIT:
             pair_latency.clear()
@@ -465,12 +477,12 @@ def schedule_time(topo: Topology, schedule: CollectiveSchedule, policy: str = "r
 def _schedule_cost(schedule: CollectiveSchedule, policy: str, per_step: dict[int, tuple]) -> CollectiveCost:
     """The cost of ``schedule`` from the :func:`_step_cost` of each of its distinct steps (by ``id``)."""
     n = len(schedule.gpus)
-    alpha = beta = 0.0
+    # the steps' alphas and betas added one after another (reduce over map: the loop's sums, run in C)
+    costs = list(map(per_step.__getitem__, map(id, schedule.steps)))
+    alpha = reduce(add, map(itemgetter(1), costs), 0.0)
+    beta = reduce(add, map(itemgetter(0), costs), 0.0)
     best = (0.0, None, math.inf, 0.0)
-    for step in schedule.steps:
-        b, a, edge, bw, load = per_step[id(step)]
-        alpha += a
-        beta += b
+    for b, _, edge, bw, load in per_step.values():  # the first step of the largest beta (a step's first run comes first)
         if b > best[0]:
             best = (b, edge, bw, load)
     time_s = alpha + beta
@@ -539,17 +551,22 @@ def _schedules_cost_and_link_loads(topo: Topology, schedules: Sequence[Collectiv
             if step_pairs:
                 ids, fractions, terms = _pair_terms(vw, topo, step_pairs, policy)
                 links, slots = _group_links(vw, topo, ids)
-                volumes = np.array([v for _, _, v in step_pairs])
-                step_loads = links, np.bincount(slots, weights=np.repeat(volumes, terms) * fractions, minlength=len(links))
-            per_step[key] = _step_cost(topo, vw, step, schedule.chains.get(key), policy, 0.0, step_loads)
+                volumes = [v for _, _, v in step_pairs]
+                # one volume (a ring's every flow): the terms' products are the fractions times it, without np.repeat
+                same = volumes.count(volumes[0]) == len(volumes)
+                weights = fractions * volumes[0] if same else np.repeat(np.array(volumes), terms) * fractions
+                step_loads = links, np.bincount(slots, weights=weights, minlength=len(links))
+            one_each = len(step_pairs) == len(step)
+            per_step[key] = _step_cost(topo, vw, step, schedule.chains.get(key), policy, 0.0, step_loads, step_pairs if one_each else None)
             repeated.append((step, n))
             if totals is not None:
                 before = len(seen)
                 seen.update([(a, b) for a, b, _ in step_pairs])
                 # every flow its own pair, never seen before: route_flows' merged volume is this one, times n
-                if len(step_pairs) == len(step) and len(seen) == before + len(step_pairs):
+                if one_each and len(seen) == before + len(step_pairs):
                     if step_pairs:
-                        totals.append((ids, np.repeat(volumes * n, terms) * fractions, links, slots))
+                        weights = fractions * (volumes[0] * n) if same else np.repeat(np.array(volumes) * n, terms) * fractions
+                        totals.append((ids, weights, links, slots))
                 else:
                     totals = None
         costs.append(_schedule_cost(schedule, policy, per_step))
