@@ -69,8 +69,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from functools import reduce
-from operator import add, itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -477,12 +475,12 @@ def schedule_time(topo: Topology, schedule: CollectiveSchedule, policy: str = "r
 def _schedule_cost(schedule: CollectiveSchedule, policy: str, per_step: dict[int, tuple]) -> CollectiveCost:
     """The cost of ``schedule`` from the :func:`_step_cost` of each of its distinct steps (by ``id``)."""
     n = len(schedule.gpus)
-    # the steps' alphas and betas added one after another (reduce over map: the loop's sums, run in C)
-    costs = list(map(per_step.__getitem__, map(id, schedule.steps)))
-    alpha = reduce(add, map(itemgetter(1), costs), 0.0)
-    beta = reduce(add, map(itemgetter(0), costs), 0.0)
+    alpha = beta = 0.0
     best = (0.0, None, math.inf, 0.0)
-    for b, _, edge, bw, load in per_step.values():  # the first step of the largest beta (a step's first run comes first)
+    for step in schedule.steps:
+        b, a, edge, bw, load = per_step[id(step)]
+        alpha += a
+        beta += b
         if b > best[0]:
             best = (b, edge, bw, load)
     time_s = alpha + beta
