@@ -37,8 +37,6 @@ import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
-from itertools import repeat
-from operator import truediv
 from pathlib import Path
 from typing import Any
 
@@ -186,25 +184,29 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
         raise InputError(f"job {spec.name!r}: placed on {len(gpus)} GPUs, asked for {spec.gpus}")
     groups = dp_groups(list(gpus), spec.tp, spec.pp)
     link_bytes: dict[Edge, float] = {}
+    rates: dict[Edge, float] = {}
     comm_s = 0.0
     if spec.grad_bytes > 0 and spec.dp > 1:
-        from topology.collectives import plan_collective, schedules_cost_and_loads
-        from topology.paths import link_attrs
+        from topology.collectives import _schedules_cost_and_link_loads, plan_collective
+        from topology.paths import view
+        from topology.routing import _link_ids
 
         nbytes = spec.grad_bytes / (spec.tp * spec.pp)
         plans = [plan_collective(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm) for group in groups]
         # the groups' collectives, each routed once: their times, and the bytes one iteration puts on each network link
-        costs, loads = schedules_cost_and_loads(topo, plans, policy, network_only=True)
+        costs, links, loads = _schedules_cost_and_link_loads(topo, plans, policy, network_only=True)
         for cost in costs:
             comm_s = max(comm_s, float(cost.time_s))
-        for e, b in loads.items():
-            if b > 0:
-                link_bytes[e] = b / 1e9  # GB
-        # the phase can be no shorter than its busiest shared link allows
-        if link_bytes:
-            attrs = link_attrs(topo)
-            comm_s = max(comm_s, max(map(truediv, link_bytes.values(), [attrs[e]["bw"] for e in link_bytes])))
-    rates = dict(zip(link_bytes, map(truediv, link_bytes.values(), repeat(comm_s, len(link_bytes))), strict=True)) if comm_s > 0 else {}
+        loaded = loads > 0
+        links, gb = links[loaded], loads[loaded] / 1e9  # GB; numpy's IEEE division and max: the floats of a loop over a dict
+        if len(links):
+            _, edges, bws = _link_ids(view(topo), topo)
+            # the phase can be no shorter than its busiest shared link allows
+            comm_s = max(comm_s, float((gb / bws[links]).max()))
+            keys = list(map(edges.__getitem__, links.tolist()))
+            link_bytes = dict(zip(keys, gb.tolist(), strict=True))
+            if comm_s > 0:
+                rates = dict(zip(keys, (gb / comm_s).tolist(), strict=True))
     prof = CommProfile(spec.name, tuple(gpus), float(spec.compute_s), comm_s, rates, link_bytes)
     if len(cache) > _CACHE_LIMIT:
         cache.clear()

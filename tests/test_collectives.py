@@ -375,3 +375,17 @@ def test_schedules_cost_and_loads_merges_repeated_pairs_as_route_flows_does():
         ref_costs, ref_loads = _reference_cost_and_loads(topo, [one, two], "rail", network_only)
         assert [x.to_dict() for x in costs] == [x.to_dict() for x in ref_costs]
         assert list(loads.items()) == list(ref_loads.items()) and loads
+
+
+def test_schedules_cost_and_loads_of_a_step_with_unequal_volumes():
+    """A step of distinct pairs with unequal volumes, repeated (each pair's volume lined up with its fractions,
+    times the repetitions): the same floats as schedule_time and route_flows computed apart."""
+    topo = _TWO_SUS
+    a, b, c, d = "node0/gpu0", "node1/gpu3", "node4/gpu5", "node5/gpu1"
+    step = [P2PFlow(a, b, 1e6), P2PFlow(b, c, 3.3e6), P2PFlow(c, d, 7e5), P2PFlow(d, a, 1e6)]
+    plan = CollectiveSchedule("all_reduce", "ring", [a, b, c, d], 1e6, 1, [step, step, step])
+    for network_only in (False, True):
+        costs, loads = schedules_cost_and_loads(topo, [plan], "rail", network_only=network_only)
+        ref_costs, ref_loads = _reference_cost_and_loads(topo, [plan], "rail", network_only)
+        assert [x.to_dict() for x in costs] == [x.to_dict() for x in ref_costs]
+        assert [(e, v.hex()) for e, v in loads.items()] == [(e, v.hex()) for e, v in ref_loads.items()] and loads

@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 import topology
 from netweave.cli import main
 from placement.contention import PlacedJob
-from placement.profiles import JobSpec, comm_profile
+from placement.profiles import JobSpec, comm_profile, dp_groups
 from placement.replay import ProfileCache, Replay, replay
 from placement.traces import TraceJob, dumps_trace, synthetic_trace
+from topology.errors import InputError
 
 
 def _job(name, arrival, gpus, duration, compute_ms=100.0, grad=0.0):
@@ -156,6 +157,62 @@ def test_profile_cache_renaming_equals_renaming_every_link(data):
     assert cache.misses == 1 and cache.hits == 2
 
 
+def _profile_reference(topo, spec: JobSpec, gpus: list[str], policy: str):
+    """comm_profile as first written, from the public functions: schedule_time per DP group, route_flows of every
+    distinct step's flows times its count, and each loaded link's ``bw`` read from link_attrs, one link at a time."""
+    from topology.collectives import plan_collective, schedule_time
+    from topology.paths import link_attrs
+    from topology.routing import route_flows
+
+    link_bytes, comm_s = {}, 0.0
+    if spec.grad_bytes > 0 and spec.dp > 1:
+        plans = [plan_collective(topo, "all_reduce", g, spec.grad_bytes / (spec.tp * spec.pp), algorithm=spec.algorithm)
+                 for g in dp_groups(gpus, spec.tp, spec.pp)]
+        flows = []
+        for plan in plans:
+            comm_s = max(comm_s, schedule_time(topo, plan, policy).time_s)
+            counts: dict[int, list] = {}
+            for step in plan.steps:
+                counts.setdefault(id(step), [step, 0])[1] += 1
+            flows += [(f.src, f.dst, float(f.nbytes) * n) for step, n in counts.values() for f in step]
+        link_bytes = {e: b / 1e9 for e, b in route_flows(topo, flows, policy, network_only=True).items() if b > 0}
+        for e, b in link_bytes.items():
+            comm_s = max(comm_s, b / link_attrs(topo)[e]["bw"])
+    rates = {e: b / comm_s for e, b in link_bytes.items()} if comm_s > 0 else {}
+    return comm_s, list(rates.items()), list(link_bytes.items())
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_comm_profile_equals_the_public_functions_link_by_link(data):
+    """Differential, bit for bit (floats by their hex, link order): comm_profile's arrays give the profile that
+    schedule_time, route_flows and link_attrs give, over random placements on two SUs (ranks in any order), every
+    all-reduce algorithm and routing policy, tensor and pipeline degrees, and gradients that are empty."""
+    topo = _TWO_SUS
+    hosts = data.draw(st.lists(st.sampled_from(topo.hosts()), min_size=1, max_size=5, unique=True))
+    k = data.draw(st.sampled_from([1, 2, 4, 8]))
+    gpus = [f"{h}/gpu{i}" for h in hosts for i in data.draw(st.permutations(range(8)))[:k]]
+    if data.draw(st.booleans()):
+        gpus = data.draw(st.permutations(gpus))
+    tp = data.draw(st.sampled_from([t for t in (1, 2) if len(gpus) % t == 0]))
+    pp = data.draw(st.sampled_from([p for p in (1, 2) if len(gpus) % (tp * p) == 0]))
+    spec = JobSpec("j", len(gpus), compute_s=0.05, grad_bytes=data.draw(st.sampled_from([0.0, 1e8, 3.1e9])), tp=tp, pp=pp,
+                   algorithm=data.draw(st.sampled_from(["ring", "tree", "hierarchical"])))
+    policy = data.draw(st.sampled_from(["rail", "ecmp", "shortest"]))
+    try:
+        ref_comm_s, ref_rates, ref_bytes = _profile_reference(topo, spec, gpus, policy)
+    except InputError:  # hierarchical on a group with unequal hosts
+        return
+    got = comm_profile(topo, spec, gpus, policy=policy)
+
+    def bits(items):
+        return [(e, v.hex()) for e, v in items]
+
+    assert got.comm_s.hex() == ref_comm_s.hex()
+    assert bits(got.link_rates.items()) == bits(ref_rates) and bits(got.link_bytes.items()) == bits(ref_bytes)
+    assert all(type(v) is float for v in [*got.link_rates.values(), *got.link_bytes.values()])
+
+
 def test_profile_cache_key_has_the_pipeline_degree():
     """pp splits the gradient into per-stage groups: a placement profiled for pp=1 is not reused for pp=2."""
     for topo in (_SYMMETRIC, topology.default_cluster()):
@@ -171,6 +228,7 @@ def test_profile_cache_key_has_the_pipeline_degree():
 
 
 _SYMMETRIC = topology.build_cluster(8, hosts_per_su=2)
+_TWO_SUS = topology.build_cluster(8, hosts_per_su=4)
 
 
 def test_replay_is_deterministic_and_cli_runs(tmp_path, capsys):

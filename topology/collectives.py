@@ -76,7 +76,20 @@ import numpy as np
 from .errors import InputError
 from .model import Topology
 from .paths import _link_attrs, view
-from .routing import _CACHE_LIMIT, POLICIES, Edge, _link_ids, _nearest, _pairs, _route, _route_loads, _sum_loads, route_flows
+from .routing import (
+    _CACHE_LIMIT,
+    POLICIES,
+    Edge,
+    _group_links,
+    _link_ids,
+    _nearest,
+    _network_mask,
+    _pair_terms,
+    _pairs,
+    _route,
+    _route_loads,
+    _sum_loads,
+)
 
 
 class P2PFlow(NamedTuple):
@@ -404,10 +417,12 @@ def _route_latency_us(vw, s: int, t: int, policy: str) -> float:
 
 
 def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, overhead_us: float,
-               pairs: list[tuple[int, int, float]] | None = None) -> tuple[float, float, Edge | None, float, float]:
+               link_loads: tuple[np.ndarray, np.ndarray] | None = None, flow_pairs: list[tuple[int, int, float]] | None = None
+               ) -> tuple[float, float, Edge | None, float, float]:
     # beta: the most loaded link's load / bw, the first such link in route_flows' order (as arrays: same floats);
-    # ``pairs``: the step's flows merged by routing._pairs, when the caller has them
-    links, loads = _route_loads(topo, step, policy) if pairs is None else _sum_loads(vw, topo, pairs, policy)
+    # ``link_loads``: the step's (link numbers, loads) as routing._route_loads gives them, when the caller has them;
+    # ``flow_pairs``: the step's flows as view positions, one per flow (routing._pairs when it merged and dropped none)
+    links, loads = _route_loads(topo, step, policy) if link_loads is None else link_loads
     beta, worst, worst_bw, worst_load = 0.0, None, math.inf, 0.0
     if len(links):
         _, edges, bws = _link_ids(vw, topo)
@@ -417,7 +432,15 @@ def _step_cost(topo: Topology, vw, step: list[P2PFlow], chains, policy: str, ove
             worst = edges[links[i]]
             beta, worst_bw, worst_load = float(times[i]), _link_attrs(vw, topo)[worst]["bw"], float(loads[i])
     alpha_us = 0.0
-    if chains is None:  # every flow is its own chain: the step's alpha is its slowest route
+    if chains is None and flow_pairs is not None:  # every flow is its own chain: the step's alpha is its slowest route
+        route_latency = vw.cache.setdefault("route_latency", {})
+        for a, b, _ in flow_pairs:
+            lat = route_latency.get((a, b, policy))
+            if lat is None:
+                lat = _route_latency_us(vw, a, b, policy)
+            if lat > alpha_us:
+                alpha_us = lat
+    elif chains is None:
         pair_latency = vw.cache.setdefault("pair_latency", {})
         if len(pair_latency) > _CACHE_LIMIT:
             pair_latency.clear()
@@ -487,12 +510,29 @@ def schedules_cost_and_loads(topo: Topology, schedules: Sequence[CollectiveSched
     >>> cost.time_s == schedule_time(t, plan).time_s, loads[("node0/nic0", "su0/leaf0", 0)]   # 2(n-1) steps of S/n
     (True, 1000000000.0)
     """
+    costs, links, loads = _schedules_cost_and_link_loads(topo, schedules, policy, network_only=network_only)
+    edges = _link_ids(view(topo), topo)[1]
+    return costs, dict(zip([edges[i] for i in links.tolist()], loads.tolist(), strict=True))
+
+
+def _schedules_cost_and_link_loads(topo: Topology, schedules: Sequence[CollectiveSchedule], policy: str = "rail", *,
+                                   network_only: bool = False) -> tuple[list[CollectiveCost], np.ndarray, np.ndarray]:
+    """:func:`schedules_cost_and_loads` with the loads as arrays: (link numbers of ``routing._link_ids``, loads), in its order.
+
+    Each distinct step's flows are routed and grouped by link once: the step's loads (its cost) and its share of
+    the total, ``(volume * repetitions) * fraction`` per term (route_flows' product), are two ``np.bincount`` over
+    that one grouping. While no (src, dst) pair repeats across the steps, the total is those terms summed link by
+    link in the steps' order (one step: its own grouping; the network links are the full result's, in its order);
+    a repeated pair is merged first, as route_flows does.
+    """
     _check_policy(policy)
     vw = view(topo)
     costs: list[CollectiveCost] = []
     repeated: list[tuple[list[P2PFlow], int]] = []  # every distinct step and its repetitions
-    pairs: list[tuple[int, int, float]] = []  # the same, merged per pair, while no pair repeats
+    # per distinct step while no pair repeats: (its terms' link numbers, their weights in the total, its links, the terms' slots)
+    totals: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] | None = []
     seen: set[tuple[int, int]] = set()
+    no_links = np.zeros(0, dtype=np.intp), np.zeros(0)
     for schedule in schedules:
         # identical consecutive steps (a ring's 2(n-1)) are one list object: route each distinct step once
         counts: dict[int, list] = {}
@@ -505,23 +545,45 @@ def schedules_cost_and_loads(topo: Topology, schedules: Sequence[CollectiveSched
         per_step: dict[int, tuple] = {}
         for key, (step, n) in counts.items():
             step_pairs = _pairs(vw, step)
-            per_step[key] = _step_cost(topo, vw, step, schedule.chains.get(key), policy, 0.0, step_pairs)
+            step_loads = no_links
+            if step_pairs:
+                ids, fractions, terms = _pair_terms(vw, topo, step_pairs, policy)
+                links, slots = _group_links(vw, topo, ids)
+                volumes = [v for _, _, v in step_pairs]
+                # one volume (a ring's every flow): the terms' products are the fractions times it, without np.repeat
+                same = volumes.count(volumes[0]) == len(volumes)
+                weights = fractions * volumes[0] if same else np.repeat(np.array(volumes), terms) * fractions
+                step_loads = links, np.bincount(slots, weights=weights, minlength=len(links))
+            one_each = len(step_pairs) == len(step)
+            per_step[key] = _step_cost(topo, vw, step, schedule.chains.get(key), policy, 0.0, step_loads, step_pairs if one_each else None)
             repeated.append((step, n))
-            if pairs is not None:
+            if totals is not None:
                 before = len(seen)
                 seen.update([(a, b) for a, b, _ in step_pairs])
                 # every flow its own pair, never seen before: route_flows' merged volume is this one, times n
-                if len(step_pairs) == len(step) and len(seen) == before + len(step_pairs):
-                    pairs.extend([(a, b, v * n) for a, b, v in step_pairs])
+                if one_each and len(seen) == before + len(step_pairs):
+                    if step_pairs:
+                        weights = fractions * (volumes[0] * n) if same else np.repeat(np.array(volumes) * n, terms) * fractions
+                        totals.append((ids, weights, links, slots))
                 else:
-                    pairs = None
+                    totals = None
         costs.append(_schedule_cost(schedule, policy, per_step))
-    if pairs is None:
+    if totals is None:
         flows = [(f.src, f.dst, float(f.nbytes) * n) for step, n in repeated for f in step]
-        return costs, route_flows(topo, flows, policy, network_only=network_only)
-    links, loads = _sum_loads(vw, topo, pairs, policy, network_only)
-    edges = _link_ids(vw, topo)[1]
-    return costs, dict(zip([edges[i] for i in links.tolist()], loads.tolist(), strict=True))
+        links, loads = _sum_loads(vw, topo, _pairs(vw, flows), policy, network_only)
+        return costs, links, loads
+    if not totals:
+        return costs, *no_links
+    if len(totals) == 1:
+        _, weights, links, slots = totals[0]
+    else:
+        weights = np.concatenate([w for _, w, _, _ in totals])
+        links, slots = _group_links(vw, topo, np.concatenate([ids for ids, _, _, _ in totals]))
+    loads = np.bincount(slots, weights=weights, minlength=len(links))
+    if network_only:
+        keep = _network_mask(vw, topo)[links]
+        links, loads = links[keep], loads[keep]
+    return costs, links, loads
 
 
 def collective_time(

@@ -482,13 +482,19 @@ def _edge_fractions(vw: _View, s: int, t: int, policy: str) -> list[tuple[Edge, 
     return out
 
 
+def _network_links(vw: _View) -> set[Edge]:
+    """The network links (NIC, leaf, spine) of the view, as ``(u, v, key)``."""
+    network = vw.cache.get("network_links")
+    if network is None:
+        network = vw.cache["network_links"] = {(u, v, k) for lst in vw.adj for e in lst if e.lk == _NET for u, v, k, _ in e.phys}
+    return network
+
+
 def _network_fractions(vw: _View, s: int, t: int, policy: str) -> list[tuple[Edge, float]]:
     """:func:`_edge_fractions` restricted to network links (NIC, leaf, spine), in the same order."""
     out = vw.cache.setdefault("network_fractions", {}).get((s, t, policy))
     if out is None:
-        network = vw.cache.get("network_links")
-        if network is None:
-            network = vw.cache["network_links"] = {(u, v, k) for lst in vw.adj for e in lst if e.lk == _NET for u, v, k, _ in e.phys}
+        network = _network_links(vw)
         out = _remember(vw, "network_fractions", (s, t, policy), [(e, f) for e, f in _edge_fractions(vw, s, t, policy) if e in network])
     return out
 
@@ -596,33 +602,58 @@ _ARRAY_PAIRS = 12
 _UNSET = np.iinfo(np.intp).max
 
 
-def _sum_loads(vw: _View, topo: Topology, pairs: list[tuple[int, int, float]], policy: str, network_only: bool = False
-               ) -> tuple[np.ndarray, np.ndarray]:
-    """The loads of :func:`route_flows`' loop over ``pairs`` (from :func:`_pairs`), as arrays: (link numbers, loads) in its order.
-
-    Each load is the same float: every term ``volume * fraction`` is the same product (``np.repeat`` lines each
-    pair's volume up with its fractions), and ``np.bincount`` adds a link's terms one after another in the order
-    the loop does (in the order of ``ids``); the links come in the order of their first term, the dict's insertion order.
-    """
-    if not pairs:
-        return np.zeros(0, dtype=np.intp), np.zeros(0)
+def _pair_terms(vw: _View, topo: Topology, pairs: list[tuple[int, int, float]], policy: str, network_only: bool = False
+                ) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """The terms of :func:`route_flows`' loop over ``pairs`` before the volumes: (link numbers, fractions, terms per pair)."""
     cache = vw.cache.setdefault("network_fraction_arrays" if network_only else "fraction_arrays", {})
     arrays = [cache.get((s, t, policy)) or _fraction_arrays(vw, topo, s, t, policy, network_only) for s, t, _ in pairs]
-    ids = np.concatenate([a[0] for a in arrays])
-    volumes = np.repeat(np.array([vol for _, _, vol in pairs]), [len(a[0]) for a in arrays])
-    weights = volumes * np.concatenate([a[1] for a in arrays])
-    # group the terms by link without sorting: a scratch array over all links holds each link's first position
-    # in ``ids`` (np.minimum.at), then its slot in the result; it is left as found (all _UNSET)
+    if len(arrays) == 1:
+        return arrays[0][0], arrays[0][1], [len(arrays[0][0])]
+    return np.concatenate([a[0] for a in arrays]), np.concatenate([a[1] for a in arrays]), [len(a[0]) for a in arrays]
+
+
+def _group_links(vw: _View, topo: Topology, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct links of ``ids`` in the order of their first appearance, and each term's slot among them.
+
+    ``np.bincount(slots, weights)`` then adds each link's terms one after another in the order of ``ids``: the
+    sums of a dict filled term by term, keyed in its insertion order.
+    """
+    # without sorting: a scratch array over all links holds each link's first position in ``ids`` (np.minimum.at),
+    # then its slot in the result; it is left as found (all _UNSET)
     scratch = vw.cache.get("link_scratch")
     if scratch is None:
         scratch = vw.cache["link_scratch"] = np.full(len(_link_ids(vw, topo)[1]), _UNSET, dtype=np.intp)
     position = np.arange(len(ids))
     np.minimum.at(scratch, ids, position)
-    links = ids[scratch[ids] == position]  # each link once, in the order of its first term: the dict's insertion order
+    links = ids[scratch[ids] == position]
     scratch[links] = np.arange(len(links))
-    loads = np.bincount(scratch[ids], weights=weights, minlength=len(links))
+    slots = scratch[ids]
     scratch[links] = _UNSET
-    return links, loads
+    return links, slots
+
+
+def _sum_loads(vw: _View, topo: Topology, pairs: list[tuple[int, int, float]], policy: str, network_only: bool = False
+               ) -> tuple[np.ndarray, np.ndarray]:
+    """The loads of :func:`route_flows`' loop over ``pairs`` (from :func:`_pairs`), as arrays: (link numbers, loads) in its order.
+
+    Each load is the same float: every term ``volume * fraction`` is the same product (``np.repeat`` lines each
+    pair's volume up with its fractions), and :func:`_group_links` adds a link's terms in the order the loop does.
+    """
+    if not pairs:
+        return np.zeros(0, dtype=np.intp), np.zeros(0)
+    ids, fractions, counts = _pair_terms(vw, topo, pairs, policy, network_only)
+    links, slots = _group_links(vw, topo, ids)
+    weights = np.repeat(np.array([vol for _, _, vol in pairs]), counts) * fractions
+    return links, np.bincount(slots, weights=weights, minlength=len(links))
+
+
+def _network_mask(vw: _View, topo: Topology) -> np.ndarray:
+    """Per link number (:func:`_link_ids`): whether it is a network link (NIC, leaf, spine), as :func:`_network_fractions` keeps."""
+    mask = vw.cache.get("network_mask")
+    if mask is None:
+        network = _network_links(vw)
+        mask = vw.cache["network_mask"] = np.array([e in network for e in _link_ids(vw, topo)[1]], dtype=bool)
+    return mask
 
 
 def _route_loads(topo: Topology, flows: Iterable[tuple[str, str, float]], policy: str) -> tuple[np.ndarray, np.ndarray]:
