@@ -69,6 +69,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -193,7 +195,13 @@ def _rings(islands: list[list[str]]) -> list[list[str]]:
 
 
 def _ring_step(rings: list[list[str]], size: float) -> list[P2PFlow]:
-    return [P2PFlow(r[i], r[(i + 1) % len(r)], size) for r in rings for i in range(len(r)) if len(r) > 1]
+    """Each ring's flows, rank ``i`` to ``i + 1`` (the last to the first), rings in order.
+
+    >>> _ring_step([["a", "b", "c"], ["d"]], 2.0)
+    [P2PFlow(src='a', dst='b', nbytes=2.0), P2PFlow(src='b', dst='c', nbytes=2.0), P2PFlow(src='c', dst='a', nbytes=2.0)]
+    """
+    make = partial(tuple.__new__, P2PFlow)  # over zip: a 64-GPU, 8-channel ring's 512 flows without a Python call each
+    return [flow for r in rings if len(r) > 1 for flow in map(make, zip(r, r[1:] + r[:1], repeat(size)))]
 
 
 def _btree_parents(m: int) -> list[int]:
