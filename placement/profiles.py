@@ -180,38 +180,44 @@ def comm_profile(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: 
     hit = cache.get(key)
     if hit is not None:
         return hit if hit.job == spec.name else CommProfile(spec.name, hit.gpus, hit.compute_s, hit.comm_s, hit.link_rates, hit.link_bytes)
-    if len(gpus) != spec.gpus:
-        raise InputError(f"job {spec.name!r}: placed on {len(gpus)} GPUs, asked for {spec.gpus}")
-    groups = dp_groups(list(gpus), spec.tp, spec.pp)
-    link_bytes: dict[Edge, float] = {}
-    rates: dict[Edge, float] = {}
-    comm_s = 0.0
-    if spec.grad_bytes > 0 and spec.dp > 1:
-        from topology.collectives import _schedules_cost_and_link_loads, plan_collective
-        from topology.paths import view
-        from topology.routing import _link_ids
-
-        nbytes = spec.grad_bytes / (spec.tp * spec.pp)
-        plans = [plan_collective(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm) for group in groups]
-        # the groups' collectives, each routed once: their times, and the bytes one iteration puts on each network link
-        costs, links, loads = _schedules_cost_and_link_loads(topo, plans, policy, network_only=True)
-        for cost in costs:
-            comm_s = max(comm_s, float(cost.time_s))
-        loaded = loads > 0
-        links, gb = links[loaded], loads[loaded] / 1e9  # GB; numpy's IEEE division and max: the floats of a loop over a dict
-        if len(links):
-            _, edges, bws = _link_ids(view(topo), topo)
-            # the phase can be no shorter than its busiest shared link allows
-            comm_s = max(comm_s, float((gb / bws[links]).max()))
-            keys = list(map(edges.__getitem__, links.tolist()))
-            link_bytes = dict(zip(keys, gb.tolist(), strict=True))
-            if comm_s > 0:
-                rates = dict(zip(keys, (gb / comm_s).tolist(), strict=True))
-    prof = CommProfile(spec.name, tuple(gpus), float(spec.compute_s), comm_s, rates, link_bytes)
+    comm_s, keys, gb, rates = _profile_links(topo, spec, gpus, policy)
+    prof = CommProfile(spec.name, tuple(gpus), float(spec.compute_s), comm_s, dict(zip(keys, rates, strict=True)) if rates else {},
+                       dict(zip(keys, gb, strict=True)))
     if len(cache) > _CACHE_LIMIT:
         cache.clear()
     cache[key] = prof
     return prof
+
+
+def _profile_links(topo: Topology, spec: JobSpec, gpus: Sequence[str], policy: str) -> tuple[float, list[Edge], list[float], list[float]]:
+    """What :func:`comm_profile` computes, uncached and as lists: ``comm_s``, the loaded network links in its order, their GB
+    per iteration and their rates (empty unless ``comm_s > 0``); the replay's :class:`~placement.replay.ProfileCache` keeps
+    these lists instead of the dicts it would only rename."""
+    if len(gpus) != spec.gpus:
+        raise InputError(f"job {spec.name!r}: placed on {len(gpus)} GPUs, asked for {spec.gpus}")
+    groups = dp_groups(list(gpus), spec.tp, spec.pp)  # (refuses a tp*pp that does not divide the GPUs, whatever the traffic)
+    comm_s = 0.0
+    if not (spec.grad_bytes > 0 and spec.dp > 1):
+        return comm_s, [], [], []
+    from topology.collectives import _schedules_cost_and_link_loads, plan_collective
+    from topology.paths import view
+    from topology.routing import _link_ids
+
+    nbytes = spec.grad_bytes / (spec.tp * spec.pp)
+    plans = [plan_collective(topo, "all_reduce", group, nbytes, algorithm=spec.algorithm) for group in groups]
+    # the groups' collectives, each routed once: their times, and the bytes one iteration puts on each network link
+    costs, links, loads = _schedules_cost_and_link_loads(topo, plans, policy, network_only=True)
+    for cost in costs:
+        comm_s = max(comm_s, float(cost.time_s))
+    loaded = loads > 0
+    links, gb = links[loaded], loads[loaded] / 1e9  # GB; numpy's IEEE division and max: the floats of a loop over a dict
+    if not len(links):
+        return comm_s, [], [], []
+    _, edges, bws = _link_ids(view(topo), topo)
+    # the phase can be no shorter than its busiest shared link allows
+    comm_s = max(comm_s, float((gb / bws[links]).max()))
+    keys = list(map(edges.__getitem__, links.tolist()))
+    return comm_s, keys, gb.tolist(), (gb / comm_s).tolist() if comm_s > 0 else []
 
 
 def solo_iteration_time(topo: Topology, spec: JobSpec, gpus: Sequence[str], *, policy: str = "rail") -> float:

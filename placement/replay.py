@@ -72,7 +72,7 @@ from topology.model import SwitchTier, Topology
 from .cassini import DEFAULT_BUCKETS, demand_sum, rank_candidates, unified_perimeter
 from .contention import FluidSlowdown, PlacedJob
 from .hived import HivedScheduler
-from .profiles import CommProfile, Edge, JobSpec, comm_profile
+from .profiles import CommProfile, Edge, JobSpec, _profile_links, comm_profile
 from .traces import TraceJob
 
 POLICIES = ("fifo", "las", "hived", "hived+cassini")
@@ -98,7 +98,7 @@ class ProfileCache:
 
     def __init__(self, topo: Topology, routing: str = "rail"):
         self.topo, self.routing = topo, routing
-        self.cache: dict[tuple, CommProfile] = {}
+        self.cache: dict[tuple, CommProfile] = {}  # by the exact GPU list (a fabric without the symmetry; else self.shapes)
         self.hits = self.misses = 0
         g = topo.graph
         self.host_of = {n: topo.host_of(n) for n in topo.gpus()}
@@ -126,6 +126,8 @@ class ProfileCache:
                 # per canonical profile: its distinct nodes as (0, name) kept, (1, job host j, rest) or (2, job SU c, rail),
                 # and its links as (node position, node position, key); see _renaming
                 self.renamings: dict[tuple, tuple[list[tuple], list[tuple[int, int, Any]]]] = {}
+                # per shape its canonical profile as lists: compute_s, comm_s, and per link (in the renaming's order) GB and rate
+                self.shapes: dict[tuple, tuple[float, float, list[float], list[float]]] = {}
 
     def profile(self, spec: JobSpec, gpus: Sequence[str]) -> CommProfile:
         shape_key = (spec.gpus, spec.tp, spec.pp, spec.compute_s, spec.grad_bytes, spec.algorithm)
@@ -153,7 +155,7 @@ class ProfileCache:
         su_of = self.su_of
         key = (*shape_key, tuple([(su_map[su_of[h]], tuple(ix)) for h, ix in per_host.items()]))
         hosts = list(per_host)
-        hit = self.cache.get(key)
+        hit = self.shapes.get(key)
         if hit is None:
             self.misses += 1
             # canonical hosts: in canonical SU c, the hosts of the job in that SU become its first hosts, in rank order
@@ -165,20 +167,21 @@ class ProfileCache:
                 used[c] = used.get(c, 0) + 1
             gpu_at = self.gpu_at
             canon = [gpu_at[(canon_host[where[x][0]], where[x][1])] for x in gpus]
-            hit = self.cache[key] = comm_profile(self.topo, spec, canon, policy=self.routing)
-            self.renamings[key] = self._renaming(hit, list(canon_host.values()))
+            comm_s, canon_links, gb, rates = _profile_links(self.topo, spec, canon, self.routing)  # comm_profile's, as lists
+            hit = self.shapes[key] = (float(spec.compute_s), comm_s, gb, rates)
+            self.renamings[key] = self._renaming(canon_links, list(canon_host.values()))
         else:
             self.hits += 1
+        compute_s, comm_s, gb, rates = hit
         nodes, links = self.renamings[key]
         sus = list(su_map)
         local, leaf = self.local, self.leaf
         names = [n[1] if n[0] == 0 else local[hosts[n[1]]][n[2]] if n[0] == 1 else leaf[(sus[n[1]], n[2])] for n in nodes]
         keys = [(names[u], names[v], k) for u, v, k in links]
-        nbytes = dict(zip(keys, hit.link_bytes.values(), strict=True))
-        rates = dict(zip(keys, hit.link_rates.values(), strict=True)) if hit.link_rates else {}
-        return CommProfile(spec.name, tuple(gpus), hit.compute_s, hit.comm_s, rates, nbytes)
+        return CommProfile(spec.name, tuple(gpus), compute_s, comm_s, dict(zip(keys, rates, strict=True)) if rates else {},
+                           dict(zip(keys, gb, strict=True)))
 
-    def _renaming(self, prof: CommProfile, canon_hosts: list[str]) -> tuple[list[tuple], list[tuple[int, int, Any]]]:
+    def _renaming(self, canon_links: list[Edge], canon_hosts: list[str]) -> tuple[list[tuple], list[tuple[int, int, Any]]]:
         """How a canonical profile's links are renamed for a placement of its shape: (distinct nodes, links by node position).
 
         ``canon_hosts[j]`` is the canonical host of the job's ``j``-th host; leaf switches are in canonical SU ``pod``.
@@ -198,7 +201,7 @@ class ProfileCache:
             return position[node]
 
         get = position.get
-        links = [(get(u) if u in position else place(u), get(v) if v in position else place(v), k) for u, v, k in prof.link_bytes]
+        links = [(get(u) if u in position else place(u), get(v) if v in position else place(v), k) for u, v, k in canon_links]
         return nodes, links
 
 
