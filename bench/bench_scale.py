@@ -310,7 +310,8 @@ Each row is one child process: `setup_s` builds the topology and the workload or
 is stretched by other work and CPU time is the figure to compare. `cpu_growth` is log(CPU ratio) / log(size ratio) against the
 previous size of the same series (GPUs for sim, jobs for replay): 1 is linear. `under_goal`: the sim case at 16,384 GPUs (goal
 {GOALS['sim'][1]:.0f} s) and the replays of 100,000 jobs (goal {GOALS['replay'][1]:.0f} s), by wall time including setup;
-`cpu_under_goal` the same by CPU time (one thread: on a quiet machine the wall time is close to it, on a loaded one it is not).
+`cpu_under_goal` the same by CPU time (the simulator is one thread: on a quiet machine its wall time is close to it, on a
+loaded one it is not; a replay also runs the fluid model's larger updates on a second thread, so its CPU time can exceed its wall time).
 Sim: {SIM_ITERATIONS} iterations per job, jobs = GPUs / 16.384, packed placement, link utilisation of every link on.
 Replay: {REPLAY_GPUS} GPUs, emu.fluid slowdowns with radius 1 and at most `max_ball` jobs per simulation (`capped_simulations`: the
 simulations cut to that size; scale_error.md measures the limit's error), arrival rate GPUs / 1024 / 8 per second, mean duration 1200 s.
