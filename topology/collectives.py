@@ -523,6 +523,14 @@ def schedules_cost_and_loads(topo: Topology, schedules: Sequence[CollectiveSched
     return costs, dict(zip([edges[i] for i in links.tolist()], loads.tolist(), strict=True))
 
 
+def _term_weights(fractions: np.ndarray, volumes: list[float], terms: list[int], n: int) -> np.ndarray:
+    """Each routing term's ``(volume * n) * fraction`` (route_flows' product; ``terms``: the terms per pair); one volume
+    (a ring's every flow) scales the fractions without ``np.repeat``."""
+    if volumes.count(volumes[0]) == len(volumes):
+        return fractions * (volumes[0] * n)
+    return np.repeat(np.array(volumes) * n, terms) * fractions
+
+
 def _schedules_cost_and_link_loads(topo: Topology, schedules: Sequence[CollectiveSchedule], policy: str = "rail", *,
                                    network_only: bool = False) -> tuple[list[CollectiveCost], np.ndarray, np.ndarray]:
     """:func:`schedules_cost_and_loads` with the loads as arrays: (link numbers of ``routing._link_ids``, loads), in its order.
@@ -558,9 +566,7 @@ def _schedules_cost_and_link_loads(topo: Topology, schedules: Sequence[Collectiv
                 ids, fractions, terms = _pair_terms(vw, topo, step_pairs, policy)
                 links, slots = _group_links(vw, topo, ids)
                 volumes = [v for _, _, v in step_pairs]
-                # one volume (a ring's every flow): the terms' products are the fractions times it, without np.repeat
-                same = volumes.count(volumes[0]) == len(volumes)
-                weights = fractions * volumes[0] if same else np.repeat(np.array(volumes), terms) * fractions
+                weights = _term_weights(fractions, volumes, terms, 1)
                 step_loads = links, np.bincount(slots, weights=weights, minlength=len(links))
             one_each = len(step_pairs) == len(step)
             per_step[key] = _step_cost(topo, vw, step, schedule.chains.get(key), policy, 0.0, step_loads, step_pairs if one_each else None)
@@ -571,8 +577,7 @@ def _schedules_cost_and_link_loads(topo: Topology, schedules: Sequence[Collectiv
                 # every flow its own pair, never seen before: route_flows' merged volume is this one, times n
                 if one_each and len(seen) == before + len(step_pairs):
                     if step_pairs:
-                        weights = fractions * (volumes[0] * n) if same else np.repeat(np.array(volumes) * n, terms) * fractions
-                        totals.append((ids, weights, links, slots))
+                        totals.append((ids, _term_weights(fractions, volumes, terms, n), links, slots))
                 else:
                     totals = None
         costs.append(_schedule_cost(schedule, policy, per_step))
